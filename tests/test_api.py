@@ -1,0 +1,511 @@
+"""The analysers' HTTP contract and the operators' routes, through the ASGI app."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD
+from helpers import app_row, history, insert_app, table_digest
+
+EXAMPLE_ANALYSIS = {
+    "success": True,
+    "analysis_source": "trackerscan-ios",
+    "analysis_version": "4",
+    "bundleID": "com.example.app",
+    "version": "5.2.1",
+    "trackers": {"Google Firebase Analytics": "Google"},
+    "permissions": ["Camera"],
+}
+
+
+def upload(client, appid, body, version="4", headers=None, content_type="application/json"):
+    return client.post(
+        f"/uploadAnalysis?appId={appid}&analysisVersion={version}",
+        content=body if isinstance(body, bytes) else json.dumps(body).encode(),
+        headers={**ANALYSER, "Content-Type": content_type, **(headers or {})},
+    )
+
+
+def report_failure(client, appid, log: bytes, version="4", headers=None):
+    return client.post(
+        f"/reportAnalysisFailure?appId={appid}&analysisVersion={version}",
+        content=log,
+        headers={**ANALYSER, "Content-Type": "text/plain", **(headers or {})},
+    )
+
+
+def test_full_cycle_ping_queue_upload(client, sql):
+    insert_app(sql, "com.example.app", reviews="10")
+
+    ping = client.get("/ping", headers=ANALYSER)
+    assert (ping.status_code, ping.text) == (200, "online")
+    assert ping.headers["content-type"].startswith("text/plain")
+    assert sql.run("SELECT count(*) FROM analyser_heartbeats") == [[1]]
+
+    queued = client.get("/queue", headers=ANALYSER)
+    assert queued.status_code == 200
+    assert queued.text == "com.example.app"
+    assert queued.headers["content-type"].startswith("text/plain")
+    token = queued.headers["x-analysis-claim-token"]
+    assert len(token) >= 20
+    row = app_row(sql, "com.example.app")
+    assert row["status"] == "processing" and row["processing_started"] is not None
+    assert row["claim_token"] == token
+
+    stored = upload(client, "com.example.app", EXAMPLE_ANALYSIS)
+    assert stored.status_code == 200
+    assert stored.headers["content-type"] == "application/json"
+    body = stored.json()
+    assert body["rowCount"] == 1
+    assert [r["appid"] for r in body["rows"]] == ["com.example.app"]
+    assert body["rows"][0]["details"]["appId"] == "com.example.app"
+    assert body["rows"][0]["analysed"] is not None
+
+    row = app_row(sql, "com.example.app")
+    assert row["status"] == "analysed"
+    assert row["analysis"] == EXAMPLE_ANALYSIS
+    assert row["analysisversion"] == 4
+    assert row["processing_started"] is None and row["claim_token"] is None
+    assert history(sql, "com.example.app") == [[EXAMPLE_ANALYSIS, 4, True]]
+
+    empty = client.get("/queue", headers=ANALYSER)
+    assert (empty.status_code, empty.text) == (200, "")
+    assert "x-analysis-claim-token" not in empty.headers
+
+
+def test_full_cycle_queue_failure(client, sql):
+    insert_app(sql, "com.example.missing")
+    assert client.get("/queue", headers=ANALYSER).text == "com.example.missing"
+    log = b"step 1\nERROR: app not found in the App Store\n\xff\xfe binary tail\x00"
+    answer = report_failure(client, "com.example.missing", log)
+    assert answer.status_code == 200
+    assert answer.json()["rowCount"] == 1
+    row = app_row(sql, "com.example.missing")
+    assert row["status"] == "failed"
+    assert (row["failure_reason"], row["failure_retryable"]) == ("app_not_found", False)
+    assert row["analysis"]["success"] is False
+    assert row["analysis"]["reason"] == "app_not_found"
+    assert row["analysis"]["retryable"] is False
+    assert "app not found" in row["analysis"]["logs"]
+    assert "\ufffd" in row["analysis"]["logs"]  # invalid UTF-8 and NUL replaced
+    assert history(sql, "com.example.missing")[0][2] is False
+    # Not retryable: never handed out again.
+    assert client.get("/queue", headers=ANALYSER).text == ""
+
+
+def test_retryable_failure_is_classified_and_kept(client, sql):
+    insert_app(sql, "com.example.flaky")
+    client.get("/queue", headers=ANALYSER)
+    answer = report_failure(client, "com.example.flaky", b"usb disconnected")
+    assert answer.status_code == 200
+    row = app_row(sql, "com.example.flaky")
+    assert (row["failure_reason"], row["failure_retryable"]) == ("analysis_failed", True)
+
+
+ROUTES = [
+    ("GET", "/ping"),
+    ("GET", "/queue"),
+    ("POST", "/uploadAnalysis?appId=com.example.app&analysisVersion=4"),
+    ("POST", "/reportAnalysisFailure?appId=com.example.app&analysisVersion=4"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        None,
+        "Bearer wrong",
+        f"Basic {UPLOAD_PASSWORD}",
+        f"Bearer {ADMIN_TOKEN}",  # the admin token is not an analyser password
+        f"Bearer {UPLOAD_PASSWORD}x",
+        "Bearer ",
+    ],
+)
+def test_analyser_routes_need_the_upload_password(client, sql, method, path, authorization):
+    insert_app(sql, "com.example.app")
+    before = table_digest(sql)
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    answer = client.request(method, path, headers=headers, content=b"{}")
+    assert answer.status_code == 401
+    assert answer.json() == {"detail": "Please provide correct password."}
+    assert table_digest(sql) == before
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Bearer {UPLOAD_PASSWORD}"])
+def test_adding_apps_needs_the_admin_token(client, sql, authorization):
+    headers = {} if authorization is None else {"Authorization": authorization}
+    answer = client.post("/apps", json={"appId": "com.example.new"}, headers=headers)
+    assert answer.status_code == 401
+    assert sql.run("SELECT count(*) FROM apps") == [[0]]
+
+
+def test_add_app_and_read_it_back(client, sql):
+    created = client.post(
+        "/apps", json={"appId": "com.Example.New", "details": {"reviews": "12"}}, headers=ADMIN
+    )
+    assert created.status_code == 201
+    assert created.json()["appId"] == "com.Example.New"
+    assert created.json()["status"] == "queued"
+    again = client.post(
+        "/apps", json={"appId": "COM.EXAMPLE.NEW", "details": {"reviews": "99"}}, headers=ADMIN
+    )
+    assert again.status_code == 200
+    assert again.json()["appId"] == "com.Example.New"
+    assert again.json()["details"]["reviews"] == "12"
+    assert sql.run("SELECT count(*) FROM apps") == [[1]]
+
+    view = client.get("/apps/com.example.new")
+    assert view.status_code == 200
+    assert view.json()["status"] == "queued"
+    assert view.json()["queuePosition"] == 1
+
+
+def test_app_view_shows_position_failure_and_analysis(client, sql):
+    insert_app(sql, "com.example.popular", reviews="500")
+    insert_app(sql, "com.example.quiet", reviews="5")
+    insert_app(
+        sql, "com.example.broken", status="failed", retryable=False, reason="paid_app", version=4
+    )
+    assert client.get("/apps/com.example.quiet").json()["queuePosition"] == 2
+    assert client.get("/apps/com.example.popular").json()["queuePosition"] == 1
+    failed = client.get("/apps/COM.EXAMPLE.BROKEN").json()
+    assert failed["status"] == "failed"
+    assert failed["failure"] == {"reason": "paid_app", "retryable": False}
+    assert client.get("/apps/com.example.nothere").status_code == 404
+    assert client.get("/apps/-bad").status_code == 400
+
+
+def test_upload_for_unknown_app_is_404_and_creates_nothing(client, sql):
+    answer = upload(client, "com.example.ghost", EXAMPLE_ANALYSIS)
+    assert answer.status_code == 404
+    assert sql.run("SELECT count(*) FROM apps") == [[0]]
+    assert sql.run("SELECT count(*) FROM app_analyses") == [[0]]
+
+
+def test_stale_claim_token_is_409_and_writes_nothing(client, sql):
+    insert_app(sql, "com.example.app")
+    first = client.get("/queue", headers=ANALYSER).headers["x-analysis-claim-token"]
+    # The lease expires and another analyser takes the app over.
+    sql.run("UPDATE apps SET processing_started = now() - interval '3 hours'")
+    import handler
+
+    handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    second = client.get("/queue", headers=ANALYSER)
+    assert second.text == "com.example.app"
+    before = table_digest(sql)
+    late = upload(
+        client, "com.example.app", EXAMPLE_ANALYSIS, headers={"X-Analysis-Claim-Token": first}
+    )
+    assert late.status_code == 409
+    assert table_digest(sql) == before
+    current = second.headers["x-analysis-claim-token"]
+    ok = upload(
+        client, "com.example.app", EXAMPLE_ANALYSIS, headers={"X-Analysis-Claim-Token": current}
+    )
+    assert ok.status_code == 200
+    # A token is good for one result only.
+    replay = upload(
+        client, "com.example.app", EXAMPLE_ANALYSIS, headers={"X-Analysis-Claim-Token": current}
+    )
+    assert replay.status_code == 409
+
+
+def test_upload_without_token_is_accepted_as_the_deployed_analysers_do(client, sql):
+    insert_app(sql, "com.example.app")
+    client.get("/queue", headers=ANALYSER)
+    assert upload(client, "com.example.app", EXAMPLE_ANALYSIS).status_code == 200
+
+
+def test_exact_app_mode(client, sql):
+    insert_app(sql, "com.example.first", reviews="100")
+    insert_app(sql, "com.example.second", reviews="1")
+    insert_app(sql, "com.example.done", status="analysed", version=4, analysed=None)
+    sql.run("UPDATE apps SET analysed = now() WHERE appid = 'com.example.done'")
+    named = client.get("/queue?appId=COM.EXAMPLE.SECOND", headers=ANALYSER)
+    assert named.text == "com.example.second"
+    assert client.get("/queue?appId=com.example.done", headers=ANALYSER).text == ""
+    assert client.get("/queue?appId=com.example.unknown", headers=ANALYSER).text == ""
+    assert client.get("/queue", headers=ANALYSER).text == "com.example.first"
+
+
+def test_health_routes(client, sql):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    offline = client.get("/healthz/analyser")
+    assert offline.status_code == 503
+    client.get("/ping", headers={**ANALYSER, "X-Analyser-Id": "pi-1"})
+    online = client.get("/healthz/analyser")
+    assert online.status_code == 200
+    assert online.json()["status"] == "online"
+    sql.run("UPDATE analyser_heartbeats SET last_seen = now() - interval '61 minutes'")
+    assert client.get("/healthz/analyser").status_code == 503
+
+
+def test_ping_identity_per_analyser(client, sql):
+    for analyser in ("pi-1", "pi-2", "pi-1"):
+        client.get("/ping", headers={**ANALYSER, "X-Analyser-Id": analyser})
+    client.get("/ping", headers={**ANALYSER, "User-Agent": "curl/8.0"})
+    rows = sql.run("SELECT analyser_id, pings FROM analyser_heartbeats ORDER BY analyser_id")
+    assert ["pi-1", 2] in rows and ["pi-2", 1] in rows
+    assert any(r[0].endswith("curl/8.0") for r in rows)
+
+
+BIG = 5_000_000
+
+
+def _bad_requests():
+    auth = ANALYSER
+    json_type = {"Content-Type": "application/json"}
+    text_type = {"Content-Type": "text/plain"}
+    good_body = json.dumps(EXAMPLE_ANALYSIS).encode()
+    up = "/uploadAnalysis"
+    fail = "/reportAnalysisFailure"
+    return [
+        ("no appId", "POST", f"{up}?analysisVersion=4", json_type, good_body, 400),
+        ("empty appId", "POST", f"{up}?appId=&analysisVersion=4", json_type, good_body, 400),
+        (
+            "appId with space",
+            "POST",
+            f"{up}?appId=a%20b&analysisVersion=4",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "appId ends with dot",
+            "POST",
+            f"{up}?appId=com.x.&analysisVersion=4",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "appId starts with dash",
+            "POST",
+            f"{up}?appId=-x&analysisVersion=4",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "appId too long",
+            "POST",
+            f"{up}?appId={'a' * 256}&analysisVersion=4",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "appId with SQL",
+            "POST",
+            f"{up}?appId=x%27%3BDROP%20TABLE%20apps--&analysisVersion=4",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "appId with shell",
+            "POST",
+            f"{up}?appId=%24(reboot)&analysisVersion=4",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "appId twice",
+            "POST",
+            f"{up}?appId=com.example.app&appId=com.other&analysisVersion=4",
+            json_type,
+            good_body,
+            400,
+        ),
+        ("no version", "POST", f"{up}?appId=com.example.app", json_type, good_body, 400),
+        (
+            "version text",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=four",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "version negative",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=-1",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "version float",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4.0",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "version huge",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=99999999999999999999",
+            json_type,
+            good_body,
+            400,
+        ),
+        (
+            "invalid JSON",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b"{not json",
+            400,
+        ),
+        (
+            "JSON array",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b"[1,2]",
+            400,
+        ),
+        (
+            "JSON NaN",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b'{"x": NaN}',
+            400,
+        ),
+        (
+            "non-UTF-8 JSON",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b'{"x": "\xff"}',
+            400,
+        ),
+        (
+            "JSON with NUL",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b'{"x": "a\\u0000b"}',
+            400,
+        ),
+        (
+            "wrong content type",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            text_type,
+            good_body,
+            415,
+        ),
+        (
+            "oversized upload",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b" " * (BIG + 1),
+            413,
+        ),
+        ("failure without appId", "POST", f"{fail}?analysisVersion=4", text_type, b"log", 400),
+        (
+            "failure bad version",
+            "POST",
+            f"{fail}?appId=com.example.app&analysisVersion=x",
+            text_type,
+            b"log",
+            400,
+        ),
+        (
+            "failure as JSON",
+            "POST",
+            f"{fail}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b"{}",
+            415,
+        ),
+        (
+            "oversized failure log",
+            "POST",
+            f"{fail}?appId=com.example.app&analysisVersion=4",
+            text_type,
+            b"x" * (BIG + 1),
+            413,
+        ),
+        ("queue with bad appId", "GET", "/queue?appId=..", {}, b"", 400),
+        ("wrong method on queue", "POST", "/queue", {}, b"", 405),
+        (
+            "wrong method on upload",
+            "GET",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            {},
+            b"",
+            405,
+        ),
+        ("path case", "GET", "/QUEUE", {}, b"", 404),
+        ("trailing slash", "GET", "/queue/", {}, b"", 404),
+        ("unknown path", "GET", "/admin", {}, b"", 404),
+        ("bad analyser id", "GET", "/ping", {"X-Analyser-Id": "a b;rm -rf"}, b"", 400),
+        (
+            "claim token twice",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            {**json_type, "X-Analysis-Claim-Token": "a"},
+            good_body,
+            409,
+        ),
+    ], auth
+
+
+BAD_REQUESTS, _AUTH = _bad_requests()
+
+
+@pytest.mark.parametrize(
+    ("label", "method", "path", "headers", "body", "status"),
+    BAD_REQUESTS,
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+def test_bad_requests_get_a_clear_4xx_and_change_nothing(
+    client, sql, label, method, path, headers, body, status
+):
+    insert_app(sql, "com.example.app")
+    before = table_digest(sql)
+    answer = client.request(method, path, headers={**_AUTH, **headers}, content=body)
+    assert answer.status_code == status, answer.text
+    if status != 405 and status != 404:
+        assert answer.json()["detail"]
+    assert table_digest(sql) == before
+
+
+@pytest.mark.parametrize(
+    ("label", "body", "status"),
+    [
+        ("not JSON", b"appId=x", 400),
+        ("no appId", b'{"details": {}}', 400),
+        ("appId not text", b'{"appId": 5}', 400),
+        ("invalid appId", b'{"appId": "bad id"}', 400),
+        ("details not object", b'{"appId": "com.x", "details": [1]}', 400),
+    ],
+)
+def test_bad_add_app_requests(client, sql, label, body, status):
+    answer = client.post(
+        "/apps", content=body, headers={**ADMIN, "Content-Type": "application/json"}
+    )
+    assert answer.status_code == status
+    assert sql.run("SELECT count(*) FROM apps") == [[0]]
+
+
+def test_database_down_is_503_without_a_stack_trace(client, monkeypatch):
+    import handler
+
+    monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:9/nothing")
+    handler.settings.cache_clear()
+    handler.reset_database()
+    for path in ("/queue", "/ping", "/healthz"):
+        answer = client.get(path, headers=ANALYSER)
+        assert answer.status_code == 503
+        assert answer.json() == {"detail": "database unavailable, try again shortly"}
