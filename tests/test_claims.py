@@ -1,0 +1,336 @@
+"""The claim: each candidate class, the order, leases, concurrency, and the oracle.
+
+The oracle is the design note's candidate rule written out in Python below, evaluated
+on the rows themselves; whatever /queue hands out must be the first candidate in its
+order. Tests that move rows in time directly (instead of waiting) call `time_passes()`,
+which is what the passing of PROMOTE_EVERY_SECONDS does in production.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+from datetime import UTC, datetime, timedelta
+
+import handler
+import pytest
+from conftest import ANALYSER, configure_service
+from helpers import app_row, days_ago, insert_app, minutes_ago
+
+POLICY = handler.QueuePolicy()
+
+
+def time_passes():
+    handler._promotions.clear()
+
+
+def claim(client, appid=None):
+    time_passes()
+    path = "/queue" if appid is None else f"/queue?appId={appid}"
+    answer = client.get(path, headers=ANALYSER)
+    assert answer.status_code == 200
+    return answer.text
+
+
+# --- the oracle ---------------------------------------------------------------------
+
+
+def popularity(details) -> int:
+    reviews = (details or {}).get("reviews")
+    if isinstance(reviews, bool) or reviews is None:
+        return 0
+    text = str(reviews)
+    return int(text) if re.fullmatch(r"[0-9]+", text) else 0
+
+
+def is_candidate(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
+    status = row["status"]
+    if status == "queued":
+        return True
+    if status == "processing":
+        started = row["processing_started"]
+        return started is None or started < now - timedelta(
+            minutes=policy.processing_timeout_minutes
+        )
+    eligible = status == "analysed" or (status == "failed" and row["failure_retryable"])
+    if not eligible:
+        return False
+    old_version = (row["analysisversion"] or 0) < policy.analysis_version
+    stale = row["analysed"] is None or row["analysed"] < now - timedelta(days=policy.stale_days)
+    return old_version or stale
+
+
+def oracle_order(sql, policy: handler.QueuePolicy) -> list[str]:
+    ((now,),) = sql.run("SELECT now()")
+    columns = [
+        "appid",
+        "details",
+        "status",
+        "processing_started",
+        "failure_retryable",
+        "analysisversion",
+        "analysed",
+        "added",
+    ]
+    rows = [
+        dict(zip(columns, r, strict=True))
+        for r in sql.run(f"SELECT {', '.join(columns)} FROM apps")
+    ]
+    candidates = [r for r in rows if is_candidate(r, policy, now)]
+    candidates.sort(key=lambda r: (-popularity(r["details"]), r["added"], r["appid"]))
+    return [r["appid"] for r in candidates]
+
+
+# --- candidate classes --------------------------------------------------------------
+
+
+def test_each_candidate_class(client, sql):
+    insert_app(sql, "queued.app")
+    insert_app(sql, "lease.expired", status="processing", processing_started=minutes_ago(121))
+    insert_app(sql, "lease.live", status="processing", processing_started=minutes_ago(119))
+    insert_app(sql, "analysed.oldversion", status="analysed", version=3, analysed=days_ago(1))
+    insert_app(sql, "analysed.noversion", status="analysed", version=None, analysed=days_ago(1))
+    insert_app(sql, "analysed.stale", status="analysed", version=4, analysed=days_ago(181))
+    insert_app(sql, "analysed.fresh", status="analysed", version=4, analysed=days_ago(179))
+    insert_app(sql, "analysed.newer", status="analysed", version=5, analysed=days_ago(1))
+    insert_app(
+        sql, "failed.retry.old", status="failed", retryable=True, version=3, analysed=days_ago(1)
+    )
+    insert_app(
+        sql,
+        "failed.retry.stale",
+        status="failed",
+        retryable=True,
+        version=4,
+        analysed=days_ago(200),
+    )
+    insert_app(
+        sql, "failed.retry.recent", status="failed", retryable=True, version=4, analysed=days_ago(1)
+    )
+    insert_app(
+        sql, "failed.final.old", status="failed", retryable=False, version=1, analysed=days_ago(900)
+    )
+    handed_out = set()
+    while True:
+        appid = claim(client)
+        if not appid:
+            break
+        handed_out.add(appid)
+    assert handed_out == {
+        "queued.app",
+        "lease.expired",
+        "analysed.oldversion",
+        "analysed.noversion",
+        "analysed.stale",
+        "failed.retry.old",
+        "failed.retry.stale",
+    }
+
+
+def test_popularity_then_age_then_bundle_id(client, sql):
+    base = days_ago(10)
+    insert_app(sql, "a.quiet", reviews="5", added=base)
+    insert_app(sql, "b.junk", reviews="12k", added=base - timedelta(days=5))  # not digits: 0
+    insert_app(sql, "c.loud", reviews="1000", added=base)
+    insert_app(sql, "d.number", reviews=50, added=base)  # a JSON number counts too
+    insert_app(sql, "e.huge", reviews="123456789012345678901234567890", added=base)
+    insert_app(sql, "f.none", added=base - timedelta(days=1))
+    insert_app(sql, "g.tie", reviews="5", added=base - timedelta(days=1))
+    insert_app(sql, "h.tie", reviews="5", added=base - timedelta(days=1))
+    order = [claim(client) for _ in range(8)]
+    assert order == [
+        "e.huge",
+        "c.loud",
+        "d.number",
+        "g.tie",
+        "h.tie",
+        "a.quiet",
+        "b.junk",
+        "f.none",
+    ]
+    assert claim(client) == ""
+
+
+def test_version_and_staleness_gate_on_retryable_failures(client, sql, monkeypatch):
+    insert_app(
+        sql, "failed.recent", status="failed", retryable=True, version=4, analysed=days_ago(3)
+    )
+    assert claim(client) == ""  # a persistently failing app is not retried in a loop
+    configure_service(
+        monkeypatch, client.app and handler.settings().database_url, CURRENT_ANALYSIS_VERSION="5"
+    )
+    assert claim(client) == "failed.recent"  # a new analyser version retries it
+
+
+def test_staleness_window_follows_the_setting(client, sql, monkeypatch):
+    insert_app(sql, "analysed.app", status="analysed", version=4, analysed=days_ago(40))
+    assert claim(client) == ""
+    configure_service(monkeypatch, handler.settings().database_url, STALE_ANALYSIS_DAYS="30")
+    assert claim(client) == "analysed.app"
+
+
+def test_longer_staleness_window_unflags_promoted_rows(client, sql, monkeypatch):
+    url = handler.settings().database_url
+    insert_app(sql, "analysed.app", status="analysed", version=4, analysed=days_ago(40))
+    configure_service(monkeypatch, url, STALE_ANALYSIS_DAYS="30")
+    handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    assert app_row(sql, "analysed.app")["due"] is True
+    configure_service(monkeypatch, url, STALE_ANALYSIS_DAYS="60")
+    assert claim(client) == ""
+    assert app_row(sql, "analysed.app")["due"] is False
+
+
+def test_rows_flagged_ahead_of_time_are_not_handed_out_early(client, sql):
+    almost = datetime.now(UTC) - timedelta(days=180) + timedelta(seconds=30)
+    insert_app(sql, "almost.stale", status="analysed", version=4, analysed=almost)
+    insert_app(
+        sql,
+        "almost.expired",
+        status="processing",
+        processing_started=minutes_ago(120) + timedelta(seconds=30),
+    )
+    assert claim(client) == ""
+    assert app_row(sql, "almost.stale")["due"] is True  # within the promotion horizon
+
+
+def test_lease_expiry_hands_the_app_out_again(client, sql):
+    insert_app(sql, "com.example.app")
+    assert claim(client) == "com.example.app"
+    assert claim(client) == ""
+    sql.run("UPDATE apps SET processing_started = now() - interval '121 minutes'")
+    assert claim(client) == "com.example.app"
+    assert app_row(sql, "com.example.app")["processing_started"] > minutes_ago(1)
+
+
+def test_lease_timeout_follows_the_setting(client, sql, monkeypatch):
+    insert_app(sql, "com.example.app", status="processing", processing_started=minutes_ago(30))
+    assert claim(client) == ""
+    configure_service(monkeypatch, handler.settings().database_url, PROCESSING_TIMEOUT_MINUTES="20")
+    assert claim(client) == "com.example.app"
+
+
+def test_the_lock_keeps_the_last_result_visible(client, sql):
+    analysis = {"success": True, "trackers": {"Facebook SDK": "Meta"}}
+    insert_app(
+        sql,
+        "com.example.app",
+        status="analysed",
+        version=3,
+        analysed=days_ago(2),
+        analysis=analysis,
+    )
+    assert claim(client) == "com.example.app"
+    row = app_row(sql, "com.example.app")
+    assert row["status"] == "processing"
+    assert row["analysis"] == analysis
+    assert row["analysisversion"] == 3
+    view = client.get("/apps/com.example.app").json()
+    assert view["status"] == "processing"
+    assert view["analysis"] == analysis
+
+
+def test_32_concurrent_claimers_never_share_an_app(database_url, sql):
+    for n in range(200):
+        insert_app(sql, f"app.{n:03d}", reviews=str(random.randint(0, 50)))
+    for n in range(20):
+        insert_app(sql, f"old.{n:03d}", status="analysed", version=2, analysed=days_ago(1))
+    results: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(32)
+
+    def analyser():
+        db = handler.Database(
+            lambda: handler.connection_arguments(
+                handler.load_settings({"DATABASE_URL": database_url})
+            )
+        )
+        start.wait()
+        try:
+            while True:
+                claimed = handler.claim_next_app(db, POLICY)
+                if claimed is None:
+                    return
+                with lock:
+                    results.append(claimed[0])
+        finally:
+            db.discard()
+
+    threads = [threading.Thread(target=analyser) for _ in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(results) == 220
+    assert len(set(results)) == 220
+    assert sql.run("SELECT count(*) FROM apps WHERE status = 'processing'") == [[220]]
+
+
+# --- the oracle property ------------------------------------------------------------
+
+
+def random_state(sql, rng: random.Random, size: int) -> None:
+    """A random mix of every state, with ages well clear of the cutoffs so that the few
+    milliseconds between the oracle's now() and the claim's cannot matter."""
+    base = datetime.now(UTC) - timedelta(days=1000)
+    for n in range(size):
+        appid = f"app{n:03d}.{rng.choice(['x', 'y', 'z'])}"
+        added = base + timedelta(days=rng.uniform(0, 900))
+        reviews = rng.choice(
+            [
+                None,
+                "0",
+                "7",
+                str(rng.randint(0, 10)),
+                str(rng.randint(0, 10**6)),
+                rng.randint(0, 100),
+                "n/a",
+                "12,000",
+            ]
+        )
+        status = rng.choice(["queued", "processing", "analysed", "analysed", "failed"])
+        kwargs = {"reviews": reviews, "added": added}
+        if status == "processing":
+            kwargs["processing_started"] = minutes_ago(rng.choice([5, 60, 110, 130, 300, 5000]))
+        if status in ("analysed", "failed"):
+            kwargs["version"] = rng.choice([None, 1, 2, 3, 4, 4, 4, 5])
+            kwargs["analysed"] = days_ago(rng.choice([1, 30, 100, 170, 190, 400]))
+        if status == "failed":
+            kwargs["retryable"] = rng.random() < 0.6
+        insert_app(sql, appid, status=status, **kwargs)
+
+
+POLICIES = [
+    handler.QueuePolicy(),
+    handler.QueuePolicy(analysis_version=5, stale_days=180, processing_timeout_minutes=120),
+    handler.QueuePolicy(analysis_version=3, stale_days=60, processing_timeout_minutes=100),
+    handler.QueuePolicy(analysis_version=4, stale_days=365, processing_timeout_minutes=200),
+]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_oracle_on_random_states(client, sql, monkeypatch, seed):
+    rng = random.Random(seed)
+    random_state(sql, rng, size=rng.randint(5, 60))
+    url = handler.settings().database_url
+    # Several runs of the service, each with a policy drawn at random (a policy may change
+    # between two runs), each claiming a few apps and checking every one.
+    for _ in range(3):
+        policy = rng.choice(POLICIES)
+        configure_service(
+            monkeypatch,
+            url,
+            CURRENT_ANALYSIS_VERSION=str(policy.analysis_version),
+            STALE_ANALYSIS_DAYS=str(policy.stale_days),
+            PROCESSING_TIMEOUT_MINUTES=str(policy.processing_timeout_minutes),
+        )
+        for _ in range(rng.randint(1, 8)):
+            expected = oracle_order(sql, policy)
+            got = claim(client)
+            assert got == (expected[0] if expected else ""), (policy, expected[:3])
+            if got and rng.random() < 0.3:  # sometimes the lease runs out
+                sql.run(
+                    "UPDATE apps SET processing_started = now() - interval '1 day'"
+                    " WHERE appid = :appid",
+                    appid=got,
+                )
