@@ -362,6 +362,7 @@ ORDER BY app_popularity(details) DESC, added, appid
 REFETCH_SELECT_FAILED = """
 SELECT appid, status FROM apps
 WHERE status = 'failed' AND (failure_retryable OR :include_non_retryable)
+  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'  -- never valid: no UPDATE passes
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """

@@ -16,7 +16,17 @@
 --   lease then simply expires one timeout from now.
 -- * A failure record without "retryable" counts as retryable, and one without "reason"
 --   as analysis_failed, as the previous release read them.
+-- * jsonb (008) cannot hold NUL, and ->> on a json value holding \u0000 raises, so one
+--   failure log with a NUL byte would abort this file: those values get U+FFFD first.
+-- * apps_appid_valid (003) is NOT VALID: the rows 003 marked invalid still break it, and
+--   PostgreSQL checks it on every UPDATE of such a row. It is dropped for the backfill and
+--   added back, NOT VALID again, before this transaction commits.
 SET LOCAL TIME ZONE 'UTC';
+
+ALTER TABLE apps DROP CONSTRAINT IF EXISTS apps_appid_valid;
+
+UPDATE apps SET analysis = replace(analysis::text, '\u0000', '\ufffd')::json
+WHERE strpos(analysis::text, '\u0000') > 0;
 
 ALTER TABLE apps
     ADD COLUMN IF NOT EXISTS status text NOT NULL DEFAULT 'queued',
@@ -58,6 +68,11 @@ UPDATE apps SET status = 'analysed'
 WHERE status = 'queued'
   AND analysis IS NOT NULL
   AND analysis->>'success' IS DISTINCT FROM 'false';
+
+ALTER TABLE apps ADD CONSTRAINT apps_appid_valid
+    CHECK (length(appid) BETWEEN 1 AND 255
+           AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$'
+           AND appid !~ '\.$') NOT VALID;
 
 -- Live leases are looked up by age when they expire.
 CREATE INDEX IF NOT EXISTS apps_processing_started

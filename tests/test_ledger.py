@@ -1,0 +1,425 @@
+"""The SQL ledger: a new database, a production database at 006, and the runner's rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from datetime import UTC, datetime
+
+import handler
+import pg8000.native
+import pytest
+from conftest import connect
+
+ALL_FILES = [path.name for path in sorted(handler.SQL_DIR.glob("*.sql"))]
+PRODUCTION_FILES = [name for name in ALL_FILES if name < "007"]
+
+
+def runner(url: str) -> handler.Database:
+    return handler.Database(
+        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
+    )
+
+
+def ledger(sql) -> list:
+    return sql.run("SELECT filename, checksum FROM schema_migrations ORDER BY filename")
+
+
+def copy_ledger(tmp_path, names):
+    directory = tmp_path / "sql"
+    directory.mkdir()
+    for name in names:
+        shutil.copy(handler.SQL_DIR / name, directory / name)
+    return directory
+
+
+def test_production_file_names_are_kept():
+    assert ALL_FILES[:10] == [
+        "000_apps.sql",
+        "001_app_analyses.sql",
+        "002_mark_app_not_found_non_retryable.sql",
+        "003_reject_invalid_app_ids.sql",
+        "004_mark_ios_version_too_low_non_retryable.sql",
+        "005_mark_paid_apps_non_retryable.sql",
+        "006_app_analyses_unique.sql",
+        "007_apps_state_columns.sql",
+        "008_jsonb_timestamptz.sql",
+        "009_case_insensitive_appids.sql",
+    ]
+    for name in ALL_FILES:
+        head = (handler.SQL_DIR / name).read_text().splitlines()[:3]
+        assert head[0].startswith("-- "), f"{name} must open with why it is safe"
+        assert "Safe while the previous release runs" in (handler.SQL_DIR / name).read_text()
+
+
+def test_ledger_on_an_empty_database(empty_database):
+    db = runner(empty_database)
+    assert handler.apply_migrations(db, dry_run=True) == ALL_FILES
+    assert handler.apply_migrations(db) == ALL_FILES
+    assert handler.apply_migrations(db) == []
+    sql = connect(empty_database)
+    rows = ledger(sql)
+    assert [r[0] for r in rows] == ALL_FILES
+    assert all(len(r[1]) == 64 for r in rows)
+    db.discard()
+    sql.close()
+
+
+def build_production_database(url: str, with_rows: bool = False) -> None:
+    """The database as the previous server left it: a ledger without checksums, files
+    000-006 applied. With rows, the legacy apps exist before 001 (which copies their
+    analyses into history) and the legacy history rows before 002, so 002-006 run over
+    them as they did in production."""
+    sql = connect(url)
+    sql.run(
+        "CREATE TABLE schema_migrations (filename text PRIMARY KEY,"
+        " applied_at timestamp without time zone NOT NULL DEFAULT now())"
+    )
+    for name in PRODUCTION_FILES:
+        if with_rows and name.startswith("001"):
+            insert_legacy_apps(sql)
+        if with_rows and name.startswith("002"):
+            insert_legacy_history(sql)
+        sql.execute_simple((handler.SQL_DIR / name).read_text())
+        sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
+    if with_rows:
+        # Written by the previous server after 006: a log with a NUL byte, as json.
+        nul_log = '{"success": false, "logs": "bad\\u0000byte"}'
+        sql.run(
+            "INSERT INTO apps (appid, details, analysis, analysisversion, analysed)"
+            " VALUES ('app.failed.nul', CAST(:d AS json), CAST(:j AS json), 4, now())",
+            d='{"appId": "app.failed.nul", "note": "\\u0000"}',
+            j=nul_log,
+        )
+        sql.run(
+            "INSERT INTO app_analyses (appid, analysis) VALUES ('app.failed.nul', CAST(:j AS json))",
+            j=nul_log,
+        )
+    sql.close()
+
+
+LEGACY_APPS = [
+    # appid, analysis (json text or None), analysisversion, analysed, added
+    ("app.queued", None, None, None, "2024-01-01 00:00"),
+    (
+        "app.processing",
+        {
+            "success": False,
+            "logs": "Processing in progress",
+            "timestamp": "2026-11-29T10:00:00.000Z",
+        },
+        None,
+        None,
+        "2024-01-02",
+    ),
+    (
+        "app.processing.badtime",
+        {
+            "success": False,
+            "logs": "Processing in progress",
+            "timestamp": "Sun Nov 29 2026 10:00 GMT",
+        },
+        None,
+        None,
+        "2024-01-03",
+    ),
+    (
+        "app.processing.impossible",
+        {"success": False, "logs": "Processing in progress", "timestamp": "2026-13-45T99:99:99Z"},
+        None,
+        None,
+        "2024-01-03",
+    ),
+    (
+        "app.processing.notime",
+        {"success": False, "logs": "Processing in progress"},
+        None,
+        None,
+        "2024-01-03",
+    ),
+    (
+        "app.failed.final",
+        {"success": False, "logs": "x", "reason": "paid_app", "retryable": False},
+        4,
+        "2026-10-01",
+        "2024-01-04",
+    ),
+    ("app.failed.noflag", {"success": False, "logs": "usb error"}, 4, "2026-10-01", "2024-01-05"),
+    (
+        "app.failed.retry",
+        {"success": False, "logs": "x", "reason": "analysis_failed", "retryable": True},
+        3,
+        "2026-10-01",
+        "2024-01-06",
+    ),
+    (
+        "app.failed.notfound",
+        {"success": False, "logs": "Error: App not found"},
+        4,
+        "2026-10-01",
+        "2024-01-06",
+    ),
+    ("app.analysed", {"success": True, "trackers": {}}, 4, "2026-11-01 12:00", "2024-01-07"),
+    ("app.analysed.nosuccess", {"trackers": {"x": "y"}}, 3, "2025-01-01", "2024-01-08"),
+    ("bad id!", None, None, None, "2024-01-09"),
+    # Case variants: the analysed one is kept, whatever its age.
+    ("com.Example.App", {"success": True}, 4, "2026-06-01", "2024-03-01"),
+    ("com.example.app", None, None, None, "2024-01-01"),
+    ("COM.EXAMPLE.APP", {"success": False, "logs": "x"}, 4, "2026-09-01", "2024-02-01"),
+    # Neither analysed: the most recently analysed one is kept.
+    ("org.Two", {"success": False, "logs": "x"}, 4, "2026-01-01", "2024-01-01"),
+    ("org.two", {"success": False, "logs": "y"}, 4, "2026-05-01", "2024-05-01"),
+    # Nothing analysed: the first added is kept.
+    ("net.Three", None, None, None, "2024-02-01"),
+    ("net.three", None, None, None, "2024-01-01"),
+]
+
+LEGACY_HISTORY = [
+    # appid, analysed: some collide with the keeper's, some between losers
+    ("com.Example.App", "2026-06-01"),
+    ("com.Example.App", "2026-01-01"),
+    ("com.example.app", "2026-01-01"),  # collides with the keeper's row: dropped
+    ("com.example.app", "2025-07-01"),  # collides with the next (loser vs loser): kept (lower id)
+    ("COM.EXAMPLE.APP", "2025-07-01"),  # dropped
+    ("COM.EXAMPLE.APP", "2026-09-01"),  # moved
+    ("org.Two", "2026-01-01"),  # moved to org.two
+    ("org.two", "2026-05-01"),
+    ("app.analysed", "2026-11-01 12:00"),
+]
+
+
+def insert_legacy_apps(sql) -> None:
+    for appid, analysis, version, analysed, added in LEGACY_APPS:
+        document = (
+            analysis if isinstance(analysis, str) or analysis is None else json.dumps(analysis)
+        )
+        sql.run(
+            "INSERT INTO apps (appid, details, analysis, analysisversion, analysed, added)"
+            " VALUES (:a, CAST(:d AS json), CAST(:j AS json), :v, CAST(:t AS timestamp),"
+            " CAST(:added AS timestamp))",
+            a=appid,
+            d=json.dumps({"appId": appid, "reviews": "10"}),
+            j=document,
+            v=version,
+            t=analysed,
+            added=added,
+        )
+
+
+def insert_legacy_history(sql) -> None:
+    for appid, analysed in LEGACY_HISTORY:
+        sql.run(
+            "INSERT INTO app_analyses (appid, analysis, analysed)"
+            " VALUES (:a, CAST(:j AS json), CAST(:t AS timestamp))",
+            a=appid,
+            j=json.dumps({"success": True, "at": analysed}),
+            t=analysed,
+        )
+
+
+def test_upgrade_of_a_production_database_at_006(empty_database):
+    build_production_database(empty_database, with_rows=True)
+    db = runner(empty_database)
+    assert handler.apply_migrations(db) == [n for n in ALL_FILES if n >= "007"]
+    db.discard()
+    sql = connect(empty_database)
+    rows = {
+        r[0]: dict(
+            zip(
+                ["status", "started", "reason", "retryable", "analysed", "analysis"],
+                r[1:],
+                strict=True,
+            )
+        )
+        for r in sql.run(
+            "SELECT appid, status, processing_started, failure_reason, failure_retryable,"
+            " analysed, analysis FROM apps"
+        )
+    }
+    ((now,),) = sql.run("SELECT now()")
+
+    assert rows["app.queued"]["status"] == "queued"
+    assert rows["app.processing"]["status"] == "processing"
+    assert rows["app.processing"]["started"] == datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
+    for malformed in (
+        "app.processing.badtime",
+        "app.processing.impossible",
+        "app.processing.notime",
+    ):
+        assert rows[malformed]["status"] == "processing"
+        assert abs((now - rows[malformed]["started"]).total_seconds()) < 120
+    assert (
+        rows["app.failed.final"]["status"],
+        rows["app.failed.final"]["reason"],
+        rows["app.failed.final"]["retryable"],
+    ) == ("failed", "paid_app", False)
+    assert (rows["app.failed.noflag"]["reason"], rows["app.failed.noflag"]["retryable"]) == (
+        "analysis_failed",
+        True,
+    )
+    assert rows["app.failed.retry"]["retryable"] is True
+    # 002 marked it before 007 read it.
+    assert (rows["app.failed.notfound"]["reason"], rows["app.failed.notfound"]["retryable"]) == (
+        "app_not_found",
+        False,
+    )
+    assert rows["app.failed.nul"]["analysis"]["logs"] == "bad\ufffdbyte"
+    assert rows["app.analysed"]["status"] == "analysed"
+    assert rows["app.analysed"]["analysed"] == datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+    assert rows["app.analysed.nosuccess"]["status"] == "analysed"
+    # 003 marked the invalid ID failed, not retryable.
+    assert (rows["bad id!"]["status"], rows["bad id!"]["reason"], rows["bad id!"]["retryable"]) == (
+        "failed",
+        "invalid_bundle_id",
+        False,
+    )
+
+    # Case variants merged into their keepers.
+    assert "com.Example.App" in rows and "org.two" in rows and "net.three" in rows
+    for loser in ("com.example.app", "COM.EXAMPLE.APP", "org.Two", "net.Three"):
+        assert loser not in rows
+    history = sql.run("SELECT appid, analysed FROM app_analyses ORDER BY appid, analysed")
+    keeper_history = [str(r[1].date()) for r in history if r[0] == "com.Example.App"]
+    # 001 copied each app's analysis, 006 removed exact duplicates, 009 merged the rest.
+    assert sorted(keeper_history) == ["2025-07-01", "2026-01-01", "2026-06-01", "2026-09-01"]
+    assert sorted(str(r[1].date()) for r in history if r[0] == "org.two") == [
+        "2026-01-01",
+        "2026-05-01",
+    ]
+    assert len(history) == len({(r[0], r[1]) for r in history})
+
+    indexes = {r[0] for r in sql.run("SELECT indexname FROM pg_indexes WHERE tablename = 'apps'")}
+    assert {"apps_appid_lower_key", "apps_claim_order", "apps_version_order"} <= indexes
+    with pytest.raises(pg8000.native.DatabaseError):
+        sql.run("INSERT INTO apps (appid) VALUES ('COM.example.APP')")
+    assert all(r[1] for r in ledger(sql))  # the old rows were adopted with checksums
+    sql.close()
+
+
+def test_history_count_after_merge(empty_database):
+    build_production_database(empty_database, with_rows=True)
+    sql = connect(empty_database)
+    ((before,),) = sql.run("SELECT count(*) FROM app_analyses")
+    db = runner(empty_database)
+    handler.apply_migrations(db)
+    db.discard()
+    ((after,),) = sql.run("SELECT count(*) FROM app_analyses")
+    assert before - after == 2  # exactly the two colliding rows the note says to drop
+    sql.close()
+
+
+def test_a_database_already_at_009_is_adopted(empty_database, tmp_path):
+    build_production_database(empty_database)
+    sql = connect(empty_database)
+    for name in (
+        "007_apps_state_columns.sql",
+        "008_jsonb_timestamptz.sql",
+        "009_case_insensitive_appids.sql",
+    ):
+        sql.execute_simple((handler.SQL_DIR / name).read_text())
+        sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
+    db = runner(empty_database)
+    assert handler.apply_migrations(db) == [n for n in ALL_FILES if n >= "010"]
+    db.discard()
+    assert len(ledger(sql)) == len(ALL_FILES)
+    sql.close()
+
+
+def test_edited_file_is_refused(empty_database, tmp_path):
+    directory = copy_ledger(tmp_path, ALL_FILES)
+    db = runner(empty_database)
+    handler.apply_migrations(db, directory=directory)
+    edited = directory / "003_reject_invalid_app_ids.sql"
+    edited.write_text(edited.read_text() + "\n-- a harmless edit is still an edit\n")
+    with pytest.raises(handler.MigrationRefused, match="003_reject_invalid_app_ids.sql was edited"):
+        handler.apply_migrations(db, directory=directory)
+    db.discard()
+
+
+def test_out_of_order_file_is_refused(empty_database, tmp_path):
+    directory = copy_ledger(tmp_path, ALL_FILES)
+    db = runner(empty_database)
+    handler.apply_migrations(db, directory=directory)
+    (directory / "005a_late_arrival.sql").write_text("-- late\nSELECT 1;\n")
+    with pytest.raises(handler.MigrationRefused, match="005a_late_arrival.sql"):
+        handler.apply_migrations(db, directory=directory)
+    sql = connect(empty_database)
+    assert "005a_late_arrival.sql" not in [r[0] for r in ledger(sql)]
+    db.discard()
+    sql.close()
+
+
+def test_failing_file_rolls_back_with_the_ledger_unchanged(empty_database, tmp_path):
+    directory = copy_ledger(tmp_path, ALL_FILES)
+    (directory / "099_broken.sql").write_text(
+        "-- broken\nCREATE TABLE half_done (x int);\nINSERT INTO half_done VALUES (1);\n"
+        "SELECT 1 / 0;\n"
+    )
+    db = runner(empty_database)
+    with pytest.raises(pg8000.native.DatabaseError):
+        handler.apply_migrations(db, directory=directory)
+    sql = connect(empty_database)
+    assert [r[0] for r in ledger(sql)] == ALL_FILES
+    assert sql.run("SELECT to_regclass('half_done')") == [[None]]
+    (directory / "099_broken.sql").write_text("-- fixed\nCREATE TABLE half_done (x int);\n")
+    assert handler.apply_migrations(db, directory=directory) == ["099_broken.sql"]
+    db.discard()
+    sql.close()
+
+
+def test_two_runners_at_once_apply_each_file_once(empty_database):
+    results, errors = [], []
+    barrier = threading.Barrier(2)
+
+    def run():
+        db = runner(empty_database)
+        barrier.wait()
+        try:
+            results.append(handler.apply_migrations(db))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+        finally:
+            db.discard()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    assert sorted(results, key=len) == [[], ALL_FILES]
+    sql = connect(empty_database)
+    assert [r[0] for r in ledger(sql)] == ALL_FILES
+    sql.close()
+
+
+def test_lock_timeout_stops_a_runner_stuck_behind_a_long_query(empty_database, tmp_path):
+    directory = copy_ledger(tmp_path, ALL_FILES)
+    db = runner(empty_database)
+    handler.apply_migrations(db, directory=directory)
+    (directory / "050_needs_apps.sql").write_text("-- x\nALTER TABLE apps ADD COLUMN x int;\n")
+    blocker = connect(empty_database)
+    blocker.run("BEGIN")
+    blocker.run("SELECT count(*) FROM apps")  # a long report holds ACCESS SHARE
+    started = time.monotonic()
+    with pytest.raises(pg8000.native.DatabaseError) as failure:
+        handler.apply_migrations(db, directory=directory, lock_timeout="500ms")
+    assert handler.sqlstate(failure.value) == "55P03"
+    assert time.monotonic() - started < 10
+    blocker.run("ROLLBACK")
+    assert handler.apply_migrations(db, directory=directory) == ["050_needs_apps.sql"]
+    db.discard()
+    blocker.close()
+
+
+def test_pending_rules_are_pure():
+    files = [handler.MigrationFile(n, "", c) for n, c in (("001_a.sql", "a"), ("002_b.sql", "b"))]
+    assert handler.pending_migrations(files, {}) == files
+    assert handler.pending_migrations(files, {"001_a.sql": "a"}) == files[1:]
+    assert handler.pending_migrations(files, {"001_a.sql": None}) == files[1:]
+    with pytest.raises(handler.MigrationRefused):
+        handler.pending_migrations(files, {"001_a.sql": "changed"})
+    with pytest.raises(handler.MigrationRefused):
+        handler.pending_migrations(files, {"002_b.sql": "b"})
