@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from conftest import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD
 from helpers import app_row, history, insert_app, table_digest
 

@@ -13,8 +13,9 @@ import re
 import threading
 from datetime import UTC, datetime, timedelta
 
-import handler
 import pytest
+
+import handler
 from conftest import ANALYSER, configure_service
 from helpers import app_row, days_ago, insert_app, minutes_ago
 

@@ -8,9 +8,10 @@ import threading
 import time
 from datetime import UTC, datetime
 
-import handler
 import pg8000.native
 import pytest
+
+import handler
 from conftest import connect
 
 ALL_FILES = [path.name for path in sorted(handler.SQL_DIR.glob("*.sql"))]
@@ -94,7 +95,8 @@ def build_production_database(url: str, with_rows: bool = False) -> None:
             j=nul_log,
         )
         sql.run(
-            "INSERT INTO app_analyses (appid, analysis) VALUES ('app.failed.nul', CAST(:j AS json))",
+            "INSERT INTO app_analyses (appid, analysis)"
+            " VALUES ('app.failed.nul', CAST(:j AS json))",
             j=nul_log,
         )
     sql.close()
@@ -333,7 +335,9 @@ def test_edited_file_is_refused(empty_database, tmp_path):
     handler.apply_migrations(db, directory=directory)
     edited = directory / "003_reject_invalid_app_ids.sql"
     edited.write_text(edited.read_text() + "\n-- a harmless edit is still an edit\n")
-    with pytest.raises(handler.MigrationRefused, match="003_reject_invalid_app_ids.sql was edited"):
+    with pytest.raises(
+        handler.MigrationRefused, match=r"003_reject_invalid_app_ids\.sql was edited"
+    ):
         handler.apply_migrations(db, directory=directory)
     db.discard()
 
@@ -343,7 +347,7 @@ def test_out_of_order_file_is_refused(empty_database, tmp_path):
     db = runner(empty_database)
     handler.apply_migrations(db, directory=directory)
     (directory / "005a_late_arrival.sql").write_text("-- late\nSELECT 1;\n")
-    with pytest.raises(handler.MigrationRefused, match="005a_late_arrival.sql"):
+    with pytest.raises(handler.MigrationRefused, match=r"005a_late_arrival\.sql"):
         handler.apply_migrations(db, directory=directory)
     sql = connect(empty_database)
     assert "005a_late_arrival.sql" not in [r[0] for r in ledger(sql)]
@@ -378,7 +382,7 @@ def test_two_runners_at_once_apply_each_file_once(empty_database):
         barrier.wait()
         try:
             results.append(handler.apply_migrations(db))
-        except Exception as error:  # noqa: BLE001 - reported below
+        except Exception as error:
             errors.append(error)
         finally:
             db.discard()
