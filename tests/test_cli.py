@@ -1,0 +1,156 @@
+"""The CLI as operators and the analyser hosts run it: a real process, a real database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import handler
+from helpers import app_row, days_ago, history, insert_app, minutes_ago
+
+
+def cli(database_url: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DATABASE_URL": database_url}
+    return subprocess.run(
+        [sys.executable, str(handler.HERE / "handler.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_refetch_one_app_for_exact_app_mode(database_url, sql):
+    analysis = {"success": True, "trackers": {"a": "b"}}
+    insert_app(
+        sql,
+        "com.example.app",
+        status="analysed",
+        version=4,
+        analysed=days_ago(2),
+        analysis=analysis,
+    )
+    dry = cli(database_url, "queue-refetch", "--appid=COM.example.APP")
+    assert dry.returncode == 0, dry.stderr
+    assert "Would queue 1 apps for refetch" in dry.stdout
+    assert app_row(sql, "com.example.app")["status"] == "analysed"
+    history_before = history(sql, "com.example.app")
+
+    done = cli(database_url, "queue-refetch", "--appid=com.example.app", "--apply")
+    assert done.returncode == 0, done.stderr
+    assert any(line.startswith("Queued 1 apps for refetch.") for line in done.stdout.splitlines())
+    row = app_row(sql, "com.example.app")
+    assert row["status"] == "queued"
+    assert row["analysis"] == analysis  # still visible until the new result arrives
+    # The current analysis was snapshotted into history (once).
+    assert history(sql, "com.example.app") == [*history_before, [analysis, 4, True]]
+
+
+def test_refetch_of_an_unknown_app_queues_nothing(database_url):
+    done = cli(database_url, "queue-refetch", "--appid=com.example.none", "--apply")
+    assert "Queued 0 apps for refetch." in done.stdout
+
+
+def test_refetch_failed_apps(database_url, sql):
+    insert_app(
+        sql, "failed.retry", status="failed", retryable=True, version=4, analysed=days_ago(1)
+    )
+    insert_app(
+        sql,
+        "failed.final",
+        status="failed",
+        retryable=False,
+        reason="paid_app",
+        version=4,
+        analysed=days_ago(1),
+    )
+    insert_app(sql, "analysed.app", status="analysed", version=4, analysed=days_ago(1))
+    only_retryable = cli(database_url, "queue-refetch", "--failed", "--apply")
+    assert "Queued 1 apps for refetch." in only_retryable.stdout
+    assert app_row(sql, "failed.retry")["status"] == "queued"
+    assert app_row(sql, "failed.final")["status"] == "failed"
+    everything = cli(
+        database_url, "queue-refetch", "--failed", "--include-non-retryable", "--apply"
+    )
+    assert "Queued 1 apps for refetch." in everything.stdout
+    assert app_row(sql, "failed.final")["status"] == "queued"
+    assert app_row(sql, "failed.final")["failure_reason"] is None
+    assert app_row(sql, "analysed.app")["status"] == "analysed"
+
+
+def test_refetch_limit_takes_the_most_popular(database_url, sql):
+    for n, reviews in enumerate(["5", "500", "50"]):
+        insert_app(
+            sql, f"app.{n}", status="analysed", version=4, analysed=days_ago(1), reviews=reviews
+        )
+    done = cli(database_url, "queue-refetch", "--limit=2", "--apply")
+    assert "Queued 2 apps for refetch." in done.stdout
+    assert app_row(sql, "app.1")["status"] == "queued"
+    assert app_row(sql, "app.2")["status"] == "queued"
+    assert app_row(sql, "app.0")["status"] == "analysed"
+
+
+def test_refetch_rejects_invalid_bundle_ids(database_url):
+    done = cli(database_url, "queue-refetch", "--appid=bad id", "--apply")
+    assert done.returncode == 2
+    assert "invalid bundle ID" in done.stderr
+
+
+def test_queue_status_report_sections(database_url, sql):
+    insert_app(sql, "q.one", reviews="100")
+    insert_app(sql, "p.live", status="processing", processing_started=minutes_ago(10))
+    insert_app(sql, "p.expired", status="processing", processing_started=minutes_ago(500))
+    insert_app(sql, "a.stale", status="analysed", version=4, analysed=days_ago(400))
+    insert_app(sql, "a.old", status="analysed", version=2, analysed=days_ago(1))
+    insert_app(sql, "f.retry", status="failed", retryable=True, version=3, analysed=days_ago(1))
+    sql.run(
+        "INSERT INTO app_analyses (appid, analysis, analysed, success)"
+        " VALUES ('a.old', '{}', now() - interval '2 hours', true)"
+    )
+    out = cli(database_url, "queue-status")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for heading in (
+        "Apps by state",
+        "Backlog under the current policy",
+        "Throughput",
+        "ETA for the backlog",
+        "Being processed (2)",
+        "Top of the backlog",
+    ):
+        assert heading in text
+    assert "processing lease expired" in text
+    assert "analysis version outdated" in text
+    assert "analysis older than the staleness cutoff" in text
+    assert "retryable failure, outdated or stale" in text
+    assert "p.expired" in text and "lease expired" in text
+    # 5 candidates, 1 finished in the last day: 120 hours.
+    assert "ETA for the backlog: 120.0 hours" in text
+    assert text.index("q.one") < text.index("a.stale")
+
+
+def test_priority_report_lists_claim_order(database_url, sql):
+    insert_app(sql, "low", reviews="1")
+    insert_app(sql, "high", reviews="1000")
+    out = cli(database_url, "priority-report", "--limit=5")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.index("high") < out.stdout.index("low")
+
+
+def test_migrate_dry_run_and_apply(empty_database):
+    dry = cli(empty_database, "migrate", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "Pending: 000_apps.sql" in dry.stdout
+    applied = cli(empty_database, "migrate")
+    assert "Applied: 000_apps.sql" in applied.stdout
+    again = cli(empty_database, "migrate", "--dry-run")
+    assert "Pending: nothing" in again.stdout
+
+
+def test_cli_reports_an_unreachable_database_clearly():
+    out = cli("postgresql://postgres@127.0.0.1:9/none", "queue-status")
+    assert out.returncode == 1
+    assert "error: cannot connect to the database" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,670 @@
+"""Offline checks of the SAM deployment: template.yaml, Makefile, events/.
+
+* cfn-lint (with the SAM transform) passes on template.yaml.
+* The transformed template has the structure the service relies on (routes,
+  timeouts, concurrency, schedule, alarms, outputs, migration ordering).
+* MigrationResource's properties change exactly when handler.py or sql/ change:
+  the Makefile's function package (what `sam build` produces) is hashed the way
+  `sam deploy` names its S3 object, and that S3 location is fed through the SAM
+  translator to get MigrationResource's FunctionVersion.
+* events/*.json are valid sam local events and env.json only sets variables the
+  template declares (sam local ignores any others).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import parse_qsl
+
+import boto3
+import pytest
+from cfnlint.api import ManualArgs, lint, lint_file
+from cfnlint.decode import decode
+from samtranslator.parser import parser as sam_parser
+from samtranslator.translator.translator import Translator
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "template.yaml"
+MAKEFILE = REPO / "Makefile"
+EVENTS = REPO / "events"
+
+RUNTIME = "python3.12"
+FUNCTIONS = {
+    "ApiFunction": "handler.api",
+    "MigrationFunction": "handler.migrate",
+    "ReportFunction": "handler.report",
+}
+ROUTES = {
+    ("GET", "/ping"),
+    ("GET", "/queue"),
+    ("POST", "/uploadAnalysis"),
+    ("POST", "/reportAnalysisFailure"),
+    ("POST", "/apps"),
+    ("GET", "/apps/{appId}"),
+    ("GET", "/healthz"),
+    ("GET", "/healthz/analyser"),
+}
+ANALYSER_ROUTES = {
+    "GET /ping",
+    "GET /queue",
+    "POST /uploadAnalysis",
+    "POST /reportAnalysisFailure",
+}
+API_EVENTS = {
+    "ping.json": "GET /ping",
+    "queue.json": "GET /queue",
+    "queue-exact-app.json": "GET /queue",
+    "upload-analysis.json": "POST /uploadAnalysis",
+    "report-failure.json": "POST /reportAnalysisFailure",
+    "add-app.json": "POST /apps",
+    "get-app.json": "GET /apps/{appId}",
+    "healthz.json": "GET /healthz",
+    "healthz-analyser.json": "GET /healthz/analyser",
+}
+CFN_EVENTS = {
+    "cfn-create.json": "Create",
+    "cfn-update.json": "Update",
+    "cfn-delete.json": "Delete",
+}
+REQUIRED_PARAMETERS = {
+    "DbHost": "x.example.internal",
+    "DbName": "analysis",
+    "DbSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:db-AbCdEf",
+    "SubnetIds": "subnet-0123456789abcdef0",
+    "SecurityGroupIds": "sg-0123456789abcdef0",
+    "UploadPasswordSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:up-AbCdEf",
+    "AdminTokenParameterName": "/analysis-queue/admin-token",
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_template() -> dict:
+    template, matches = decode(str(TEMPLATE))
+    assert not matches, [str(m) for m in matches]
+    return json.loads(json.dumps(template))  # plain dicts, no cfn-lint node types
+
+
+def translate(
+    code_uri: str = "s3://bucket/0123456789abcdef", parameters: dict | None = None
+) -> dict:
+    """Run the SAM transform offline, with CodeUri as `sam package` would rewrite it."""
+    template = load_template()
+    template["Globals"]["Function"]["CodeUri"] = code_uri
+    for resource in template["Resources"].values():
+        if resource["Type"] == "AWS::Serverless::Function":
+            resource["Properties"].pop("CodeUri", None)
+        if resource["Type"] == "AWS::Serverless::LayerVersion":
+            resource["Properties"]["ContentUri"] = "s3://bucket/layer-0123456789abcdef"
+    translator = Translator(
+        managed_policy_map={},
+        sam_parser=sam_parser.Parser(),
+        boto_session=boto3.session.Session(region_name="us-east-1"),
+    )
+    return translator.translate(sam_template=template, parameter_values=dict(parameters or {}))
+
+
+def resources_of_type(template: dict, resource_type: str) -> dict:
+    return {k: v for k, v in template["Resources"].items() if v["Type"] == resource_type}
+
+
+def sam_dir_checksum(directory: Path) -> str:
+    """The hash `sam deploy` names a directory's zip by (samcli.lib.utils.hash.dir_checksum):
+    md5 over the sorted relative paths and each file's md5. File times and modes do not count."""
+    digest = hashlib.md5(usedforsecurity=False)
+    files = sorted(str(p) for p in directory.rglob("*") if p.is_file())
+    for name in files:
+        digest.update(os.path.relpath(name, directory).encode())
+        digest.update(
+            hashlib.md5(Path(name).read_bytes(), usedforsecurity=False).hexdigest().encode()
+        )
+    return digest.hexdigest()
+
+
+def make(target: str, cwd: Path, artifacts: Path, **variables: str) -> subprocess.CompletedProcess:
+    """Run a Makefile target the way SAM's CustomMakeBuilder does: in a copy of the source,
+    with the repository's Makefile and ARTIFACTS_DIR in the environment."""
+    env = {**os.environ, "ARTIFACTS_DIR": str(artifacts)}
+    args = ["make", "--no-print-directory", "--makefile", str(MAKEFILE), target]
+    args += [f"{k}={v}" for k, v in variables.items()]
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def transformed() -> dict:
+    return translate()
+
+
+@pytest.fixture(scope="module")
+def source_template() -> dict:
+    return load_template()
+
+
+@pytest.fixture
+def source_copy(tmp_path: Path) -> Path:
+    """A scratch copy of the repository, as `sam build` makes one. handler.py and sql/
+    are copied when they exist; stand-ins are written where they do not (yet)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("handler.py", "README.md", "requirements.txt", "template.yaml", "Makefile"):
+        if (REPO / name).is_file():
+            shutil.copy2(REPO / name, src / name)
+    for name in ("sql", "events"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    if not (src / "handler.py").exists():
+        (src / "handler.py").write_text("def api(event, context):\n    return {}\n")
+    sql = src / "sql"
+    sql.mkdir(exist_ok=True)
+    if not list(sql.glob("*.sql")):
+        (sql / "000_apps.sql").write_text(
+            "CREATE TABLE IF NOT EXISTS apps (appid text PRIMARY KEY);\n"
+        )
+        (sql / "001_app_analyses.sql").write_text("SELECT 1;\n")
+    (src / "README.md").touch()
+    (src / "requirements.txt").touch()
+    (src / "tests").mkdir(exist_ok=True)
+    (src / "tests" / "test_something.py").write_text("def test_x():\n    pass\n")
+    return src
+
+
+def build_function_hash(src: Path, out: Path, target: str = "build-MigrationFunction") -> str:
+    result = make(target, src, out)
+    assert result.returncode == 0, result.stderr
+    return sam_dir_checksum(out)
+
+
+# --------------------------------------------------------------------------- cfn-lint
+
+
+def test_cfn_lint_passes_with_sam_transform():
+    matches = lint_file(
+        TEMPLATE, config=ManualArgs(regions=["us-east-1", "eu-west-1"], include_checks=["I"])
+    )
+    assert [str(m) for m in matches] == []
+
+
+def test_cfn_lint_reports_a_broken_template():
+    """The lint check above can fail: a dangling Ref and an unknown runtime are reported."""
+    text = TEMPLATE.read_text()
+    broken = text.replace("!Ref ApiReservedConcurrency", "!Ref NoSuchParameter").replace(
+        f"Runtime: {RUNTIME}", "Runtime: python2.1"
+    )
+    assert broken != text
+    rules = {m.rule.id for m in lint(broken, regions=["us-east-1"])}
+    assert any(rule.startswith("E") for rule in rules), rules
+
+
+# --------------------------------------------------------------------------- structure
+
+
+def test_functions_handlers_runtime_and_build(source_template, transformed):
+    lambdas = resources_of_type(transformed, "AWS::Lambda::Function")
+    assert set(lambdas) == set(FUNCTIONS)
+    for name, handler in FUNCTIONS.items():
+        props = lambdas[name]["Properties"]
+        assert props["Handler"] == handler
+        assert props["Runtime"] == RUNTIME
+        assert props["VpcConfig"] == {
+            "SubnetIds": {"Ref": "SubnetIds"},
+            "SecurityGroupIds": {"Ref": "SecurityGroupIds"},
+        }
+        assert source_template["Resources"][name]["Metadata"]["BuildMethod"] == "makefile"
+    (layer,) = resources_of_type(transformed, "AWS::Lambda::LayerVersion").values()
+    assert layer["Properties"]["CompatibleRuntimes"] == [RUNTIME]
+    assert (
+        source_template["Resources"]["DependenciesLayer"]["Metadata"]["BuildMethod"] == "makefile"
+    )
+    makefile = MAKEFILE.read_text()
+    assert re.search(
+        r"^LAMBDA_PYTHON_VERSION \?= " + re.escape(RUNTIME.removeprefix("python")) + "$",
+        makefile,
+        re.M,
+    )
+    for target in [*FUNCTIONS, "DependenciesLayer"]:
+        assert re.search(rf"^(\S+ )*build-{target}( \S+)*:", makefile, re.M), target
+
+
+def test_api_function_depends_on_migration(transformed):
+    resources = transformed["Resources"]
+    depends = resources["ApiFunction"].get("DependsOn", [])
+    assert "MigrationResource" in ([depends] if isinstance(depends, str) else depends)
+    migration = resources["MigrationResource"]
+    assert migration["Type"] == "AWS::CloudFormation::CustomResource"
+    props = migration["Properties"]
+    assert props["ServiceToken"] == {"Fn::GetAtt": ["MigrationFunction", "Arn"]}
+    lambda_timeout = resources["MigrationFunction"]["Properties"]["Timeout"]
+    assert lambda_timeout < int(props["ServiceTimeout"]) < 3600
+    # The version number ("1", "2", ...), which the handler compares to spot rollbacks.
+    version_id, attribute = props["FunctionVersion"]["Fn::GetAtt"]
+    assert attribute == "Version"
+    version = resources[version_id]
+    assert version["Type"] == "AWS::Lambda::Version"
+    assert version["Properties"]["FunctionName"] == {"Ref": "MigrationFunction"}
+
+
+def test_api_function_timeout_and_concurrency(source_template, transformed):
+    props = transformed["Resources"]["ApiFunction"]["Properties"]
+    assert props["Timeout"] <= 25  # the HTTP API gives up after 30 s
+    assert props["ReservedConcurrentExecutions"] == {"Ref": "ApiReservedConcurrency"}
+    param = source_template["Parameters"]["ApiReservedConcurrency"]
+    assert param["Type"] == "Number" and int(param["Default"]) >= 1
+    assert transformed["Resources"]["ReportFunction"]["Properties"]["Timeout"] <= 300
+
+
+def test_every_route_goes_to_the_api_function(transformed):
+    (api,) = resources_of_type(transformed, "AWS::ApiGatewayV2::Api").values()
+    paths = api["Properties"]["Body"]["paths"]
+    routes = set()
+    for path, methods in paths.items():
+        for method, operation in methods.items():
+            uri = operation["x-amazon-apigateway-integration"]["uri"]["Fn::Sub"]
+            assert "${ApiFunction.Arn}" in uri, (path, method)
+            assert operation["x-amazon-apigateway-integration"]["payloadFormatVersion"] == "2.0"
+            routes.add((method.upper(), path))
+    assert ROUTES <= routes, ROUTES - routes
+    assert ("X-AMAZON-APIGATEWAY-ANY-METHOD", "/$default") in routes
+
+
+def test_http_api_default_stage_is_throttled(transformed):
+    (stage,) = resources_of_type(transformed, "AWS::ApiGatewayV2::Stage").values()
+    props = stage["Properties"]
+    assert props["StageName"] == "$default"
+    assert props["AutoDeploy"] is True
+    settings = props["DefaultRouteSettings"]
+    assert settings["ThrottlingBurstLimit"] == {"Ref": "ApiThrottlingBurstLimit"}
+    assert settings["ThrottlingRateLimit"] == {"Ref": "ApiThrottlingRateLimit"}
+
+
+def test_report_schedule_parameter_defaults_to_hourly(source_template, transformed):
+    assert source_template["Parameters"]["ReportSchedule"]["Default"] == "rate(1 hour)"
+    (rule,) = resources_of_type(transformed, "AWS::Events::Rule").values()
+    assert rule["Properties"]["ScheduleExpression"] == {"Ref": "ReportSchedule"}
+    (target,) = rule["Properties"]["Targets"]
+    assert target["Arn"] == {"Fn::GetAtt": ["ReportFunction", "Arn"]}
+
+
+def test_two_alarms_on_report_metrics(transformed):
+    alarms = {
+        a["Properties"]["MetricName"]: a["Properties"]
+        for a in resources_of_type(transformed, "AWS::CloudWatch::Alarm").values()
+    }
+    assert set(alarms) == {"MinutesSinceLastPing", "EtaHours"}
+    for props in alarms.values():
+        assert props["Namespace"] == "AnalysisQueue"
+        assert props["Dimensions"] == [{"Name": "service", "Value": "analysis-queue"}]
+        assert props["ComparisonOperator"] == "GreaterThanThreshold"
+    ping = alarms["MinutesSinceLastPing"]
+    assert int(ping["Threshold"]) == 60
+    assert ping["TreatMissingData"] == "breaching"
+    assert alarms["EtaHours"]["Threshold"] == {"Ref": "MaxBacklogEtaHours"}
+
+
+def test_environment_variables(source_template, transformed):
+    lambdas = resources_of_type(transformed, "AWS::Lambda::Function")
+    common = {
+        "DATABASE_URL",
+        "DB_HOST",
+        "DB_PORT",
+        "DB_NAME",
+        "DB_SECRET_ID",
+        "DB_SSLMODE",
+        "DB_SSLROOTCERT",
+        "CURRENT_ANALYSIS_VERSION",
+        "STALE_ANALYSIS_DAYS",
+        "PROCESSING_TIMEOUT_MINUTES",
+        "POWERTOOLS_SERVICE_NAME",
+        "POWERTOOLS_METRICS_NAMESPACE",
+        "LOG_LEVEL",
+    }
+    api_only = {
+        "MAX_BODY_BYTES",
+        "UPLOAD_PASSWORD_SECRET",
+        "ADMIN_TOKEN_SECRET",
+        "UPLOAD_PASSWORD",
+        "ADMIN_TOKEN",
+    }
+    for name, resource in lambdas.items():
+        env = resource["Properties"]["Environment"]["Variables"]
+        assert common <= set(env), (name, common - set(env))
+        assert env["DB_SSLMODE"] == "verify-full"
+        assert env["DB_HOST"] == {
+            "Fn::If": ["HasDbProxy", {"Ref": "DbProxyEndpoint"}, {"Ref": "DbHost"}]
+        }
+        assert env["POWERTOOLS_SERVICE_NAME"] == "analysis-queue"
+        assert env["POWERTOOLS_METRICS_NAMESPACE"] == "AnalysisQueue"
+        if name == "ApiFunction":
+            assert api_only <= set(env)
+        else:
+            assert not api_only & set(env), name
+    api_env = lambdas["ApiFunction"]["Properties"]["Environment"]["Variables"]
+    for var, arn_param, name_param in (
+        ("UPLOAD_PASSWORD_SECRET", "UploadPasswordSecretArn", "UploadPasswordParameterName"),
+        ("ADMIN_TOKEN_SECRET", "AdminTokenSecretArn", "AdminTokenParameterName"),
+    ):
+        _, if_sm, if_ssm = api_env[var]["Fn::If"]
+        assert if_sm == {"Fn::Sub": f"secretsmanager:${{{arn_param}}}"}
+        assert if_ssm == {"Fn::Sub": f"ssm:${{{name_param}}}"}
+    params = source_template["Parameters"]
+    for param, default in {
+        "CurrentAnalysisVersion": 4,
+        "StaleAnalysisDays": 180,
+        "ProcessingTimeoutMinutes": 120,
+        "MaxBodyBytes": 5000000,
+    }.items():
+        assert int(params[param]["Default"]) == default
+
+
+def test_api_url_output(transformed):
+    url = transformed["Outputs"]["ApiUrl"]["Value"]["Fn::Sub"]
+    assert url.startswith("https://${HttpApi}.execute-api.${AWS::Region}.")
+
+
+# --------------------------------------------------------------------------- migration re-run
+
+
+def test_function_package_holds_only_handler_and_sql(source_copy, tmp_path):
+    (source_copy / "sql" / "__pycache__").mkdir()
+    (source_copy / "sql" / "__pycache__" / "x.cpython-312.pyc").write_bytes(b"\0")
+    (source_copy / "sql" / ".DS_Store").write_bytes(b"\0")
+    (source_copy / "__pycache__").mkdir()
+    (source_copy / "__pycache__" / "handler.cpython-312.pyc").write_bytes(b"\0")
+    out = tmp_path / "out"
+    result = make("build-MigrationFunction", source_copy, out)
+    assert result.returncode == 0, result.stderr
+    built = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    expected = {"handler.py"} | {
+        p.relative_to(source_copy).as_posix()
+        for p in (source_copy / "sql").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")
+    }
+    assert built == expected
+    assert (out / "handler.py").read_bytes() == (source_copy / "handler.py").read_bytes()
+
+
+def test_all_functions_build_the_same_package(source_copy, tmp_path):
+    hashes = {
+        name: build_function_hash(source_copy, tmp_path / name, f"build-{name}")
+        for name in FUNCTIONS
+    }
+    assert len(set(hashes.values())) == 1, hashes
+
+
+def _edit_readme(src: Path) -> None:
+    (src / "README.md").write_text("# changed\n")
+
+
+def _add_test(src: Path) -> None:
+    (src / "tests" / "test_new.py").write_text("def test_y():\n    pass\n")
+
+
+def _edit_requirements(src: Path) -> None:
+    with (src / "requirements.txt").open("a") as f:
+        f.write("\nrequests==2.32.3\n")
+
+
+def _edit_template(src: Path) -> None:
+    with (src / "template.yaml").open("a") as f:
+        f.write("\n# comment\n")
+
+
+def _touch_handler(src: Path) -> None:
+    os.utime(src / "handler.py", (1_000_000_000, 1_000_000_000))
+    (src / "handler.py").chmod(0o600)
+
+
+def _add_sql_cache(src: Path) -> None:
+    (src / "sql" / "__pycache__").mkdir()
+    (src / "sql" / "__pycache__" / "m.pyc").write_bytes(b"\0\1")
+
+
+def _edit_handler(src: Path) -> None:
+    with (src / "handler.py").open("a") as f:
+        f.write("\n# changed\n")
+
+
+def _edit_sql(src: Path) -> None:
+    first = sorted((src / "sql").glob("*.sql"))[0]
+    with first.open("a") as f:
+        f.write("\n-- changed\n")
+
+
+def _add_sql(src: Path) -> None:
+    (src / "sql" / "999_new.sql").write_text("SELECT 1;\n")
+
+
+def _rename_sql(src: Path) -> None:
+    last = sorted((src / "sql").glob("*.sql"))[-1]
+    last.rename(last.with_name("zz_" + last.name))
+
+
+@pytest.mark.parametrize(
+    ("change", "moves"),
+    [
+        (_edit_readme, False),
+        (_add_test, False),
+        (_edit_requirements, False),
+        (_edit_template, False),
+        (_touch_handler, False),
+        (_add_sql_cache, False),
+        (_edit_handler, True),
+        (_edit_sql, True),
+        (_add_sql, True),
+        (_rename_sql, True),
+    ],
+    ids=lambda v: v.__name__.lstrip("_") if callable(v) else str(v),
+)
+def test_package_hash_changes_exactly_with_handler_or_sql(source_copy, tmp_path, change, moves):
+    before = build_function_hash(source_copy, tmp_path / "before")
+    assert build_function_hash(source_copy, tmp_path / "again") == before  # deterministic
+    change(source_copy)
+    after = build_function_hash(source_copy, tmp_path / "after")
+    assert (after != before) is moves
+
+
+def _function_version_property(code_hash: str, parameters: dict | None = None):
+    out = translate(f"s3://deploy-bucket/analysis-queue/{code_hash}", parameters)
+    return out["Resources"]["MigrationResource"]["Properties"]["FunctionVersion"]
+
+
+def test_migration_property_follows_the_package_hash(source_copy, tmp_path):
+    """Package hash -> S3 key -> auto-published version -> MigrationResource.FunctionVersion."""
+    before = build_function_hash(source_copy, tmp_path / "before")
+    _edit_readme(source_copy)
+    unchanged = build_function_hash(source_copy, tmp_path / "unchanged")
+    _edit_sql(source_copy)
+    changed = build_function_hash(source_copy, tmp_path / "changed")
+    assert unchanged == before != changed
+
+    prop_before = _function_version_property(before)
+    assert _function_version_property(unchanged) == prop_before
+    assert _function_version_property(changed) != prop_before
+    # Parameter values (e.g. a new database host, more concurrency) are not code:
+    other_values = {
+        **REQUIRED_PARAMETERS,
+        "DbHost": "elsewhere.example.internal",
+        "ApiReservedConcurrency": 50,
+    }
+    assert _function_version_property(before, other_values) == prop_before
+
+
+# --------------------------------------------------------------------------- Makefile: layer
+
+
+@pytest.fixture
+def fake_pip(tmp_path: Path) -> Path:
+    script = tmp_path / "fakepip"
+    script.write_text(
+        "#!/bin/sh\n"
+        'printf "%s\\n" "$@" > "$FAKE_PIP_DIR/argv"\n'
+        "while [ $# -gt 0 ]; do\n"
+        '  [ "$1" = --requirement ] && cp "$2" "$FAKE_PIP_DIR/requirements"\n'
+        "  shift\n"
+        "done\n"
+        "exit 0\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_layer_build_installs_runtime_requirements_and_ca_bundle(
+    source_copy, tmp_path, fake_pip, monkeypatch
+):
+    (source_copy / "requirements.txt").write_text(
+        "fastapi==0.115.0\nmangum>=0.17\npsycopg[binary]==3.2.3\naws-lambda-powertools[parser]==3.4.0\n"
+        "pytest==8.3.3\npytest-timeout\ncfn-lint==1.51.0\nruff\n# a comment\n"
+    )
+    (source_copy / "certs").mkdir()
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    (source_copy / "certs" / "rds-global-bundle.pem").write_text(pem)
+    monkeypatch.setenv("FAKE_PIP_DIR", str(tmp_path))
+    out = tmp_path / "layer"
+    result = make("build-DependenciesLayer", source_copy, out, PIP=str(fake_pip))
+    assert result.returncode == 0, result.stderr
+    assert (out / "certs" / "rds-global-bundle.pem").read_text() == pem
+    installed = (tmp_path / "requirements").read_text().splitlines()
+    assert [line for line in installed if line and not line.startswith("#")] == [
+        "fastapi==0.115.0",
+        "mangum>=0.17",
+        "psycopg[binary]==3.2.3",
+        "aws-lambda-powertools[parser]==3.4.0",
+    ]
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv[argv.index("--target") + 1] == str(out / "python")
+    assert argv[argv.index("--python-version") + 1] == RUNTIME.removeprefix("python")
+    assert "manylinux2014_x86_64" in argv and "--only-binary=:all:" in argv
+    assert not (out / ".layer-requirements.txt").exists()
+
+
+def test_layer_build_fails_without_ca_bundle(source_copy, tmp_path, fake_pip, monkeypatch):
+    monkeypatch.setenv("FAKE_PIP_DIR", str(tmp_path))
+    result = make("build-DependenciesLayer", source_copy, tmp_path / "layer", PIP=str(fake_pip))
+    assert result.returncode != 0
+    assert "rds-global-bundle.pem" in result.stderr
+    (source_copy / "certs").mkdir()
+    (source_copy / "certs" / "rds-global-bundle.pem").write_text("<html>not a certificate</html>\n")
+    result = make("build-DependenciesLayer", source_copy, tmp_path / "layer2", PIP=str(fake_pip))
+    assert result.returncode != 0
+    assert "no PEM certificate" in result.stderr
+
+
+# --------------------------------------------------------------------------- events
+
+
+def load_event(name: str) -> dict:
+    return json.loads((EVENTS / name).read_text())
+
+
+def test_every_event_file_parses():
+    names = {p.name for p in EVENTS.glob("*.json")}
+    assert names >= set(API_EVENTS) | set(CFN_EVENTS) | {"schedule.json", "env.json"}
+    for name in names:
+        assert isinstance(load_event(name), dict), name
+
+
+@pytest.mark.parametrize("name", sorted(API_EVENTS))
+def test_api_events_have_http_api_v2_shape(name):
+    event = load_event(name)
+    route = API_EVENTS[name]
+    method, _, path_template = route.partition(" ")
+    assert event["version"] == "2.0"
+    assert event["routeKey"] == route
+    assert (method, path_template) in ROUTES
+    ctx = event["requestContext"]
+    assert ctx["routeKey"] == route and ctx["stage"] == "$default"
+    assert ctx["http"]["method"] == method
+    assert ctx["http"]["path"] == event["rawPath"]
+    assert ctx["http"]["sourceIp"]
+    assert isinstance(event["isBase64Encoded"], bool)
+    # The raw path matches the route template (path parameters filled in).
+    pattern = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(path_template))
+    match = re.fullmatch(pattern, event["rawPath"])
+    assert match, (event["rawPath"], path_template)
+    assert event.get("pathParameters", {}) == match.groupdict()
+    assert dict(parse_qsl(event["rawQueryString"])) == event.get("queryStringParameters", {})
+    headers = event["headers"]
+    assert all(k == k.lower() for k in headers)
+    if route in ANALYSER_ROUTES:
+        assert headers["authorization"] == "Bearer local-upload-password"
+    if route == "POST /apps":
+        assert headers["authorization"] == "Bearer local-admin-token"
+    if route.startswith("GET /healthz") or route == "GET /apps/{appId}":
+        assert "authorization" not in headers  # public routes
+    if method == "POST":
+        body = event["body"]
+        assert int(headers["content-length"]) == len(body.encode())
+        if headers["content-type"] == "application/json":
+            json.loads(body)
+    else:
+        assert "body" not in event
+
+
+def test_analyser_events_match_the_contract():
+    upload = load_event("upload-analysis.json")
+    assert upload["queryStringParameters"] == {"appId": "com.example.app", "analysisVersion": "4"}
+    assert json.loads(upload["body"])["bundleID"] == "com.example.app"
+    failure = load_event("report-failure.json")
+    assert failure["headers"]["content-type"] == "text/plain"
+    assert "app not found" in failure["body"]
+    assert load_event("queue-exact-app.json")["queryStringParameters"] == {
+        "appId": "com.example.app"
+    }
+    app = json.loads(load_event("add-app.json")["body"])
+    assert app == {"appId": "com.example.app", "details": {"title": "Example", "reviews": "1234"}}
+
+
+def test_schedule_event():
+    event = load_event("schedule.json")
+    assert event["source"] == "aws.events"
+    assert event["detail-type"] == "Scheduled Event"
+    assert event["resources"] and event["detail"] == {}
+
+
+@pytest.mark.parametrize("name", sorted(CFN_EVENTS))
+def test_cloudformation_events(name):
+    event = load_event(name)
+    assert event["RequestType"] == CFN_EVENTS[name]
+    for key in (
+        "ServiceToken",
+        "ResponseURL",
+        "StackId",
+        "RequestId",
+        "LogicalResourceId",
+        "ResourceType",
+    ):
+        assert event[key], key
+    assert event["LogicalResourceId"] == "MigrationResource"
+    assert event["ResourceType"] == "AWS::CloudFormation::CustomResource"
+    props = event["ResourceProperties"]
+    assert props["ServiceToken"] == event["ServiceToken"]
+    assert props["FunctionVersion"].isdigit()
+    if name == "cfn-create.json":
+        assert "PhysicalResourceId" not in event
+    else:
+        assert event["PhysicalResourceId"] == "analysis-queue-migrations"
+    if name == "cfn-update.json":
+        old = event["OldResourceProperties"]["FunctionVersion"]
+        assert int(old) < int(props["FunctionVersion"])  # a deploy, not a rollback
+    else:
+        assert "OldResourceProperties" not in event
+
+
+def test_env_json_sets_only_declared_variables(transformed):
+    """sam local --env-vars only overrides variables the template declares for the function."""
+    env = load_event("env.json")
+    lambdas = resources_of_type(transformed, "AWS::Lambda::Function")
+    assert set(env) == set(FUNCTIONS)
+    for name, values in env.items():
+        declared = set(lambdas[name]["Properties"]["Environment"]["Variables"])
+        assert set(values) <= declared, (name, set(values) - declared)
+        assert values["DATABASE_URL"] == "postgresql://postgres@host.docker.internal:5432/postgres"
+        assert values["DB_HOST"] == "" and values["DB_SECRET_ID"] == ""
+    assert env["ApiFunction"]["UPLOAD_PASSWORD"] == "local-upload-password"
+    assert env["ApiFunction"]["ADMIN_TOKEN"] == "local-admin-token"
