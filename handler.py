@@ -1064,7 +1064,8 @@ class MigrationFile:
     checksum: str
 
 
-def migration_files(directory: Path = SQL_DIR) -> list[MigrationFile]:
+def migration_files(directory: Path | None = None) -> list[MigrationFile]:
+    directory = SQL_DIR if directory is None else directory
     files = []
     for path in sorted(directory.glob("*.sql")):
         content = path.read_bytes()
@@ -1098,7 +1099,7 @@ def pending_migrations(
 
 def apply_migrations(
     db: Database,
-    directory: Path = SQL_DIR,
+    directory: Path | None = None,
     dry_run: bool = False,
     lock_timeout: str | None = None,
     wait_seconds: int | None = None,
