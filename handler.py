@@ -408,15 +408,7 @@ class BadInput(Exception):
 
 
 # SQLSTATEs that mean "this connection is gone", not "this statement is wrong".
-_CONNECTION_LOST_STATES = {
-    "57P01",
-    "57P02",
-    "57P03",
-    "08000",
-    "08003",
-    "08006",
-    "08001",
-}
+_CONNECTION_LOST_STATES = {"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"}
 
 
 def _is_connection_lost(error: BaseException) -> bool:
@@ -516,9 +508,15 @@ def connection_arguments(config: Settings) -> dict[str, Any]:
 class Database:
     """A lazily opened pg8000 connection shared by the process, one user at a time."""
 
-    def __init__(self, arguments: Callable[[], dict[str, Any]], statement_timeout_ms: int = 0):
+    def __init__(
+        self,
+        arguments: Callable[[], dict[str, Any]],
+        statement_timeout_ms: int = 0,
+        socket_timeout: float | None = None,
+    ):
         self._arguments = arguments
         self._statement_timeout_ms = statement_timeout_ms
+        self._socket_timeout = socket_timeout
         self._connection: pg8000.native.Connection | None = None
         self._lock = threading.RLock()
 
@@ -526,7 +524,9 @@ class Database:
         if self._connection is None:
             try:
                 connection = pg8000.native.Connection(
-                    application_name=SERVICE_NAME, timeout=30, **self._arguments()
+                    application_name=SERVICE_NAME,
+                    timeout=self._socket_timeout,
+                    **self._arguments(),
                 )
             except (
                 pg8000.native.InterfaceError,
@@ -599,8 +599,23 @@ def database() -> Database:
     with _database_lock:
         if _database is None:
             config = settings()
-            _database = Database(lambda: connection_arguments(config), config.statement_timeout_ms)
+            # A socket timeout a little over the statement timeout: a dead network
+            # fails the request instead of hanging until Lambda's timeout.
+            _database = Database(
+                lambda: connection_arguments(config),
+                config.statement_timeout_ms,
+                socket_timeout=(
+                    config.statement_timeout_ms / 1000 + 5 if config.statement_timeout_ms else None
+                ),
+            )
         return _database
+
+
+def migration_database() -> Database:
+    """A connection of its own for the ledger runner: no statement or socket timeout,
+    since rewriting a large table may take minutes (lock_timeout still applies)."""
+    config = settings()
+    return Database(lambda: connection_arguments(config))
 
 
 def reset_database() -> None:
@@ -1160,6 +1175,15 @@ def apply_migrations(
     return applied
 
 
+def apply_ledger(dry_run: bool = False) -> list[str]:
+    """apply_migrations on a connection of its own, closed afterwards."""
+    db = migration_database()
+    try:
+        return apply_migrations(db, dry_run=dry_run)
+    finally:
+        db.discard()
+
+
 # ---------------------------------------------------------------------------------------
 # HTTP routes: the analysers' frozen contract, plus the operators' and website's routes.
 # ---------------------------------------------------------------------------------------
@@ -1524,7 +1548,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
             )
         elif request_type in ("Create", "Update"):
             remaining = context.get_remaining_time_in_millis() / 1000 if context else 900
-            applied = _run_with_deadline(lambda: apply_migrations(database()), remaining - 15)
+            applied = _run_with_deadline(apply_ledger, remaining - 15)
             data = {"Applied": ",".join(applied) or "none"}
             status, reason = (
                 "SUCCESS",
@@ -1632,14 +1656,14 @@ def _cli_serve(args: argparse.Namespace) -> int:
             print(f"{name} is unset; using {local_value!r} for this local server")
     settings.cache_clear()
     reset_database()
-    applied = apply_migrations(database())
+    applied = apply_ledger()
     print(f"migrations applied: {', '.join(applied) or 'none pending'}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
 def _cli_migrate(args: argparse.Namespace) -> int:
-    names = apply_migrations(database(), dry_run=args.dry_run)
+    names = apply_ledger(dry_run=args.dry_run)
     verb = "Pending" if args.dry_run else "Applied"
     print(f"{verb}: {', '.join(names) if names else 'nothing'}")
     return 0
