@@ -452,13 +452,91 @@ def _bad_requests():
         ("unknown path", "GET", "/admin", {}, b"", 404),
         ("bad analyser id", "GET", "/ping", {"X-Analyser-Id": "a b;rm -rf"}, b"", 400),
         (
-            "claim token twice",
+            "unknown claim token",
             "POST",
             f"{up}?appId=com.example.app&analysisVersion=4",
             {**json_type, "X-Analysis-Claim-Token": "a"},
             good_body,
             409,
         ),
+        *[
+            (label, "POST", f"{up}?{query}", json_type, good_body, 400)
+            for label, query in (
+                (
+                    "analysisVersion twice",
+                    "appId=com.example.app&analysisVersion=4&analysisVersion=5",
+                ),
+                ("appId not ASCII", "appId=com.ex%C3%A4mple&analysisVersion=4"),
+                ("appId with NUL", "appId=com.example%00.app&analysisVersion=4"),
+                ("appId with newline", "appId=com.example.app%0A&analysisVersion=4"),
+                ("version with plus", "appId=com.example.app&analysisVersion=%2B4"),
+                ("version with space", "appId=com.example.app&analysisVersion=%204"),
+                ("version empty", "appId=com.example.app&analysisVersion="),
+            )
+        ],
+        *[
+            (
+                label,
+                "POST",
+                f"{up}?appId=com.example.app&analysisVersion=4",
+                headers,
+                good_body,
+                401,
+            )
+            for label, headers in (
+                ("no token", {**json_type, "Authorization": None}),
+                ("wrong token", {**json_type, "Authorization": "Bearer nope"}),
+                (
+                    "admin token on an analyser route",
+                    {**json_type, "Authorization": f"Bearer {ADMIN_TOKEN}"},
+                ),
+                ("token without scheme", {**json_type, "Authorization": UPLOAD_PASSWORD}),
+                ("oversized token", {**json_type, "Authorization": "Bearer " + "x" * 20_000}),
+            )
+        ],
+        (
+            "token in the query string",
+            "GET",
+            f"/queue?password={UPLOAD_PASSWORD}",
+            {"Authorization": None},
+            b"",
+            401,
+        ),
+        ("oversized analyser id", "GET", "/ping", {"X-Analyser-Id": "a" * 10_000}, b"", 400),
+        (
+            "no content type",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            {},
+            good_body,
+            415,
+        ),
+        (
+            "empty upload",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b"",
+            400,
+        ),
+        (
+            "JSON nested too deep",
+            "POST",
+            f"{up}?appId=com.example.app&analysisVersion=4",
+            json_type,
+            b"[" * 100_000,
+            400,
+        ),
+        (
+            "failure with an oversized appId",
+            "POST",
+            f"{fail}?appId={'x' * 300}&analysisVersion=4",
+            text_type,
+            b"log",
+            400,
+        ),
+        ("app lookup with SQL", "GET", "/apps/x'%20OR%201=1--", {}, b"", 400),
+        ("delete an app", "DELETE", "/apps/com.example.app", {}, b"", 405),
     ], auth
 
 
@@ -475,9 +553,10 @@ def test_bad_requests_get_a_clear_4xx_and_change_nothing(
 ):
     insert_app(sql, "com.example.app")
     before = table_digest(sql)
-    answer = client.request(method, path, headers={**_AUTH, **headers}, content=body)
+    merged = {k: v for k, v in {**_AUTH, **headers}.items() if v is not None}
+    answer = client.request(method, path, headers=merged, content=body)
     assert answer.status_code == status, answer.text
-    if status != 405 and status != 404:
+    if status not in (404, 405):
         assert answer.json()["detail"]
     assert table_digest(sql) == before
 
