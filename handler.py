@@ -427,6 +427,15 @@ def sqlstate(error: BaseException) -> str | None:
     return None
 
 
+def _error_text(error: BaseException) -> str:
+    """A short, secret-free description: SQLSTATE and message for database errors."""
+    if isinstance(error, pg8000.native.DatabaseError) and error.args:
+        detail = error.args[0]
+        if isinstance(detail, dict):
+            return f"{detail.get('C')}: {detail.get('M')}"
+    return f"{type(error).__name__}: {error}"
+
+
 def _ssl_context(mode: str, root_cert: str | None):
     """TLS as configured; verify-full checks the chain and the host name. There is no
     silent plaintext fallback: `disable` must be asked for."""
@@ -1114,6 +1123,15 @@ class MigrationRefused(Exception):
     """The ledger and sql/ disagree in a way no runner should paper over."""
 
 
+class MigrationFailed(Exception):
+    """A ledger file failed and was rolled back; the message names the file."""
+
+    def __init__(self, filename: str, error: BaseException):
+        super().__init__(f"{filename}: {_error_text(error)}")
+        self.filename = filename
+        self.sqlstate = sqlstate(error)
+
+
 @dataclasses.dataclass(frozen=True)
 class MigrationFile:
     name: str
@@ -1202,10 +1220,11 @@ def apply_migrations(
                         checksum=migration.checksum,
                     )
                     connection.run("COMMIT")
-                except BaseException:
-                    if not _is_connection_lost(sys.exc_info()[1]):
-                        connection.run("ROLLBACK")
-                    raise
+                except Exception as error:
+                    if _is_connection_lost(error):
+                        raise
+                    connection.run("ROLLBACK")
+                    raise MigrationFailed(migration.name, error) from error
                 applied.append(migration.name)
         finally:
             try:
@@ -1506,7 +1525,7 @@ api = Mangum(app, lifespan="off")
 CFN_REPLY_LIMIT = 4096
 # What migrate keeps back from Lambda's remaining time: ending a timed-out runner (at
 # most 5 s) and delivering the reply.
-CFN_REPLY_MARGIN_SECONDS = 15
+CFN_REPLY_MARGIN_SECONDS = 20
 
 
 def _is_rollback_update(event: dict[str, Any]) -> bool:
@@ -1561,7 +1580,7 @@ def _send_cfn_reply(url: str, body: bytes) -> None:
     )
     for attempt in range(3):
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
                 response.read()
             return
         except OSError:
@@ -1597,14 +1616,11 @@ def _run_with_deadline(
     return outcome.get("value")
 
 
-def _error_text(error: BaseException) -> str:
-    if (
-        isinstance(error, pg8000.native.DatabaseError)
-        and error.args
-        and isinstance(error.args[0], dict)
-    ):
-        return f"{error.args[0].get('C')}: {error.args[0].get('M')}"
-    return f"{type(error).__name__}: {error}"
+def _migration_error_text(error: BaseException) -> str:
+    """Our own migration errors already say what failed and where (the file name)."""
+    if isinstance(error, (MigrationFailed, MigrationRefused)):
+        return str(error)
+    return _error_text(error)
 
 
 @logger.inject_lambda_context
@@ -1663,7 +1679,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
             status, reason = "FAILED", f"unknown RequestType {request_type!r}"
     except BaseException as error:
         logger.exception("migration failed")
-        status, reason = "FAILED", f"migration failed: {_error_text(error)}"
+        status, reason = "FAILED", f"migration failed: {_migration_error_text(error)}"
     body = _cfn_reply(event, status, reason, data)
     if event.get("ResponseURL"):
         _send_cfn_reply(event["ResponseURL"], body)
@@ -1861,7 +1877,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, MigrationRefused, DatabaseUnavailable) as error:
+    except (ConfigError, MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
 

@@ -604,7 +604,9 @@ def test_custom_resource_broken_file_fails_and_leaves_the_ledger(
     assert returned == reply
     assert reply["Status"] == "FAILED"
     assert_echoes(reply, event, "analysis-queue-migrations")
-    assert reply["Reason"] == ('migration failed: 42P01: relation "no_such_table" does not exist')
+    assert reply["Reason"] == (
+        'migration failed: 012_broken.sql: 42P01: relation "no_such_table" does not exist'
+    )
     assert reply["Data"] == {}
     assert ledger(database_url) == before
     assert not table_exists(sql, "lambda_half_done")  # the file rolled back whole
@@ -622,7 +624,7 @@ def test_custom_resource_reply_stays_under_4096_bytes(database_url, sql_dir, res
 
     reply = response_url.reply()  # asserts < 4096 bytes
     assert reply["Status"] == "FAILED"
-    assert reply["Reason"].startswith("migration failed: P0001: loud failure: xxx")
+    assert reply["Reason"].startswith("migration failed: 012_loud.sql: P0001: loud failure: xxx")
     assert reply["PhysicalResourceId"] == "analysis-queue-migrations"
     assert ledger(database_url) == before
 

@@ -362,7 +362,7 @@ def test_failing_file_rolls_back_with_the_ledger_unchanged(empty_database, tmp_p
         "SELECT 1 / 0;\n"
     )
     db = runner(empty_database)
-    with pytest.raises(pg8000.native.DatabaseError):
+    with pytest.raises(handler.MigrationFailed, match=r"^099_broken\.sql: 22012: division by zero"):
         handler.apply_migrations(db, directory=directory)
     sql = connect(empty_database)
     assert [r[0] for r in ledger(sql)] == ALL_FILES
@@ -408,9 +408,10 @@ def test_lock_timeout_stops_a_runner_stuck_behind_a_long_query(empty_database, t
     blocker.run("BEGIN")
     blocker.run("SELECT count(*) FROM apps")  # a long report holds ACCESS SHARE
     started = time.monotonic()
-    with pytest.raises(pg8000.native.DatabaseError) as failure:
+    with pytest.raises(handler.MigrationFailed) as failure:
         handler.apply_migrations(db, directory=directory, lock_timeout="500ms")
-    assert handler.sqlstate(failure.value) == "55P03"
+    assert failure.value.sqlstate == "55P03"
+    assert failure.value.filename == "050_needs_apps.sql"
     assert time.monotonic() - started < 10
     blocker.run("ROLLBACK")
     assert handler.apply_migrations(db, directory=directory) == ["050_needs_apps.sql"]
