@@ -1782,24 +1782,56 @@ def start_embedded_postgres(data_dir: Path) -> str:
     return server.get_uri()
 
 
-def _cli_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    if not settings().database_url and not settings().db_host:
+def _local_defaults() -> None:
+    """For `serve` and `invoke` on a developer's machine: an embedded PostgreSQL when no
+    database is configured, the events' local tokens when none are, and the ledger."""
+    config = settings()
+    if not config.database_url and not config.db_host:
         os.environ["DATABASE_URL"] = start_embedded_postgres(HERE / ".local" / "pgdata")
-        print("embedded PostgreSQL:", os.environ["DATABASE_URL"])
+        print("embedded PostgreSQL:", os.environ["DATABASE_URL"], file=sys.stderr)
     for name, local_value in (
         ("UPLOAD_PASSWORD", "local-upload-password"),
         ("ADMIN_TOKEN", "local-admin-token"),
     ):
         if not os.environ.get(name) and not os.environ.get(f"{name}_SECRET"):
             os.environ[name] = local_value
-            print(f"{name} is unset; using {local_value!r} for this local server")
+            print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
     settings.cache_clear()
     reset_database()
     applied = apply_ledger()
-    print(f"migrations applied: {', '.join(applied) or 'none pending'}")
+    print(f"migrations applied: {', '.join(applied) or 'none pending'}", file=sys.stderr)
+
+
+def _cli_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    _local_defaults()
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+class LocalContext:
+    """The parts of a Lambda context the entry points read, for `invoke`."""
+
+    function_name = "local"
+    memory_limit_in_mb = 512
+    invoked_function_arn = "arn:aws:lambda:local:000000000000:function:local"
+    aws_request_id = "local-invoke"
+
+    def __init__(self, seconds: float = 900):
+        self._deadline = time.monotonic() + seconds
+
+    def get_remaining_time_in_millis(self) -> int:
+        return int((self._deadline - time.monotonic()) * 1000)
+
+
+def _cli_invoke(args: argparse.Namespace) -> int:
+    """Run an entry point on an event file, as `sam local invoke` would, without Docker."""
+    event = json.loads(Path(args.event).read_text())
+    if args.function != "migrate":
+        _local_defaults()
+    entry = {"api": api, "migrate": migrate, "report": report}[args.function]
+    print(json.dumps(entry(event, LocalContext()), default=str))  # one line, as sam prints
     return 0
 
 
@@ -1874,6 +1906,10 @@ def main(argv: list[str] | None = None) -> int:
     refetch.add_argument("--limit", type=_positive_int, default=None)
     refetch.add_argument("--apply", action="store_true", help="without it: a dry run")
     refetch.set_defaults(run=_cli_queue_refetch)
+    invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")
+    invoke.add_argument("function", choices=["api", "migrate", "report"])
+    invoke.add_argument("event", help="an event file, e.g. events/queue.json")
+    invoke.set_defaults(run=_cli_invoke)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,11 +11,14 @@ import handler
 from helpers import app_row, days_ago, history, insert_app, minutes_ago
 
 
-def cli(database_url: str, *args: str) -> subprocess.CompletedProcess:
+def cli(database_url: str, *args: str, unset=()) -> subprocess.CompletedProcess:
     env = {**os.environ, "DATABASE_URL": database_url}
+    for name in unset:
+        env.pop(name, None)
     return subprocess.run(
         [sys.executable, str(handler.HERE / "handler.py"), *args],
         env=env,
+        cwd=handler.HERE,
         capture_output=True,
         text=True,
         timeout=60,
@@ -154,3 +158,18 @@ def test_cli_reports_an_unreachable_database_clearly():
     assert out.returncode == 1
     assert "error: cannot connect to the database" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_invoke_runs_the_entry_points_on_event_files(database_url, sql):
+    insert_app(sql, "com.example.app")
+    # Without tokens in the environment, invoke uses the events' local ones.
+    queued = cli(
+        database_url, "invoke", "api", "events/queue.json", unset=("UPLOAD_PASSWORD", "ADMIN_TOKEN")
+    )
+    assert queued.returncode == 0, queued.stderr
+    answer = json.loads(queued.stdout.splitlines()[-1])
+    assert (answer["statusCode"], answer["body"]) == (200, "com.example.app")
+    assert app_row(sql, "com.example.app")["status"] == "processing"
+    scheduled = cli(database_url, "invoke", "report", "events/schedule.json")
+    assert scheduled.returncode == 0, scheduled.stderr
+    assert json.loads(scheduled.stdout.splitlines()[-1])["counts"] == {"processing": 1}
