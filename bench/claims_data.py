@@ -8,7 +8,8 @@ the rows are still random draws, not arranged to suit the claim:
 * popularity: details.reviews log-normal (median 20, tail to millions), written as a
   JSON string (60 %), a JSON number (33 %), missing (5 %) or non-numeric (2 %);
 * added: uniform over the last three years;
-* analysed: age 400 days x u^3.5 (about 20 % older than 180 days), never before added;
+* analysed: age uniform over 0-180 days for 80 %, over 180-400 days for 20 % (stale),
+  never before the app was added;
 * analysisversion: analysed 80 % on 4, 12 % on 3, 8 % on 2; failures 90 % on 4;
 * failures: the analysers' log texts (not found, iOS too low, paid, too large, other),
   half of them with reason/retryable as the previous release wrote them, the rest with
@@ -102,8 +103,11 @@ def _insert_apps_sql(payload_bytes: int) -> str:
                -- log-normal review count: median e^3 = 20, sigma 2.5
                floor(exp(3 + 2.5 * sqrt(-2 * ln(1 - d.u_rev1)) * cos(2 * pi() * d.u_rev2)))
                    ::bigint AS reviews,
-               -- analysis age 400 d * u^3.5, not before the app was added
-               base - least(d.u_added * 1095, 400 * power(d.u_analysed, 3.5))
+               -- analysis age: 80 % uniform over 0-180 days, 20 % over 180-400 days
+               -- (stale), never before the app was added
+               base - least(d.u_added * 1095, CASE
+                   WHEN d.u_analysed < 0.8 THEN 180 * d.u_analysed / 0.8
+                   ELSE 180 + 220 * (d.u_analysed - 0.8) / 0.2 END)
                    * interval '1 day' AS analysed_at,
                base
         FROM ({_draws_sql()}) d
@@ -164,7 +168,8 @@ def _insert_apps_sql(payload_bytes: int) -> str:
                 'CFBundleIdentifier', r.appid,
                 'CFBundleShortVersionString', det.details->>'version',
                 'UIRequiredDeviceCapabilities', '["arm64"]'::json,
-                'padding', repeat(md5(r.appid), {padding_repeats})))
+                'padding', (SELECT string_agg(md5(r.appid || k), '')
+                            FROM generate_series(1, {padding_repeats}) AS k)))
         WHEN 'failed' THEN (
             SELECT CASE
                 WHEN r.u_format < 0.4 THEN json_build_object(
