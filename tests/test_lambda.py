@@ -506,18 +506,18 @@ def test_custom_resource_create_applies_the_ledger(empty_database, monkeypatch, 
 
 def test_custom_resource_update_applies_pending_files(database_url, sql, sql_dir, response_url):
     before = ledger(database_url)
-    sql_dir("012_lambda_note.sql", "CREATE TABLE lambda_note (id integer);\n")
+    sql_dir("900_lambda_note.sql", "CREATE TABLE lambda_note (id integer);\n")
     event = cfn_event("cfn-update.json", response_url, PhysicalResourceId="queue-db-ledger-7")
     migrate(event)
 
     reply = response_url.reply()
     assert reply["Status"] == "SUCCESS"
     assert_echoes(reply, event, "queue-db-ledger-7")  # the id it was given, unchanged
-    assert reply["Data"] == {"Applied": "012_lambda_note.sql"}
-    assert "012_lambda_note.sql" in reply["Reason"]
+    assert reply["Data"] == {"Applied": "900_lambda_note.sql"}
+    assert "900_lambda_note.sql" in reply["Reason"]
     after = ledger(database_url)
     assert after[:-1] == before
-    assert after[-1][0] == "012_lambda_note.sql"
+    assert after[-1][0] == "900_lambda_note.sql"
     assert table_exists(sql, "lambda_note")
 
 
@@ -547,7 +547,7 @@ def test_custom_resource_delete_touches_no_database(monkeypatch, response_url):
 
 
 def test_custom_resource_delete_leaves_the_ledger(database_url, sql, sql_dir, response_url):
-    sql_dir("012_lambda_note.sql", "CREATE TABLE lambda_note (id integer);\n")
+    sql_dir("900_lambda_note.sql", "CREATE TABLE lambda_note (id integer);\n")
     before = ledger(database_url)
     migrate(cfn_event("cfn-delete.json", response_url))
     assert response_url.reply()["Status"] == "SUCCESS"
@@ -593,7 +593,7 @@ def test_custom_resource_broken_file_fails_and_leaves_the_ledger(
     database_url, sql, sql_dir, response_url
 ):
     sql_dir(
-        "012_broken.sql",
+        "900_broken.sql",
         "CREATE TABLE lambda_half_done (id integer);\nSELECT id FROM no_such_table;\n",
     )
     before = ledger(database_url)
@@ -605,7 +605,7 @@ def test_custom_resource_broken_file_fails_and_leaves_the_ledger(
     assert reply["Status"] == "FAILED"
     assert_echoes(reply, event, "analysis-queue-migrations")
     assert reply["Reason"] == (
-        'migration failed: 012_broken.sql: 42P01: relation "no_such_table" does not exist'
+        'migration failed: 900_broken.sql: 42P01: relation "no_such_table" does not exist'
     )
     assert reply["Data"] == {}
     assert ledger(database_url) == before
@@ -614,7 +614,7 @@ def test_custom_resource_broken_file_fails_and_leaves_the_ledger(
 
 def test_custom_resource_reply_stays_under_4096_bytes(database_url, sql_dir, response_url):
     sql_dir(
-        "012_loud.sql",
+        "900_loud.sql",
         "DO $$ BEGIN RAISE EXCEPTION 'loud failure: %', repeat('x', 3000000); END $$;\n",
     )
     before = ledger(database_url)
@@ -624,7 +624,7 @@ def test_custom_resource_reply_stays_under_4096_bytes(database_url, sql_dir, res
 
     reply = response_url.reply()  # asserts < 4096 bytes
     assert reply["Status"] == "FAILED"
-    assert reply["Reason"].startswith("migration failed: 012_loud.sql: P0001: loud failure: xxx")
+    assert reply["Reason"].startswith("migration failed: 900_loud.sql: P0001: loud failure: xxx")
     assert reply["PhysicalResourceId"] == "analysis-queue-migrations"
     assert ledger(database_url) == before
 
@@ -695,7 +695,7 @@ def test_custom_resource_answers_before_the_lambda_timeout(
     database_url, sql, sql_dir, response_url
 ):
     sql_dir(
-        "012_slow.sql",
+        "900_slow.sql",
         "CREATE TABLE lambda_slow (id integer);\nSELECT pg_sleep(30);\n",
     )
     before = ledger(database_url)
@@ -732,7 +732,7 @@ def test_custom_resource_answers_before_the_lambda_timeout(
 
 
 def test_custom_resource_without_time_left_answers_at_once(database_url, sql_dir, response_url):
-    sql_dir("012_lambda_note.sql", "CREATE TABLE lambda_note (id integer);\n")
+    sql_dir("900_lambda_note.sql", "CREATE TABLE lambda_note (id integer);\n")
     before = ledger(database_url)
     migrate(cfn_event("cfn-update.json", response_url), remaining_ms=5_000)
     reply = response_url.reply()
