@@ -1386,6 +1386,12 @@ def _claim_token(request: Request) -> str | None:
     return values[0] if values else None
 
 
+def _result_target(request: Request) -> tuple[str, int, str | None]:
+    """What a result names: the app, the analyser's format version, its claim token."""
+    app_id = _bundle_id(_single_query_value(request, "appId"))
+    return app_id, _analysis_version(request), _claim_token(request)
+
+
 def _store(app_id: str, version: int, payload: dict, token: str | None) -> JSONResponse:
     try:
         rows = store_result(database(), app_id, version, payload, token)
@@ -1452,9 +1458,7 @@ async def next_app(request: Request) -> PlainTextResponse:
     openapi_extra=_documented(RESULT_QUERY, ("application/json", {"type": "object"})),
 )
 async def upload_analysis(request: Request) -> JSONResponse:
-    app_id = _bundle_id(_single_query_value(request, "appId"))
-    version = _analysis_version(request)
-    token = _claim_token(request)
+    app_id, version, token = _result_target(request)
     _require_content_type(request, ("application/json",))
     payload = _parse_json(await _read_body(request))
     if not isinstance(payload, dict):
@@ -1468,9 +1472,7 @@ async def upload_analysis(request: Request) -> JSONResponse:
     openapi_extra=_documented(RESULT_QUERY, ("text/plain", {"type": "string"})),
 )
 async def report_analysis_failure(request: Request) -> JSONResponse:
-    app_id = _bundle_id(_single_query_value(request, "appId"))
-    version = _analysis_version(request)
-    token = _claim_token(request)
+    app_id, version, token = _result_target(request)
     _require_content_type(request, ("text/plain", "application/octet-stream"))
     record = failure_record(await _read_body(request))
     return _store(app_id, version, record, token)
