@@ -162,8 +162,9 @@ metrics = Metrics(
     namespace=os.environ.get("POWERTOOLS_METRICS_NAMESPACE") or "AnalysisQueue",
 )
 
-# Promotion (see "Queue logic") runs at most this often per process, and promotes what
-# falls due within the horizon, so a claim never misses a row that became due since.
+# Promotion (promote_due_apps, "Queue operations") runs at most this often per process,
+# and flags what falls due within the horizon, so a claim never misses a row that became
+# due since the last run.
 PROMOTE_EVERY_SECONDS = 15
 PROMOTION_HORIZON_SECONDS = 60
 MIGRATIONS_LOCK_KEY = 7_311_020_260  # pg_advisory_lock key serialising ledger runners
@@ -835,6 +836,14 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------
 # Queue operations: the queue logic applied to the database.
+#
+# How /queue stays an index read at any size (sql/010-012): filtering CANDIDATE and
+# sorting grows with the table, so the claim reads index heads instead. Queued rows, and
+# rows the promoter flagged `due` (expired lease, stale analysis), are in
+# apps_claim_order, in claim order; rows due only because their version is old are read
+# from the head of apps_version_order, one probe per old version. The claim takes the
+# best of those heads and re-checks CANDIDATE, so the `due` flag is bookkeeping, never a
+# decision: the result is always the first candidate of the rule.
 # ---------------------------------------------------------------------------------------
 
 _promotions: dict[QueuePolicy, float] = {}
