@@ -235,25 +235,36 @@ RETURNING appid
 """
 
 # Promotion: flag the non-queued rows that are (or within the horizon will be) due by
-# time — expired leases and stale analyses — so they join apps_claim_order. Both scans
-# are index ranges over the rows that changed, normally none.
-PROMOTE_DUE_APPS = f"""
-WITH leases AS (
+# time — expired leases and stale analyses — so they join apps_claim_order. Both read
+# index ranges over the rows that fell due, normally none. Stale rows go in batches in
+# analysis-time order: without the ORDER BY ... LIMIT the planner, which cannot see that
+# the flagged rows left the partial index, estimates a fifth of the table and scans it.
+PROMOTE_EXPIRED_LEASES = """
+WITH flagged AS (
     UPDATE apps SET due = true
     WHERE status = 'processing' AND NOT due
       AND (processing_started IS NULL OR processing_started
            < now() - make_interval(mins => :timeout_minutes)
              + make_interval(secs => :horizon_seconds))
     RETURNING 1
-), stale AS (
+)
+SELECT count(*) FROM flagged
+"""
+PROMOTE_STALE_BATCH = f"""
+WITH flagged AS (
     UPDATE apps SET due = true
-    WHERE NOT due AND {RETRY_ELIGIBLE}
-      AND COALESCE(analysed, '-infinity')
-          < now() - make_interval(days => :stale_days) + make_interval(secs => :horizon_seconds)
+    WHERE appid IN (
+        SELECT appid FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE}
+          AND COALESCE(analysed, '-infinity')
+              < now() - make_interval(days => :stale_days) + make_interval(secs => :horizon_seconds)
+        ORDER BY COALESCE(analysed, '-infinity')
+        LIMIT :batch)
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM leases), (SELECT count(*) FROM stale)
+SELECT count(*) FROM flagged
 """
+PROMOTION_BATCH = 5000
 
 PLAN_WITH_VALUES = "SET LOCAL plan_cache_mode = force_custom_plan"
 
@@ -869,11 +880,12 @@ def promote_due_apps(db: Database, policy: QueuePolicy, force: bool = False) -> 
         connection.run(PLAN_WITH_VALUES)
         if connection.run(RECORD_QUEUE_POLICY, **policy.sql_params()):
             connection.run(CLEAR_STALE_DUE_FLAGS, **policy.sql_params())
-        ((leases, stale),) = connection.run(
-            PROMOTE_DUE_APPS,
-            horizon_seconds=PROMOTION_HORIZON_SECONDS,
-            **policy.sql_params(),
-        )
+        params = {**policy.sql_params(), "horizon_seconds": PROMOTION_HORIZON_SECONDS}
+        ((leases,),) = connection.run(PROMOTE_EXPIRED_LEASES, **params)
+        stale, batch = 0, PROMOTION_BATCH
+        while batch == PROMOTION_BATCH:  # a full batch: there may be more
+            ((batch,),) = connection.run(PROMOTE_STALE_BATCH, batch=PROMOTION_BATCH, **params)
+            stale += batch
         return leases, stale
 
     promoted = db.transaction(work)
@@ -1250,16 +1262,19 @@ def apply_migrations(
     return applied
 
 
+def migrate_and_promote(db: Database) -> list[str]:
+    """apply_migrations, then the promoter once: the first claim after a deploy (after an
+    upgrade that found 100k stale analyses, say) does not pay for flagging them."""
+    applied = apply_migrations(db)
+    promote_due_apps(db, settings().policy, force=True)
+    return applied
+
+
 def apply_ledger(dry_run: bool = False) -> list[str]:
-    """apply_migrations on a connection of its own, closed afterwards. After applying, it
-    also runs the promoter once, so that the first claim after a deploy (or after an
-    upgrade that found 100k stale analyses) does not pay for flagging them."""
+    """The ledger on a connection of its own, closed afterwards (CLI and local server)."""
     db = migration_database()
     try:
-        applied = apply_migrations(db, dry_run=dry_run)
-        if not dry_run:
-            promote_due_apps(db, settings().policy, force=True)
-        return applied
+        return apply_migrations(db, dry_run=True) if dry_run else migrate_and_promote(db)
     finally:
         db.discard()
 
@@ -1712,7 +1727,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
                     ((session["pid"],),) = runner.run("SELECT pg_backend_pid()")
                     if stopped.is_set():
                         raise TimeoutError("stopped before the migrations began")
-                    return apply_migrations(runner)
+                    return migrate_and_promote(runner)
                 finally:
                     runner.discard()
 
