@@ -1,0 +1,255 @@
+"""Processes that play a Lambda container (the service, one request at a time, its own
+connection) or a bare SQL client (the floor). Started with the spawn method, so each is
+a fresh interpreter like a cold Lambda container, and its peak RSS is its own.
+
+The service's claims go through handler.api, the Mangum entry point that Lambda calls,
+with an API Gateway HTTP API (payload v2) event for GET /queue: routing, the bearer
+check, the sync route in the thread pool, claim_next_app, the response mapping.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+UPLOAD_PASSWORD = "bench-upload-password"
+TOKEN_HEADER = "x-analysis-claim-token"
+
+# The floor: the complete index-head claim, bare (the issue's statement).
+FLOOR_CLAIM = """
+UPDATE apps SET status = 'processing', processing_started = now()
+WHERE appid = (
+    SELECT appid FROM apps WHERE status = 'queued'
+    ORDER BY app_popularity(details) DESC, added, appid
+    LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING appid
+"""
+
+
+def api_gateway_v2_event(path: str, password: str = UPLOAD_PASSWORD) -> dict:
+    """What API Gateway (HTTP API, payload format 2.0) hands the API function."""
+    now = time.time()
+    return {
+        "version": "2.0",
+        "routeKey": "$default",
+        "rawPath": path,
+        "rawQueryString": "",
+        "headers": {
+            "accept": "*/*",
+            "authorization": f"Bearer {password}",
+            "host": "bench.execute-api.us-east-1.amazonaws.com",
+            "user-agent": "curl/7.88.1",
+            "x-forwarded-for": "127.0.0.1",
+            "x-forwarded-port": "443",
+            "x-forwarded-proto": "https",
+        },
+        "requestContext": {
+            "accountId": "123456789012",
+            "apiId": "bench",
+            "domainName": "bench.execute-api.us-east-1.amazonaws.com",
+            "domainPrefix": "bench",
+            "http": {
+                "method": "GET",
+                "path": path,
+                "protocol": "HTTP/1.1",
+                "sourceIp": "127.0.0.1",
+                "userAgent": "curl/7.88.1",
+            },
+            "requestId": "bench",
+            "routeKey": "$default",
+            "stage": "$default",
+            "time": time.strftime("%d/%b/%Y:%H:%M:%S +0000", time.gmtime(now)),
+            "timeEpoch": int(now * 1000),
+        },
+        "isBase64Encoded": False,
+    }
+
+
+class LambdaContext:
+    function_name = "bench-api"
+    memory_limit_in_mb = 512
+    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:bench-api"
+    aws_request_id = "bench"
+
+    @staticmethod
+    def get_remaining_time_in_millis() -> int:
+        return 25_000
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _service_env(url: str, extra: dict[str, str] | None) -> None:
+    os.environ["DATABASE_URL"] = url
+    os.environ["UPLOAD_PASSWORD"] = UPLOAD_PASSWORD
+    os.environ.setdefault("POWERTOOLS_METRICS_NAMESPACE", "AnalysisQueueBench")
+    for name in ("CURRENT_ANALYSIS_VERSION", "STALE_ANALYSIS_DAYS", "PROCESSING_TIMEOUT_MINUTES"):
+        os.environ.pop(name, None)
+    os.environ.update(extra or {})
+
+
+def _import_handler():
+    code = os.environ.get("BENCH_CODE_DIR") or str(ROOT)  # the run's copy of handler.py
+    if code not in sys.path:
+        sys.path.insert(0, code)
+    started = time.perf_counter()
+    import handler
+
+    return handler, time.perf_counter() - started
+
+
+class ServiceClaimer:
+    """A Lambda container of the API function: one /queue request at a time."""
+
+    def __init__(self, url: str, extra_env: dict[str, str] | None = None):
+        _service_env(url, extra_env)
+        self.handler, self.import_s = _import_handler()
+        self.context = LambdaContext()
+        self.configure(extra_env)
+
+    def configure(self, extra_env: dict[str, str] | None = None) -> None:
+        _service_env(os.environ["DATABASE_URL"], extra_env)
+        self.handler.settings.cache_clear()
+        self.handler.reset_database()
+
+    def get(self, path: str) -> dict:
+        return self.handler.api(api_gateway_v2_event(path), self.context)
+
+    def claim(self) -> tuple[str, str | None]:
+        """(appid or '' when there is no work, claim token)."""
+        response = self.get("/queue")
+        if response["statusCode"] != 200:
+            raise RuntimeError(f"/queue answered {response['statusCode']}: {response['body']}")
+        headers = {k.lower(): v for k, v in (response.get("headers") or {}).items()}
+        return response["body"], headers.get(TOKEN_HEADER)
+
+
+def api_process(pipe, url: str) -> None:
+    """The API process of the latency measurements, driven by commands over a pipe:
+    ("claims", n) -> [(appid, token, seconds)], ("configure", env) -> None,
+    ("stats", None) -> dict, ("exit", None)."""
+    service = ServiceClaimer(url)
+    while True:
+        command, argument = pipe.recv()
+        if command == "claims":
+            results = []
+            for _ in range(argument):
+                started = time.perf_counter()
+                appid, token = service.claim()
+                results.append((appid, token, time.perf_counter() - started))
+                if not appid:
+                    break
+            pipe.send(results)
+        elif command == "breakdown":
+            pipe.send(breakdown(service, argument))
+        elif command == "configure":
+            service.configure(argument)
+            pipe.send(None)
+        elif command == "stats":
+            pipe.send(
+                {
+                    "peak_rss_mb": peak_rss_mb(),
+                    "boto3_loaded": "boto3" in sys.modules,
+                    "import_handler_s": service.import_s,
+                }
+            )
+        elif command == "exit":
+            pipe.send(None)
+            return
+
+
+def breakdown(service: ServiceClaimer, count: int) -> dict[str, float]:
+    """Median seconds of the layers of one claim, each measured on its own series of
+    claims: the whole request, claim_next_app, the statement through handler.Database,
+    the statement on the bare connection, and pg8000's parsing of its :params."""
+    import statistics
+
+    from pg8000.native import to_statement
+
+    handler = service.handler
+    db = handler.database()
+    policy = handler.settings().policy
+    params = policy.sql_params()
+
+    def raw() -> None:
+        with db.session() as connection:
+            connection.run(handler.CLAIM_NEXT_APP, token="breakdown", **params)
+
+    layers = {
+        "GET /queue via handler.api": lambda: service.claim(),
+        "handler.claim_next_app": lambda: handler.claim_next_app(db, policy),
+        "handler.Database.run(CLAIM_NEXT_APP)": lambda: db.run(
+            handler.CLAIM_NEXT_APP, token="breakdown", **params
+        ),
+        "pg8000 connection.run(CLAIM_NEXT_APP), unprepared": raw,
+        "pg8000 to_statement(CLAIM_NEXT_APP) (client-side parse)": lambda: to_statement(
+            handler.CLAIM_NEXT_APP
+        ),
+    }
+    medians = {}
+    for name, work in layers.items():
+        times = []
+        for _ in range(count):
+            started = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - started)
+        medians[name] = statistics.median(times)
+    return medians
+
+
+def _run_window(claim, barrier, duration: float, quota: int) -> dict:
+    """One claim to warm up (a container's first claim also runs the promoter), then
+    claims until the window or the quota ends, or the queue runs dry."""
+    started = time.perf_counter()
+    warmup = claim()
+    warmup_s = time.perf_counter() - started
+    barrier.wait()
+    started = time.perf_counter()
+    deadline = started + duration
+    claimed: list[tuple[str, str | None]] = []
+    latencies: list[float] = []
+    empty = False
+    while len(claimed) < quota and time.perf_counter() < deadline:
+        t = time.perf_counter()
+        appid, token = claim()
+        latencies.append(time.perf_counter() - t)
+        if not appid:
+            empty = True
+            break
+        claimed.append((appid, token))
+    return {
+        "warmup": (*warmup, warmup_s),
+        "claimed": claimed,
+        "latencies": latencies,
+        "elapsed": time.perf_counter() - started,
+        "empty": empty,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def service_worker(url: str, barrier, results, duration: float, quota: int) -> None:
+    """One Lambda container claiming through handler.api for a bounded window."""
+    service = ServiceClaimer(url)
+    response = service.get("/healthz")  # connect, as a warm container already has
+    if response["statusCode"] != 200:
+        raise RuntimeError(f"/healthz answered {response['statusCode']}")
+    results.put(_run_window(service.claim, barrier, duration, quota))
+
+
+def floor_worker(url: str, barrier, results, duration: float, quota: int) -> None:
+    """One bare pg8000 client running the floor statement for a bounded window."""
+    from claims_db import connect
+
+    connection = connect(url, "bench-floor")
+
+    def claim() -> tuple[str, None]:
+        rows = connection.run(FLOOR_CLAIM)
+        return (rows[0][0] if rows else ""), None
+
+    results.put(_run_window(claim, barrier, duration, quota))
+    connection.close()
