@@ -226,7 +226,10 @@ class Bench:
         values (PLAN_WITH_VALUES) where it has that setting."""
         if not getattr(self.handler.database(), "_generic_plans", False):
             return False
-        promote = statement == self.handler.PROMOTE_DUE_APPS
+        promote = statement in (
+            self.handler.PROMOTE_STALE_BATCH,
+            self.handler.PROMOTE_EXPIRED_LEASES,
+        )
         return not (promote and hasattr(self.handler, "PLAN_WITH_VALUES"))
 
     def explain(
@@ -455,13 +458,14 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         result.first_after_upgrade = seconds
         (due,) = bench.sql.run("SELECT count(*) FROM apps WHERE due")[0]
         say(
-            f"   {ms(seconds)} (new API process: connect, record the policy, first promotion:"
-            f" {due:,} rows flagged due; {candidates:,} candidates)"
+            f"   {ms(seconds)} (new API process: connect, record the policy, promote;"
+            f" {due:,} rows flagged due, most by the migration step; {candidates:,} candidates)"
         )
         bench.check_oracle("first claim", expected, appid, result)
         promote = bench.explain(
-            handler.PROMOTE_DUE_APPS,
+            handler.PROMOTE_STALE_BATCH,
             horizon_seconds=handler.PROMOTION_HORIZON_SECONDS,
+            batch=handler.PROMOTION_BATCH,
             **policy.sql_params(),
         )
         say(
@@ -493,12 +497,16 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
             "CLAIM_NEXT_APP (service claim)", handler.CLAIM_NEXT_APP, claim_plan, result
         )
         promote = bench.explain(
-            handler.PROMOTE_DUE_APPS,
+            handler.PROMOTE_STALE_BATCH,
             horizon_seconds=handler.PROMOTION_HORIZON_SECONDS,
+            batch=handler.PROMOTION_BATCH,
             **policy.sql_params(),
         )
         bench.print_explain(
-            "PROMOTE_DUE_APPS (every 15 s per process)", handler.PROMOTE_DUE_APPS, promote, result
+            "PROMOTE_STALE_BATCH (every 15 s per process)",
+            handler.PROMOTE_STALE_BATCH,
+            promote,
+            result,
         )
         result.promote_ms = _plan_time(promote, "Execution Time")
         say(
@@ -760,9 +768,17 @@ def _seq_scan_check(bench: Bench, policy) -> list[str]:
     for title, statement, params in (
         ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": "x"}),
         (
-            "PROMOTE_DUE_APPS",
-            bench.handler.PROMOTE_DUE_APPS,
+            "PROMOTE_EXPIRED_LEASES",
+            bench.handler.PROMOTE_EXPIRED_LEASES,
             {"horizon_seconds": bench.handler.PROMOTION_HORIZON_SECONDS},
+        ),
+        (
+            "PROMOTE_STALE_BATCH",
+            bench.handler.PROMOTE_STALE_BATCH,
+            {
+                "horizon_seconds": bench.handler.PROMOTION_HORIZON_SECONDS,
+                "batch": bench.handler.PROMOTION_BATCH,
+            },
         ),
     ):
         scans = _explain_plain(bench, statement, {**params, **policy.sql_params()})
