@@ -253,13 +253,13 @@ SELECT count(*) FROM flagged
 PROMOTE_STALE_BATCH = f"""
 WITH flagged AS (
     UPDATE apps SET due = true
-    WHERE appid IN (
+    WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE}
           AND COALESCE(analysed, '-infinity')
               < now() - make_interval(days => :stale_days) + make_interval(secs => :horizon_seconds)
         ORDER BY COALESCE(analysed, '-infinity')
-        LIMIT :batch)
+        LIMIT :batch))
     RETURNING 1
 )
 SELECT count(*) FROM flagged
@@ -1264,9 +1264,13 @@ def apply_migrations(
 
 def migrate_and_promote(db: Database) -> list[str]:
     """apply_migrations, then the promoter once: the first claim after a deploy (after an
-    upgrade that found 100k stale analyses, say) does not pay for flagging them."""
+    upgrade that found 100k stale analyses, say) does not pay for flagging them. After a
+    mass flagging, VACUUM clears the index entries of the rows' old versions, which the
+    next promotions would otherwise visit (autovacuum waits for a fifth of the table)."""
     applied = apply_migrations(db)
-    promote_due_apps(db, settings().policy, force=True)
+    _, stale = promote_due_apps(db, settings().policy, force=True)
+    if stale > PROMOTION_BATCH:
+        db.run("VACUUM (ANALYZE) apps")
     return applied
 
 
