@@ -11,7 +11,8 @@ One file, read top to bottom:
 
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
-schedule). CLI: `python handler.py serve|migrate|queue-status|priority-report|queue-refetch`.
+schedule). CLI: `python handler.py serve|migrate|queue-status|priority-report|queue-refetch|
+invoke`.
 """
 
 from __future__ import annotations
@@ -603,8 +604,10 @@ class Database:
 
     def _attempt(self, work: Callable[[Session], Any], in_transaction: bool) -> Any:
         """work(session), tried once more on a new connection if the connection was
-        found dead: nothing of a transaction whose connection died was committed, so the
-        retry cannot apply it twice."""
+        found dead. Work whose connection died before its COMMIT was answered rolled
+        back, so the retry does it once. Only a connection lost during the COMMIT itself
+        leaves it unknown; then a claim may leave one extra app processing until its
+        lease expires, or an upload may add a second history row."""
         with self._lock:
             for attempt in (1, 2):
                 session = self._connect()
@@ -1870,11 +1873,15 @@ def _local_defaults() -> None:
     if not config.database_url and not config.db_host:
         os.environ["DATABASE_URL"] = start_embedded_postgres(HERE / ".local" / "pgdata")
         print("embedded PostgreSQL:", os.environ["DATABASE_URL"], file=sys.stderr)
-    for name, local_value in (
-        ("UPLOAD_PASSWORD", "local-upload-password"),
-        ("ADMIN_TOKEN", "local-admin-token"),
+    for name, configured, local_value in (
+        (
+            "UPLOAD_PASSWORD",
+            config.upload_password or config.upload_password_secret,
+            "local-upload-password",
+        ),
+        ("ADMIN_TOKEN", config.admin_token or config.admin_token_secret, "local-admin-token"),
     ):
-        if not os.environ.get(name) and not os.environ.get(f"{name}_SECRET"):
+        if not configured:
             os.environ[name] = local_value
             print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
     settings.cache_clear()
