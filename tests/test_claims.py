@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import re
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -335,3 +336,18 @@ def test_oracle_on_random_states(client, sql, monkeypatch, seed):
                     " WHERE appid = :appid",
                     appid=got,
                 )
+
+
+def test_rows_falling_due_while_the_service_runs_are_claimed_without_a_new_promotion(client, sql):
+    """The promoter runs at most every 15 s; what falls due in between was flagged ahead
+    (the horizon), so the next claim finds it on time."""
+    soon = datetime.now(UTC) + timedelta(seconds=3)
+    insert_app(sql, "stale.soon", status="analysed", version=4, analysed=soon - timedelta(days=180))
+    insert_app(
+        sql, "lease.soon", status="processing", processing_started=soon - timedelta(minutes=120)
+    )
+    assert claim(client) == ""  # promotes now, both flagged ahead of time
+    time.sleep(4)
+    # No time_passes(): the promotion memo still says "just ran".
+    got = {client.get("/queue", headers=ANALYSER).text for _ in range(2)}
+    assert got == {"stale.soon", "lease.soon"}
