@@ -405,6 +405,10 @@ UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND
 LEDGER_RECORD = "INSERT INTO schema_migrations (filename, checksum) VALUES (:filename, :checksum)"
 LEDGER_TRY_LOCK = "SELECT pg_try_advisory_lock(:key)"
 LEDGER_UNLOCK = "SELECT pg_advisory_unlock(:key)"
+VACUUM_APPS = "VACUUM (ANALYZE) apps"
+HEALTH_CHECK = "SELECT 1"
+BACKEND_PID = "SELECT pg_backend_pid()"
+TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 
 
 # ---------------------------------------------------------------------------------------
@@ -1273,7 +1277,7 @@ def migrate_and_promote(db: Database) -> list[str]:
     applied = apply_migrations(db)
     _, stale = promote_due_apps(db, settings().policy, force=True)
     if stale > PROMOTION_BATCH:
-        db.run("VACUUM (ANALYZE) apps")
+        db.run(VACUUM_APPS)
     return applied
 
 
@@ -1553,7 +1557,7 @@ async def get_app(request: Request) -> JSONResponse:
 
 @app.get("/healthz")
 async def healthz() -> JSONResponse:
-    database().run("SELECT 1")
+    database().run(HEALTH_CHECK)
     return JSONResponse({"status": "ok"})
 
 
@@ -1731,7 +1735,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
             def work() -> list[str]:
                 try:
-                    ((session["pid"],),) = runner.run("SELECT pg_backend_pid()")
+                    ((session["pid"],),) = runner.run(BACKEND_PID)
                     if stopped.is_set():
                         raise TimeoutError("stopped before the migrations began")
                     return migrate_and_promote(runner)
@@ -1741,7 +1745,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
             def end_session() -> None:
                 killer = migration_database()
                 try:
-                    killer.run("SELECT pg_terminate_backend(:pid)", pid=session["pid"])
+                    killer.run(TERMINATE_BACKEND, pid=session["pid"])
                 finally:
                     killer.discard()
 
