@@ -659,6 +659,9 @@ class Database:
 
 _database: Database | None = None
 _database_lock = threading.Lock()
+# When this process last ran the promoter (promote_due_apps), per policy: it describes
+# what this process did to its database, so it is forgotten with the connection.
+_promotions: dict[QueuePolicy, float] = {}
 
 
 def database() -> Database:
@@ -863,9 +866,6 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # best of those heads and re-checks CANDIDATE, so the `due` flag is bookkeeping, never a
 # decision: the result is always the first candidate of the rule.
 # ---------------------------------------------------------------------------------------
-
-_promotions: dict[QueuePolicy, float] = {}
-
 
 def promote_due_apps(db: Database, policy: QueuePolicy, force: bool = False) -> tuple[int, int]:
     """Flag rows due by time (expired leases, stale analyses) into the claim index.
@@ -1903,18 +1903,19 @@ def _cli_serve(args: argparse.Namespace) -> int:
 
 
 class LocalContext:
-    """The parts of a Lambda context the entry points read, for `invoke`."""
+    """The parts of a Lambda context the entry points read (Powertools' logger, the
+    migration's deadline), for `invoke`, the tests and the benchmarks."""
 
-    function_name = "local"
     memory_limit_in_mb = 512
-    invoked_function_arn = "arn:aws:lambda:local:000000000000:function:local"
     aws_request_id = "local-invoke"
 
-    def __init__(self, seconds: float = 900):
+    def __init__(self, seconds: float = 900, function_name: str = "local"):
+        self.function_name = function_name
+        self.invoked_function_arn = f"arn:aws:lambda:local:000000000000:function:{function_name}"
         self._deadline = time.monotonic() + seconds
 
     def get_remaining_time_in_millis(self) -> int:
-        return int((self._deadline - time.monotonic()) * 1000)
+        return max(0, int((self._deadline - time.monotonic()) * 1000))
 
 
 def _cli_invoke(args: argparse.Namespace) -> int:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
-NOW_SQL = "now()"
-
 
 def days_ago(days: float) -> datetime:
     return datetime.now(UTC) - timedelta(days=days)

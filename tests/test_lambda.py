@@ -58,18 +58,10 @@ EVENT_TESTS = {
 }
 
 
-class LambdaContext:
-    """What Powertools' inject_lambda_context and the handlers read of Lambda's context."""
-
-    def __init__(self, name: str = "analysis-queue-Function", remaining_ms: int = 600_000):
-        self.function_name = name
-        self.memory_limit_in_mb = 512
-        self.invoked_function_arn = f"arn:aws:lambda:us-east-1:123456789012:function:{name}"
-        self.aws_request_id = "7c1a2b3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d"
-        self._deadline = time.monotonic() + remaining_ms / 1000
-
-    def get_remaining_time_in_millis(self) -> int:
-        return max(0, int((self._deadline - time.monotonic()) * 1000))
+def LambdaContext(
+    name: str = "analysis-queue-Function", remaining_ms: int = 600_000
+) -> handler.LocalContext:
+    return handler.LocalContext(remaining_ms / 1000, function_name=name)
 
 
 def load_event(name: str) -> dict:
@@ -1330,16 +1322,8 @@ import json, os, sys
 sys.path.insert(0, sys.argv[1])
 event = json.load(open(sys.argv[2]))
 
-class Context:
-    function_name = "probe"
-    memory_limit_in_mb = 128
-    invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:probe"
-    aws_request_id = "probe"
-    def get_remaining_time_in_millis(self):
-        return 60000
-
 import handler
-answer = handler.api(event, Context())
+answer = handler.api(event, handler.LocalContext(60, "probe"))
 seen = {"status": answer["statusCode"], "body": answer["body"],
         "boto3": "boto3" in sys.modules,
         "parameters": "aws_lambda_powertools.utilities.parameters" in sys.modules}
@@ -1347,7 +1331,7 @@ seen = {"status": answer["statusCode"], "body": answer["body"],
 os.environ.pop("UPLOAD_PASSWORD")
 os.environ["UPLOAD_PASSWORD_SECRET"] = "secretsmanager:queue/upload"
 handler.settings.cache_clear()
-answer = handler.api(event, Context())
+answer = handler.api(event, handler.LocalContext(60, "probe"))
 seen.update(after_status=answer["statusCode"], after_boto3="boto3" in sys.modules)
 print(json.dumps(seen))
 """
