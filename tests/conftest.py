@@ -25,7 +25,9 @@ import handler  # noqa: E402
 
 UPLOAD_PASSWORD = "test-upload-password"
 ADMIN_TOKEN = "test-admin-token"
-TEMPLATE_DB = "queue_template"
+# One template per test run, so that suites running side by side (two checkouts, CI's two
+# passes) never drop each other's template.
+TEMPLATE_DB = f"queue_template_{os.getpid()}"
 
 
 def with_database(url: str, name: str) -> str:
