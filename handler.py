@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import secrets
@@ -93,6 +94,8 @@ class Settings:
     policy: QueuePolicy
     max_body_bytes: int
     statement_timeout_ms: int
+    lock_timeout_ms: int
+    promotion_budget_ms: int
     migration_lock_timeout: str
     migration_wait_seconds: int
 
@@ -110,8 +113,24 @@ def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0)
     return value
 
 
+# Lambda refuses an invocation over 6 MB (6,291,456 bytes). A body API Gateway sends
+# base64-encoded grows by 4/3, so 4.5 MB of body is 6,000,000 bytes in the event, which
+# leaves room for the event's other fields.
+DEFAULT_MAX_BODY_BYTES = 4_500_000
+
+
 def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ if env is None else env)
+    # Statements on the API connection: a claim takes a millisecond, so a statement that
+    # runs for seconds is a sick database, answered 503. Waiting for a lock is cut much
+    # sooner: a row or table another session holds must not stall /queue (503 instead).
+    statement_timeout_ms = _int_setting(env, "STATEMENT_TIMEOUT_MS", 5_000)
+    lock_timeout_ms = _int_setting(env, "LOCK_TIMEOUT_MS", 1_000, minimum=1)
+    if statement_timeout_ms and lock_timeout_ms >= statement_timeout_ms:
+        raise ConfigError(
+            f"LOCK_TIMEOUT_MS ({lock_timeout_ms}) must be below"
+            f" STATEMENT_TIMEOUT_MS ({statement_timeout_ms})"
+        )
     return Settings(
         database_url=env.get("DATABASE_URL") or None,
         db_host=env.get("DB_HOST") or None,
@@ -132,8 +151,10 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
                 env, "PROCESSING_TIMEOUT_MINUTES", 120, minimum=1
             ),
         ),
-        max_body_bytes=_int_setting(env, "MAX_BODY_BYTES", 5_000_000, minimum=1),
-        statement_timeout_ms=_int_setting(env, "STATEMENT_TIMEOUT_MS", 20_000),
+        max_body_bytes=_int_setting(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, minimum=1),
+        statement_timeout_ms=statement_timeout_ms,
+        lock_timeout_ms=lock_timeout_ms,
+        promotion_budget_ms=_int_setting(env, "PROMOTION_BUDGET_MS", 200, minimum=1),
         migration_lock_timeout=env.get("MIGRATION_LOCK_TIMEOUT") or "10s",
         migration_wait_seconds=_int_setting(env, "MIGRATION_WAIT_SECONDS", 300),
     )
@@ -167,6 +188,7 @@ metrics = Metrics(
 # and flags what falls due within the horizon, so a claim never misses a row that became
 # due since the last run.
 PROMOTE_EVERY_SECONDS = 15
+PROMOTION_BATCH = 2000
 PROMOTION_HORIZON_SECONDS = 60
 MIGRATIONS_LOCK_KEY = 7_311_020_260  # pg_advisory_lock key serialising ledger runners
 CUSTOM_RESOURCE_ID = "analysis-queue-migrations"
@@ -197,25 +219,79 @@ CANDIDATE_REASON = """CASE
 END"""
 RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryable))"
 
-# The claim: the best of the heads of apps_claim_order (queued + promoted) and of
-# apps_version_order (one probe per old version). Locks on the heads not chosen are
-# released at the end of the statement; SKIP LOCKED keeps concurrent claimers apart.
+# --- SQL: the claim -----------------------------------------------------------------
+#
+# The claim hands out the best of a few index heads, each read with FOR UPDATE SKIP
+# LOCKED (concurrent claimers pass each other's rows; the locks on heads not chosen end
+# with the statement):
+#   head           apps_claim_order: queued rows and rows the promoter flagged `due`;
+#   version_heads  apps_version_order: one head per old analysis version present
+#                  (found by a skip scan, so negative and NULL versions count too);
+#   lease_heads    expired leases not flagged yet (normally none: apps_processing_started);
+#   stale_heads    stale analyses not flagged yet, one head per analysis day older than
+#                  the cutoff (apps_stale_day_order). Read only when the oldest unflagged
+#                  analysis (the head of apps_stale_watch) is past the cutoff: after a
+#                  policy change, while the promoter is still flagging in batches.
+# Every head re-checks CANDIDATE, so the flag is bookkeeping, never a decision.
+OLD_VERSIONS = f"""old_versions(version) AS (
+    SELECT min(COALESCE(analysisversion, 0)) FROM apps
+    WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) < :analysis_version
+  UNION ALL
+    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE}
+              AND COALESCE(analysisversion, 0) > v.version
+              AND COALESCE(analysisversion, 0) < :analysis_version)
+    FROM old_versions v WHERE v.version IS NOT NULL
+)"""
+STALE_CUTOFF = "now() - make_interval(days => :stale_days)"
+LEASE_CUTOFF = "now() - make_interval(mins => :timeout_minutes)"
+UNFLAGGED_STALE_EXIST = f"""(
+    SELECT min(COALESCE(analysed, '-infinity')) FROM apps WHERE NOT due AND {RETRY_ELIGIBLE}
+) < {STALE_CUTOFF}"""
+STALE_DAYS = f"""stale_days(day) AS (
+    SELECT min(analysis_day(analysed)) FROM apps
+    WHERE NOT due AND {RETRY_ELIGIBLE} AND {UNFLAGGED_STALE_EXIST}
+  UNION ALL
+    SELECT (SELECT min(analysis_day(analysed)) FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE}
+              AND analysis_day(analysed) > d.day
+              AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
+    FROM stale_days d WHERE d.day IS NOT NULL AND d.day < analysis_day({STALE_CUTOFF})
+)"""
+CLAIM_KEYS = "appid, app_popularity(details) AS popularity, added"
 CLAIM_NEXT_APP = f"""
-WITH head AS (
-    SELECT appid, app_popularity(details) AS popularity, added FROM apps
+WITH RECURSIVE {OLD_VERSIONS}, {STALE_DAYS},
+head AS (
+    SELECT {CLAIM_KEYS} FROM apps
     WHERE (status = 'queued' OR due) AND {CANDIDATE}
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), version_heads AS (
-    SELECT h.* FROM generate_series(0, :analysis_version - 1) AS v(version)
-    CROSS JOIN LATERAL (
-        SELECT appid, app_popularity(details) AS popularity, added FROM apps
+    SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
+        SELECT {CLAIM_KEYS} FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
         ORDER BY {CLAIM_ORDER}
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
+), lease_heads AS (
+    SELECT {CLAIM_KEYS} FROM apps
+    WHERE status = 'processing' AND NOT due
+      AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})
+    ORDER BY {CLAIM_ORDER}
+    LIMIT 1 FOR UPDATE SKIP LOCKED
+), stale_heads AS (
+    SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
+        SELECT {CLAIM_KEYS} FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND analysis_day(analysed) = d.day
+          AND COALESCE(analysed, '-infinity') < {STALE_CUTOFF}
+        ORDER BY {CLAIM_ORDER}
+        LIMIT 1 FOR UPDATE SKIP LOCKED
+    ) h
 ), choice AS (
-    SELECT appid FROM (SELECT * FROM head UNION ALL SELECT * FROM version_heads) c
+    SELECT appid FROM (
+        SELECT * FROM head UNION ALL SELECT * FROM version_heads
+        UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
+    ) c
     ORDER BY popularity DESC, added, appid
     LIMIT 1
 )
@@ -235,18 +311,25 @@ WHERE appid = (
 RETURNING appid
 """
 
-# Promotion: flag the non-queued rows that are (or within the horizon will be) due by
-# time — expired leases and stale analyses — so they join apps_claim_order. Both read
-# index ranges over the rows that fell due, normally none. Stale rows go in batches in
-# analysis-time order: without the ORDER BY ... LIMIT the planner, which cannot see that
-# the flagged rows left the partial index, estimates a fifth of the table and scans it.
-PROMOTE_EXPIRED_LEASES = """
+# --- SQL: promotion ------------------------------------------------------------------
+#
+# Flag the non-queued rows that are (or within the horizon will be) due by time, expired
+# leases and stale analyses, so that they join apps_claim_order. Each statement flags
+# one bounded batch and commits it, so a mass change (STALE_ANALYSIS_DAYS lowered over a
+# million analyses) is worked off over several requests, each within its time budget,
+# and what was done survives a killed process. Rows locked elsewhere are skipped, never
+# waited for. Stale rows go in analysis-time order (apps_stale_watch): without the ORDER
+# BY ... LIMIT the planner, which cannot see that flagged rows left the partial index,
+# estimates a fifth of the table and scans it.
+PROMOTE_EXPIRED_LEASES = f"""
 WITH flagged AS (
     UPDATE apps SET due = true
-    WHERE status = 'processing' AND NOT due
-      AND (processing_started IS NULL OR processing_started
-           < now() - make_interval(mins => :timeout_minutes)
-             + make_interval(secs => :horizon_seconds))
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps
+        WHERE status = 'processing' AND NOT due
+          AND (processing_started IS NULL
+               OR processing_started < {LEASE_CUTOFF} + make_interval(secs => :horizon_seconds))
+        LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
 SELECT count(*) FROM flagged
@@ -258,47 +341,104 @@ WITH flagged AS (
         SELECT appid FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE}
           AND COALESCE(analysed, '-infinity')
-              < now() - make_interval(days => :stale_days) + make_interval(secs => :horizon_seconds)
+              < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
         ORDER BY COALESCE(analysed, '-infinity')
-        LIMIT :batch))
+        LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
 SELECT count(*) FROM flagged
 """
-PROMOTION_BATCH = 5000
-
 PLAN_WITH_VALUES = "SET LOCAL plan_cache_mode = force_custom_plan"
 
-# The policy the promoter last applied; a change clears due flags that no longer hold
-# (a longer timeout or staleness window, or an older current version).
+# The policy the promoter last applied. When it changes, the flags the new policy no
+# longer supports (a longer staleness window or lease, an older current version) are
+# cleared in batches in claim order (the claim walks past such rows at the head of
+# apps_claim_order), and the new policy is recorded only once none is left.
+QUEUE_POLICY_APPLIED = """
+SELECT (analysis_version, stale_days, processing_timeout_minutes)
+       IS NOT DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
+FROM queue_policy
+"""
 RECORD_QUEUE_POLICY = """
 UPDATE queue_policy
 SET analysis_version = :analysis_version, stale_days = :stale_days,
     processing_timeout_minutes = :timeout_minutes, applied = now()
-WHERE (analysis_version, stale_days, processing_timeout_minutes)
-      IS DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
+WHERE singleton = (SELECT singleton FROM queue_policy FOR UPDATE SKIP LOCKED)
 RETURNING 1
 """
 CLEAR_STALE_DUE_FLAGS = f"""
-UPDATE apps SET due = false
-WHERE due AND status <> 'queued' AND NOT {CANDIDATE}
-  AND NOT (status = 'processing' AND processing_started
-           >= now() - make_interval(mins => :timeout_minutes))
+WITH cleared AS (
+    UPDATE apps SET due = false
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps
+        WHERE due AND status <> 'queued' AND NOT {CANDIDATE}
+          AND NOT (status = 'processing' AND processing_started >= {LEASE_CUTOFF})
+        ORDER BY {CLAIM_ORDER}
+        LIMIT :batch FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT count(*) FROM cleared
 """
 
+# --- SQL: an app's state ---------------------------------------------------------------
+#
+# JSON columns are read as text and spliced into responses as they are: the service never
+# parses a stored document, so no stored value (however deep, however large) can fail to
+# decode on the way out.
+APP_COLUMNS = (
+    "appid",
+    "details",
+    "analysis",
+    "analysisversion",
+    "analysed",
+    "added",
+    "status",
+    "processing_started",
+    "failure_reason",
+    "failure_retryable",
+    "claim_token",
+    "popularity",
+)
 FIND_APP = """
-SELECT appid, details, analysis, analysisversion, analysed, added, status,
+SELECT appid, details::text, analysis::text, analysisversion, analysed, added, status,
        processing_started, failure_reason, failure_retryable, claim_token,
-       app_popularity(details) AS popularity
+       app_popularity(details)
 FROM apps WHERE lower(appid) = lower(:appid)
 """
-FIND_APP_FOR_UPDATE = FIND_APP + " FOR UPDATE"
+FIND_APP_FOR_UPDATE = """
+SELECT appid, claim_token FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
+"""
 
+# The public queue position: candidates ahead of the app in claim order, counted from the
+# same index heads the claim reads and only up to QUEUE_POSITION_BOUND per source, so it
+# costs about as much as a claim at any size. Each source is split into "more popular"
+# and "as popular, added earlier" so both halves are index ranges. Stale analyses the
+# promoter has not flagged yet are not counted (the answer says so).
+QUEUE_POSITION_BOUND = 1000
+
+
+def _rows_ahead(where: str) -> str:
+    return f"""(SELECT 1 FROM apps WHERE {where} AND app_popularity(details) > :popularity
+     LIMIT :bound)
+    UNION ALL
+    (SELECT 1 FROM apps WHERE {where} AND app_popularity(details) = :popularity
+       AND (added, appid) < (:added, :appid)
+     LIMIT :bound)"""
+
+
+QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
+OLD_VERSION_ROW = f"NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version"
+UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due
+    AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})"""
 QUEUE_POSITION = f"""
-SELECT count(*) + 1 FROM apps
-WHERE {CANDIDATE}
-  AND (app_popularity(details) > :popularity
-       OR (app_popularity(details) = :popularity AND (added, appid) < (:added, :appid)))
+WITH RECURSIVE {OLD_VERSIONS}
+SELECT
+    (SELECT count(*) FROM ({_rows_ahead(QUEUED_OR_DUE_CANDIDATE)}
+        UNION ALL {_rows_ahead(UNFLAGGED_EXPIRED_LEASE)}) ahead)
+    + (SELECT COALESCE(sum(per_version.n), 0) FROM old_versions v CROSS JOIN LATERAL (
+        SELECT count(*) AS n FROM ({_rows_ahead(OLD_VERSION_ROW)}) ahead) per_version
+       WHERE v.version IS NOT NULL),
+    {UNFLAGGED_STALE_EXIST}
 """
 
 STORE_RESULT = """
@@ -307,7 +447,7 @@ UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
                 failure_retryable = :failure_retryable, processing_started = NULL,
                 claim_token = NULL, due = false
 WHERE appid = :appid
-RETURNING appid, details, analysed
+RETURNING appid, details::text, analysed
 """
 
 RECORD_HISTORY = """
@@ -406,7 +546,17 @@ LEDGER_RECORD = "INSERT INTO schema_migrations (filename, checksum) VALUES (:fil
 LEDGER_TRY_LOCK = "SELECT pg_try_advisory_lock(:key)"
 LEDGER_UNLOCK = "SELECT pg_advisory_unlock(:key)"
 VACUUM_APPS = "VACUUM (ANALYZE) apps"
-HEALTH_CHECK = "SELECT 1"
+INVALID_INDEXES = """
+SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE NOT i.indisvalid AND n.nspname = current_schema()
+"""
+# Healthy means a claim could run now: the server takes writes, and apps can be read
+# under the API's lock_timeout (a migration holding ACCESS EXCLUSIVE on apps fails this).
+HEALTH_CHECK = """
+SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off',
+       (SELECT count(*) FROM (SELECT 1 FROM apps WHERE status = 'queued' OR due LIMIT 1) x)
+"""
 BACKEND_PID = "SELECT pg_backend_pid()"
 TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 
@@ -541,26 +691,58 @@ def connection_arguments(config: Settings) -> dict[str, Any]:
 class Session:
     """One open connection as the queue code uses it: `run(sql, **params)` executes a
     named prepared statement, parsed and planned once per connection. (Planning the
-    claim costs more than running it: about 2 ms against 0.5 ms.)"""
+    claim costs more than running it: about 2 ms against 0.5 ms.)
+
+    `in_step` is False once anything but a complete PostgreSQL error reply interrupted a
+    statement: a decoding error, a RecursionError, KeyboardInterrupt, a bug in the
+    driver. Such an exception can leave part of the server's reply unread on the socket,
+    where the next statement would take it for its own answer, so the Database discards
+    the connection. A PostgreSQL error reply is different: pg8000 reads it to the end
+    (ReadyForQuery) before raising, so the connection is still in step."""
 
     def __init__(self, connection: pg8000.native.Connection):
         self.connection = connection
+        self.in_step = True
         self._prepared: dict[str, Any] = {}
+
+    def _guarded(self, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except BaseException as error:
+            if not _is_server_reply(error):
+                self.in_step = False
+            raise
 
     def run(self, sql: str, **params: Any) -> list[list[Any]]:
         statement = self._prepared.get(sql)
         if statement is None:
-            statement = self._prepared[sql] = self.connection.prepare(sql)
+            statement = self._prepared[sql] = self._guarded(lambda: self.connection.prepare(sql))
         try:
-            return statement.run(**params)
+            return self._guarded(lambda: statement.run(**params))
         except pg8000.native.DatabaseError as error:
             if sqlstate(error) != "0A000":  # a migration changed a table under the plan
                 raise
             self._prepared.pop(sql, None)
-            return self.connection.run(sql, **params)
+            return self._guarded(lambda: self.connection.run(sql, **params))
+
+    def execute(self, sql: str) -> None:
+        """A statement without parameters or plan (BEGIN, COMMIT, ROLLBACK, SET)."""
+        self._guarded(lambda: self.connection.run(sql))
 
     def close(self) -> None:
         self.connection.close()
+
+
+def _is_server_reply(error: BaseException) -> bool:
+    """A complete error reply from PostgreSQL about the statement, on a live connection."""
+    return sqlstate(error) is not None and not _is_connection_lost(error)
+
+
+# The API's socket timeout is the statement timeout plus this: a dead network path (no
+# reply, no reset) fails the read instead of hanging until Lambda's timeout. A request
+# that finds its connection dead tries once more on a new one, so the worst case on a
+# dead path is two socket timeouts; template.yaml's ApiFunction Timeout is above that.
+API_SOCKET_MARGIN_SECONDS = 2
 
 
 class Database:
@@ -572,11 +754,17 @@ class Database:
         statement_timeout_ms: int = 0,
         socket_timeout: float | None = None,
         generic_plans: bool = False,
+        lock_timeout_ms: int = 0,
     ):
         self._arguments = arguments
-        self._statement_timeout_ms = statement_timeout_ms
+        self._settings = []
+        if statement_timeout_ms:
+            self._settings.append(f"SET statement_timeout = {int(statement_timeout_ms)}")
+        if lock_timeout_ms:
+            self._settings.append(f"SET lock_timeout = {int(lock_timeout_ms)}")
+        if generic_plans:
+            self._settings.append("SET plan_cache_mode = force_generic_plan")
         self._socket_timeout = socket_timeout
-        self._generic_plans = generic_plans
         self._session: Session | None = None
         self._lock = threading.RLock()
 
@@ -590,11 +778,16 @@ class Database:
                 )
             except (pg8000.native.InterfaceError, pg8000.native.DatabaseError, OSError) as error:
                 raise DatabaseUnavailable("cannot connect to the database") from error
-            if self._statement_timeout_ms:
-                connection.run(f"SET statement_timeout = {int(self._statement_timeout_ms)}")
-            if self._generic_plans:
-                connection.run("SET plan_cache_mode = force_generic_plan")
-            self._session = Session(connection)
+            session = Session(connection)
+            try:
+                for statement in self._settings:
+                    session.execute(statement)
+            except BaseException as error:
+                session.close()
+                if _is_connection_lost(error):
+                    raise DatabaseUnavailable("lost the database connection") from error
+                raise
+            self._session = session
         return self._session
 
     def discard(self) -> None:
@@ -618,9 +811,9 @@ class Database:
                 try:
                     if not in_transaction:
                         return work(session)
-                    session.connection.run("BEGIN")
+                    session.execute("BEGIN")
                     result = work(session)
-                    session.connection.run("COMMIT")
+                    session.execute("COMMIT")
                     return result
                 except BaseException as error:
                     if _is_connection_lost(error):
@@ -628,11 +821,13 @@ class Database:
                         if attempt == 1:
                             continue
                         raise DatabaseUnavailable("lost the database connection") from error
-                    if in_transaction:
+                    if in_transaction and session.in_step:
                         try:
-                            session.connection.run("ROLLBACK")
-                        except Exception:  # noqa: BLE001 - the original error matters
-                            self.discard()
+                            session.execute("ROLLBACK")
+                        except BaseException:  # noqa: BLE001, S110 - the original error matters
+                            pass
+                    if not session.in_step:
+                        self.discard()
                     raise
         raise AssertionError("unreachable")
 
@@ -646,7 +841,8 @@ class Database:
 
     @contextmanager
     def session(self) -> Iterator[pg8000.native.Connection]:
-        """The raw connection, for work that manages its own transactions (migrations)."""
+        """The raw connection, for work that manages its own transactions (migrations).
+        Any exception but a PostgreSQL error reply discards it (see Session)."""
         with self._lock:
             try:
                 yield self._connect().connection
@@ -654,6 +850,8 @@ class Database:
                 if _is_connection_lost(error):
                     self.discard()
                     raise DatabaseUnavailable("lost the database connection") from error
+                if not _is_server_reply(error):
+                    self.discard()
                 raise
 
 
@@ -676,8 +874,11 @@ def database() -> Database:
                 lambda: connection_arguments(config),
                 config.statement_timeout_ms,
                 socket_timeout=(
-                    config.statement_timeout_ms / 1000 + 5 if config.statement_timeout_ms else None
+                    config.statement_timeout_ms / 1000 + API_SOCKET_MARGIN_SECONDS
+                    if config.statement_timeout_ms
+                    else None
                 ),
+                lock_timeout_ms=config.lock_timeout_ms,
                 # The API's statements are index-head reads and point lookups whose best
                 # plan does not depend on the values; left to choose, PostgreSQL keeps
                 # re-planning the claim (0.3 ms of a 0.7 ms claim).
@@ -737,6 +938,70 @@ def is_valid_bundle_id(value: str) -> bool:
     return (
         0 < len(value) <= 255 and BUNDLE_ID.fullmatch(value) is not None and not value.endswith(".")
     )
+
+
+# JSON the service stores must come back out: nesting is bounded far below Python's
+# recursion limit (1000 by default, lower on some platforms) and PostgreSQL's stack.
+MAX_JSON_DEPTH = 64
+SIMPLE_KEY = re.compile(r"[A-Za-z0-9_]{1,40}")
+# app_popularity() turns details.reviews into the claim index's numeric key; a btree
+# entry holds about 2.7 kB, so a count of thousands of digits would fail the insert.
+MAX_REVIEW_DIGITS = 20
+
+
+def _text_problem(text: str, where: str) -> str | None:
+    if "\x00" in text:
+        return f"{where} holds a NUL character (\\u0000), which PostgreSQL cannot store"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{where} holds a lone UTF-16 surrogate, which is not Unicode text"
+    return None
+
+
+def json_problem(value: Any, name: str) -> str | None:
+    """Why PostgreSQL's jsonb cannot store value as parsed from JSON, or the service could
+    not read it back, naming the place (e.g. "the analysis.trackers[3]"); None if it can."""
+    stack = [(value, name, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, str):
+            problem = _text_problem(item, where)
+        elif isinstance(item, float):
+            finite = math.isfinite(item)
+            problem = None if finite else f"{where} is a number too large to store"
+        elif isinstance(item, dict | list):
+            if depth >= MAX_JSON_DEPTH:
+                return f"{where} nests deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(item, list):
+                stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
+                continue
+            for key, child in item.items():
+                problem = _text_problem(key, f"a key in {where}")
+                if problem:
+                    return problem
+                inner = f"{where}.{key}" if SIMPLE_KEY.fullmatch(key) else f"{where}[…]"
+                stack.append((child, inner, depth + 1))
+            continue
+        else:
+            problem = None
+        if problem:
+            return problem
+    return None
+
+
+def details_problem(details: dict[str, Any]) -> str | None:
+    """Beyond json_problem: what the claim index needs of an app's details."""
+    reviews = details.get("reviews")
+    if isinstance(reviews, bool):
+        return None
+    digits = str(reviews) if isinstance(reviews, int | str) else ""
+    if digits.isascii() and digits.isdigit() and len(digits) > MAX_REVIEW_DIGITS:
+        return (
+            f"details.reviews has {len(digits)} digits;"
+            f" a review count has at most {MAX_REVIEW_DIGITS}"
+        )
+    return json_problem(details, "details")
 
 
 def classify_analysis_failure(log_text: str) -> tuple[str, bool]:
@@ -806,6 +1071,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class RawJSON(str):
+    """JSON text from the database, spliced into a response as it is (see json_text)."""
+
+    @classmethod
+    def of(cls, text: str | None) -> RawJSON | None:
+        return None if text is None else cls(text)
+
+
+def json_text(value: Any) -> str:
+    """The JSON text of value, with RawJSON parts copied in, never parsed: a stored
+    document of any depth or size is answered as PostgreSQL wrote it."""
+    if isinstance(value, RawJSON):
+        return str(value)
+    if isinstance(value, dict):
+        items = (
+            json.dumps(str(k), ensure_ascii=False) + ":" + json_text(v) for k, v in value.items()
+        )
+        return "{" + ",".join(items) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(json_text(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
 def format_queue_status(status: dict[str, Any]) -> str:
     counts, backlog = status["counts"], status["backlog"]
     lines = ["Apps by state"]
@@ -858,52 +1146,98 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # Queue operations: the queue logic applied to the database.
 #
-# How /queue stays an index read at any size (sql/010-012): filtering CANDIDATE and
-# sorting grows with the table, so the claim reads index heads instead. Queued rows, and
-# rows the promoter flagged `due` (expired lease, stale analysis), are in
-# apps_claim_order, in claim order; rows due only because their version is old are read
-# from the head of apps_version_order, one probe per old version. The claim takes the
-# best of those heads and re-checks CANDIDATE, so the `due` flag is bookkeeping, never a
-# decision: the result is always the first candidate of the rule.
+# How /queue stays an index read at any size (sql/010-016): filtering CANDIDATE and
+# sorting grows with the table, so the claim reads index heads instead ("SQL: the claim"
+# lists them). The promoter moves rows that fell due by time into apps_claim_order in
+# bounded batches; until it has, the claim finds them through the heads of the unflagged
+# rows. So the result is always the first candidate of the rule, however far behind the
+# promoter is, and no request does work that grows with the table.
 # ---------------------------------------------------------------------------------------
 
-def promote_due_apps(db: Database, policy: QueuePolicy, force: bool = False) -> tuple[int, int]:
+
+@dataclasses.dataclass
+class Promotion:
+    """What one run of the promoter did; `complete` is False when its budget ran out."""
+
+    cleared: int = 0
+    leases: int = 0
+    stale: int = 0
+    complete: bool = True
+
+
+def promote_due_apps(
+    db: Database, policy: QueuePolicy, budget_seconds: float | None = None, force: bool = False
+) -> Promotion:
     """Flag rows due by time (expired leases, stale analyses) into the claim index.
 
-    Runs at most every PROMOTE_EVERY_SECONDS per process and looks
-    PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run was
-    already flagged then. Rows flagged early are not handed out early: the claim
-    re-checks the candidate rule. The first run with a new policy clears flags that the
-    new policy no longer supports.
+    Runs at most every PROMOTE_EVERY_SECONDS per process once it has caught up, and
+    looks PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run
+    was already flagged then. Rows flagged early are not handed out early: the claim
+    re-checks the candidate rule. Each batch commits on its own; when budget_seconds run
+    out (checked after each batch, and each step gets one batch) the rest waits for the
+    next call. The first run with a new policy clears flags it no longer supports.
     """
-    now = time.monotonic()
+    started = time.monotonic()
     last = _promotions.get(policy)
-    if not force and last is not None and now - last < PROMOTE_EVERY_SECONDS:
-        return (0, 0)
+    if not force and last is not None and started - last < PROMOTE_EVERY_SECONDS:
+        return Promotion()
+    deadline = None if budget_seconds is None else started + budget_seconds
+    params = {
+        **policy.sql_params(),
+        "horizon_seconds": PROMOTION_HORIZON_SECONDS,
+        "batch": PROMOTION_BATCH,
+    }
 
-    def work(connection: Session) -> tuple[int, int]:
-        # Unlike the claim, these range scans must be planned with the real cutoffs: a
-        # generic plan cannot tell "few rows are due" from "a third are" and scans apps.
-        connection.run(PLAN_WITH_VALUES)
-        if connection.run(RECORD_QUEUE_POLICY, **policy.sql_params()):
-            connection.run(CLEAR_STALE_DUE_FLAGS, **policy.sql_params())
-        params = {**policy.sql_params(), "horizon_seconds": PROMOTION_HORIZON_SECONDS}
-        ((leases,),) = connection.run(PROMOTE_EXPIRED_LEASES, **params)
-        stale, batch = 0, PROMOTION_BATCH
-        while batch == PROMOTION_BATCH:  # a full batch: there may be more
-            ((batch,),) = connection.run(PROMOTE_STALE_BATCH, batch=PROMOTION_BATCH, **params)
-            stale += batch
-        return leases, stale
+    def batch(sql: str) -> int:
+        def work(session: Session) -> int:
+            # Unlike the claim, these range scans must be planned with the real cutoffs: a
+            # generic plan cannot tell "few rows are due" from "a third are" and scans apps.
+            session.execute(PLAN_WITH_VALUES)
+            ((count,),) = session.run(sql, **params)
+            return count
 
-    promoted = db.transaction(work)
-    _promotions.clear()
-    _promotions[policy] = now
-    return promoted
+        return db.transaction(work)
+
+    def batches(sql: str) -> tuple[int, bool]:
+        total = 0
+        while True:
+            count = batch(sql)
+            total += count
+            if count < PROMOTION_BATCH:
+                return total, True
+            if deadline is not None and time.monotonic() >= deadline:
+                return total, False
+
+    done = Promotion()
+    ((applied,),) = db.run(QUEUE_POLICY_APPLIED, **policy.sql_params())
+    if not applied:
+        done.cleared, cleared_all = batches(CLEAR_STALE_DUE_FLAGS)
+        recorded = cleared_all and bool(db.run(RECORD_QUEUE_POLICY, **policy.sql_params()))
+        done.complete = recorded
+    done.leases, leases_done = batches(PROMOTE_EXPIRED_LEASES)
+    done.stale, stale_done = batches(PROMOTE_STALE_BATCH)
+    done.complete = done.complete and leases_done and stale_done
+    if done.complete:
+        _promotions.clear()
+        _promotions[policy] = started
+    return done
 
 
-def claim_next_app(db: Database, policy: QueuePolicy, app_id: str | None = None):
+def claim_next_app(
+    db: Database,
+    policy: QueuePolicy,
+    app_id: str | None = None,
+    promotion_budget_seconds: float | None = None,
+) -> tuple[str, str] | None:
     """Hand out the next app (or the named one, if it is a candidate): (appid, token)."""
-    promote_due_apps(db, policy)
+    try:
+        promote_due_apps(db, policy, promotion_budget_seconds)
+    except pg8000.native.DatabaseError as error:
+        if not _is_server_reply(error):
+            raise
+        # A lock or statement timeout while flagging. The claim does not need the flags
+        # to be right (it reads the heads of the unflagged rows too), so it goes on.
+        logger.warning("promotion skipped", extra={"error": _error_text(error)})
     token = secrets.token_urlsafe(24)
     if app_id is None:
         rows = db.run(CLAIM_NEXT_APP, token=token, **policy.sql_params())
@@ -929,18 +1263,18 @@ def store_result(
 ) -> list[dict[str, Any]]:
     """Write an analysis or failure record, snapshot it into history, end the lease."""
     state = derive_analysis_state(payload)
-    document = json.dumps(payload, ensure_ascii=False)
+    document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
-    def work(connection: Session) -> list[dict[str, Any]]:
-        rows = connection.run(FIND_APP_FOR_UPDATE, appid=app_id)
+    def work(session: Session) -> list[dict[str, Any]]:
+        rows = session.run(FIND_APP_FOR_UPDATE, appid=app_id)
         if not rows:
             raise UnknownApp(app_id)
-        appid, current_token = rows[0][0], rows[0][10]
+        ((appid, current_token),) = rows
         if claim_token is not None and not (
-            current_token and hmac.compare_digest(claim_token, current_token)
+            current_token and hmac.compare_digest(claim_token.encode(), current_token.encode())
         ):
             raise ClaimConflict(appid)
-        stored = connection.run(
+        stored = session.run(
             STORE_RESULT,
             appid=appid,
             analysis=document,
@@ -949,78 +1283,86 @@ def store_result(
             failure_reason=state.failure_reason,
             failure_retryable=state.failure_retryable,
         )
-        connection.run(RECORD_HISTORY, appids=[appid])
-        return [{"appid": row[0], "details": row[1], "analysed": _plain(row[2])} for row in stored]
+        session.run(RECORD_HISTORY, appids=[appid])
+        return [
+            {"appid": appid, "details": RawJSON.of(details), "analysed": _plain(analysed)}
+            for appid, details, analysed in stored
+        ]
 
-    try:
-        return db.transaction(work)
-    except pg8000.native.DatabaseError as error:
-        if sqlstate(error) in ("22P05", "22P02", "54000"):
-            raise BadInput("the analysis cannot be stored as JSON (NUL character?)") from error
-        raise
+    return db.transaction(work)
 
 
 def add_app(db: Database, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
     """Insert as queued; (created, app). An existing app (any letter case) is unchanged."""
 
-    def work(connection: Session) -> tuple[bool, dict]:
+    def work(session: Session) -> tuple[bool, dict]:
         created = bool(
-            connection.run(
+            session.run(
                 ADD_APP,
                 appid=app_id,
-                details=None if details is None else json.dumps(details, ensure_ascii=False),
+                details=None
+                if details is None
+                else json.dumps(details, ensure_ascii=False, allow_nan=False),
             )
         )
-        return created, _app_view(connection.run(FIND_APP, appid=app_id)[0])
+        (row,) = session.run(FIND_APP, appid=app_id)
+        return created, _app_view(dict(zip(APP_COLUMNS, row, strict=True)))
 
     return db.transaction(work)
 
 
-def _app_view(row: list[Any]) -> dict[str, Any]:
-    (
-        appid,
-        details,
-        analysis,
-        version,
-        analysed,
-        added,
-        status,
-        started,
-        reason,
-        retryable,
-    ) = row[:10]
+def _app_view(row: dict[str, Any]) -> dict[str, Any]:
     view = {
-        "appId": appid,
-        "status": status,
-        "analysed": _plain(analysed),
-        "analysisVersion": version,
-        "added": _plain(added),
-        "details": details,
-        "analysis": analysis,
+        "appId": row["appid"],
+        "status": row["status"],
+        "analysed": _plain(row["analysed"]),
+        "analysisVersion": row["analysisversion"],
+        "added": _plain(row["added"]),
+        "details": RawJSON.of(row["details"]),
+        "analysis": RawJSON.of(row["analysis"]),
     }
-    if status == "failed":
-        view["failure"] = {"reason": reason, "retryable": retryable}
-    if status == "processing":
-        view["processingStarted"] = _plain(started)
+    if row["status"] == "failed":
+        view["failure"] = {"reason": row["failure_reason"], "retryable": row["failure_retryable"]}
+    if row["status"] == "processing":
+        view["processingStarted"] = _plain(row["processing_started"])
+    return view
+
+
+def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
+    """What GET /apps says of a queued app's place: exact up to QUEUE_POSITION_BOUND apps
+    ahead; beyond it, or while the promoter is catching up, a lower bound that says so."""
+    if ahead >= QUEUE_POSITION_BOUND:
+        return {
+            "queuePosition": None,
+            "queuePositionExact": False,
+            "queuePositionNote": f"more than {QUEUE_POSITION_BOUND} apps are ahead",
+        }
+    view: dict[str, Any] = {"queuePosition": ahead + 1, "queuePositionExact": not unflagged_stale}
+    if unflagged_stale:
+        view["queuePositionNote"] = (
+            "at least this: analyses that fell due after a policy change are still being"
+            " added to the queue"
+        )
     return view
 
 
 def app_status(db: Database, policy: QueuePolicy, app_id: str) -> dict[str, Any] | None:
-    def work(connection: Session) -> dict[str, Any] | None:
-        rows = connection.run(FIND_APP, appid=app_id)
+    def work(session: Session) -> dict[str, Any] | None:
+        rows = session.run(FIND_APP, appid=app_id)
         if not rows:
             return None
-        view = _app_view(rows[0])
-        if view["status"] == "queued":
-            row = rows[0]
-            ((position,),) = connection.run(
+        row = dict(zip(APP_COLUMNS, rows[0], strict=True))
+        view = _app_view(row)
+        if row["status"] == "queued":
+            ((ahead, unflagged_stale),) = session.run(
                 QUEUE_POSITION,
-                popularity=row[11],
-                added=row[5],
-                appid=row[0],
+                popularity=row["popularity"],
+                added=row["added"],
+                appid=row["appid"],
+                bound=QUEUE_POSITION_BOUND,
                 **policy.sql_params(),
             )
-            view["queuePosition"] = position
+            view.update(queue_position_view(int(ahead), bool(unflagged_stale)))
         return view
 
     return db.transaction(work)
@@ -1165,11 +1507,20 @@ class MigrationFailed(Exception):
         self.sqlstate = sqlstate(error)
 
 
+# A ledger file whose first line is this runs outside a transaction, for statements
+# that cannot run inside one (CREATE INDEX CONCURRENTLY, which does not block writes).
+NO_TRANSACTION_MARKER = "-- ledger: no-transaction"
+
+
 @dataclasses.dataclass(frozen=True)
 class MigrationFile:
     name: str
     sql: str
     checksum: str
+
+    @property
+    def transactional(self) -> bool:
+        return not self.sql.startswith(NO_TRANSACTION_MARKER)
 
 
 def migration_files(directory: Path | None = None) -> list[MigrationFile]:
@@ -1244,6 +1595,10 @@ def apply_migrations(
                 return [m.name for m in pending]
             for migration in pending:
                 logger.info("applying migration", extra={"file": migration.name})
+                if not migration.transactional:
+                    _apply_outside_transaction(connection, migration)
+                    applied.append(migration.name)
+                    continue
                 connection.run("BEGIN")
                 try:
                     connection.execute_simple(migration.sql)
@@ -1256,6 +1611,10 @@ def apply_migrations(
                 except Exception as error:
                     if _is_connection_lost(error):
                         raise
+                    if not _is_server_reply(error):
+                        # Out of step with the server: no ROLLBACK on this connection;
+                        # session() discards it, which rolls the transaction back.
+                        raise MigrationFailed(migration.name, error) from error
                     connection.run("ROLLBACK")
                     raise MigrationFailed(migration.name, error) from error
                 applied.append(migration.name)
@@ -1269,14 +1628,32 @@ def apply_migrations(
     return applied
 
 
+def _apply_outside_transaction(connection: pg8000.native.Connection, migration: MigrationFile):
+    """A no-transaction file: it is recorded only after it succeeded. A concurrent index
+    build that failed leaves an INVALID index, which IF NOT EXISTS would then take for
+    done: such indexes named in the file are dropped before every try."""
+    try:
+        for (index,) in connection.run(INVALID_INDEXES):
+            if re.search(rf"\b{re.escape(index)}\b", migration.sql):
+                connection.run(
+                    f"DROP INDEX CONCURRENTLY IF EXISTS {pg8000.native.identifier(index)}"
+                )
+        connection.execute_simple(migration.sql)
+        connection.run(LEDGER_RECORD, filename=migration.name, checksum=migration.checksum)
+    except Exception as error:
+        if _is_connection_lost(error):
+            raise
+        raise MigrationFailed(migration.name, error) from error
+
+
 def migrate_and_promote(db: Database) -> list[str]:
     """apply_migrations, then the promoter once: the first claim after a deploy (after an
     upgrade that found 100k stale analyses, say) does not pay for flagging them. After a
     mass flagging, VACUUM clears the index entries of the rows' old versions, which the
     next promotions would otherwise visit (autovacuum waits for a fifth of the table)."""
     applied = apply_migrations(db)
-    _, stale = promote_due_apps(db, settings().policy, force=True)
-    if stale > PROMOTION_BATCH:
+    promotion = promote_due_apps(db, settings().policy, force=True)
+    if promotion.stale > PROMOTION_BATCH:
         db.run(VACUUM_APPS)
     return applied
 
@@ -1386,11 +1763,30 @@ def _require_content_type(request: Request, accepted: tuple[str, ...]) -> None:
         raise HTTPException(415, f"Content-Type must be {' or '.join(accepted)}")
 
 
+# Header values the service reads or stores: printable ASCII only. Anything else (a
+# control character, NUL, a byte over 0x7F) is a client bug, and PostgreSQL's text cannot
+# hold some of it.
+PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+DIGITS = re.compile(r"[0-9]{1,15}")
+
+
+def _header(request: Request, name: str, max_length: int) -> str | None:
+    """The one value of header `name`, checked; None if absent; 400 naming it if bad."""
+    values = request.headers.getlist(name)
+    if len(values) > 1:
+        raise HTTPException(400, f"{name} given more than once")
+    if not values:
+        return None
+    if len(values[0]) > max_length or not PRINTABLE_ASCII.fullmatch(values[0]):
+        raise HTTPException(400, f"{name} must be at most {max_length} printable ASCII characters")
+    return values[0]
+
+
 async def _read_body(request: Request) -> bytes:
     limit = settings().max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not DIGITS.fullmatch(declared):
             raise HTTPException(400, "invalid Content-Length")
         if int(declared) > limit:
             raise HTTPException(413, f"body larger than {limit} bytes")
@@ -1407,18 +1803,23 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def _parse_json(body: bytes) -> Any:
+def _parse_json(body: bytes, name: str) -> Any:
+    """The body as JSON that PostgreSQL can store and the service can read back (400
+    naming the place otherwise)."""
     try:
-        return json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise HTTPException(400, "the body is not valid JSON") from None
+        value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:
+        raise HTTPException(400, f"{name} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as error:  # also UnicodeDecodeError, and integers over 4300 digits
+        raise HTTPException(400, f"{name} is not valid JSON: {str(error)[:200]}") from None
+    problem = json_problem(value, name)
+    if problem:
+        raise HTTPException(400, problem)
+    return value
 
 
 def _claim_token(request: Request) -> str | None:
-    values = request.headers.getlist(CLAIM_TOKEN_HEADER)
-    if len(values) > 1:
-        raise HTTPException(400, f"{CLAIM_TOKEN_HEADER} given more than once")
-    return values[0] if values else None
+    return _header(request, CLAIM_TOKEN_HEADER, max_length=128)
 
 
 def _result_target(request: Request) -> tuple[str, int, str | None]:
@@ -1427,22 +1828,69 @@ def _result_target(request: Request) -> tuple[str, int, str | None]:
     return app_id, _analysis_version(request), _claim_token(request)
 
 
-def _store(app_id: str, version: int, payload: dict, token: str | None) -> JSONResponse:
+# Lambda refuses a response over 6 MB, counted as the JSON document the runtime sends:
+# the body is a string in it, so every quote and backslash in the body is escaped again
+# and every character past ASCII may become a \\uXXXX escape (12 bytes for one outside
+# the BMP). The allowance covers the status, headers and field names.
+LAMBDA_PAYLOAD_LIMIT_BYTES = 6_291_456
+RESPONSE_ENVELOPE_ALLOWANCE = 32_768
+WORST_ESCAPE_FACTOR = 12
+
+
+def lambda_body_bytes(text: str) -> int:
+    """The size of the body text inside Lambda's response document, at worst."""
+    if len(text) * WORST_ESCAPE_FACTOR <= LAMBDA_PAYLOAD_LIMIT_BYTES // 2:
+        return len(text) * WORST_ESCAPE_FACTOR  # clearly small: skip the exact count
+    return len(json.dumps(text))
+
+
+def fit_for_lambda(view: dict[str, Any], droppable: tuple[str, ...]) -> str:
+    """view as JSON text, with its large stored documents (fields in droppable, in that
+    order) left out, and said so, until the answer fits Lambda's response limit."""
+    text = json_text(view)
+    for field in droppable:
+        if lambda_body_bytes(text) + RESPONSE_ENVELOPE_ALLOWANCE <= LAMBDA_PAYLOAD_LIMIT_BYTES:
+            break
+        stored = view.get(field)
+        if stored is None:
+            continue
+        view = {
+            **view,
+            field: None,
+            f"{field}Omitted": (
+                f"the stored {field} is {len(stored.encode())} bytes of JSON, more than a"
+                " response can carry"
+            ),
+        }
+        text = json_text(view)
+    return text
+
+
+def _json_answer(
+    view: dict[str, Any], status_code: int = 200, droppable: tuple[str, ...] = ()
+) -> Response:
+    return Response(
+        fit_for_lambda(view, droppable), status_code=status_code, media_type="application/json"
+    )
+
+
+def _store(app_id: str, version: int, payload: dict, token: str | None) -> Response:
     try:
         rows = store_result(database(), app_id, version, payload, token)
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
     except ClaimConflict:
         raise HTTPException(409, "this claim is no longer the app's current claim") from None
-    return JSONResponse({"rowCount": len(rows), "rows": rows})
+    fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
+    return _json_answer({"rowCount": len(rows), "rows": fitted})
 
 
 @app.get("/ping", response_class=PlainTextResponse, dependencies=[Depends(require_analyser)])
 async def ping(request: Request) -> PlainTextResponse:
     """Heartbeat. The analyser is known by X-Analyser-Id, else address and User-Agent."""
     source = request.client.host if request.client else "unknown"
-    user_agent = request.headers.get("user-agent", "")[:200]
-    analyser_id = request.headers.get("x-analyser-id")
+    user_agent = (_header(request, "User-Agent", max_length=1000) or "")[:200]
+    analyser_id = _header(request, "X-Analyser-Id", max_length=64)
     if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
         raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
     record_ping(database(), analyser_id or f"{source} {user_agent}", source, user_agent)
@@ -1480,7 +1928,8 @@ async def next_app(request: Request) -> PlainTextResponse:
     wanted = _single_query_value(request, "appId", required=False)
     if wanted is not None:
         wanted = _bundle_id(wanted)
-    claimed = claim_next_app(database(), settings().policy, wanted)
+    config = settings()
+    claimed = claim_next_app(database(), config.policy, wanted, config.promotion_budget_ms / 1000)
     if claimed is None:
         return PlainTextResponse("")
     appid, token = claimed
@@ -1495,7 +1944,7 @@ async def next_app(request: Request) -> PlainTextResponse:
 async def upload_analysis(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("application/json",))
-    payload = _parse_json(await _read_body(request))
+    payload = _parse_json(await _read_body(request), "the analysis")
     if not isinstance(payload, dict):
         raise HTTPException(400, "the analysis must be a JSON object")
     return _store(app_id, version, payload, token)
@@ -1529,15 +1978,18 @@ NEW_APP_SCHEMA = {
 async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
-    body = _parse_json(await _read_body(request))
+    body = _parse_json(await _read_body(request), "the body")
     if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
         raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
     app_id = _bundle_id(body["appId"])
     details = body.get("details")
     if details is not None and not isinstance(details, dict):
         raise HTTPException(400, "details must be a JSON object")
+    problem = details_problem(details or {})
+    if problem:
+        raise HTTPException(400, problem)
     created, view = add_app(database(), app_id, details)
-    return JSONResponse(view, status_code=201 if created else 200)
+    return _json_answer(view, 201 if created else 200, droppable=("analysis", "details"))
 
 
 APP_ID_PATH = {
@@ -1552,12 +2004,19 @@ async def get_app(request: Request) -> JSONResponse:
     view = app_status(database(), settings().policy, app_id)
     if view is None:
         raise HTTPException(404, f"unknown app {app_id}")
-    return JSONResponse(view)
+    return _json_answer(view, droppable=("analysis", "details"))
 
 
 @app.get("/healthz")
 async def healthz() -> JSONResponse:
-    database().run(HEALTH_CHECK)
+    """ok when a claim could run now (see HEALTH_CHECK), else 503."""
+    ((writable, _),) = database().run(HEALTH_CHECK)
+    if not writable:
+        return JSONResponse(
+            {"status": "unavailable", "detail": "the database is read-only (a replica?)"},
+            status_code=503,
+            headers=RETRY_AFTER,
+        )
     return JSONResponse({"status": "ok"})
 
 
@@ -1592,10 +2051,39 @@ async def _bad_input(request: Request, error: BadInput) -> Response:
     return JSONResponse({"detail": str(error)}, status_code=400)
 
 
+RETRY_AFTER = {"Retry-After": "5"}
+# PostgreSQL errors that say "not now" (a statement or lock timeout, a conflict with
+# another session, a server short of something): 503, try again.
+TRANSIENT_SQLSTATE_CLASSES = ("40", "53", "55", "57")
+# Errors about a value (class 22: data exception, 54: program limit, such as an index
+# entry too large). Input checks should have caught it: 400, and logged so we add one.
+VALUE_SQLSTATE_CLASSES = ("22", "54")
+
+
 @app.exception_handler(DatabaseUnavailable)
 async def _database_down(request: Request, error: DatabaseUnavailable) -> Response:
     logger.warning("database unavailable", extra={"path": request.url.path})
-    return JSONResponse({"detail": "database unavailable, try again shortly"}, status_code=503)
+    return JSONResponse(
+        {"detail": "database unavailable, try again shortly"}, status_code=503, headers=RETRY_AFTER
+    )
+
+
+@app.exception_handler(pg8000.native.DatabaseError)
+async def _database_error(request: Request, error: pg8000.native.DatabaseError) -> Response:
+    state = sqlstate(error) or ""
+    if state[:2] in TRANSIENT_SQLSTATE_CLASSES:
+        logger.warning(
+            "database busy", extra={"path": request.url.path, "error": _error_text(error)}
+        )
+        detail = "the database is busy (a lock or timeout), try again shortly"
+        return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_AFTER)
+    if state[:2] in VALUE_SQLSTATE_CLASSES:
+        logger.error(
+            "input check missed a value",
+            extra={"path": request.url.path, "error": _error_text(error)},
+        )
+        return JSONResponse({"detail": "a value in this request cannot be stored"}, status_code=400)
+    return await _unexpected(request, error)
 
 
 @app.exception_handler(Exception)
@@ -1608,7 +2096,34 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 # Lambda entry points.
 # ---------------------------------------------------------------------------------------
 
-api = Mangum(app, lifespan="off")
+_mangum = Mangum(app, lifespan="off")
+
+
+def _unreadable_event(event: dict[str, Any], context: Any) -> str | None:
+    """Why Mangum could not turn this API Gateway event into an HTTP request (a header,
+    path or query string that is not encodable text, a body that is not base64, a Host
+    with a bad port), or None. Mangum would raise, and API Gateway would answer 500."""
+    try:
+        adapter = _mangum.infer(event, context)
+        adapter.scope  # noqa: B018 - builds headers, path and query string as bytes
+        adapter.body  # noqa: B018 - decodes base64
+    except (UnicodeError, ValueError, TypeError) as error:  # binascii.Error is a ValueError
+        return f"the request cannot be read: {type(error).__name__}"
+    return None
+
+
+def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """API Gateway (HTTP API) entry point: FastAPI through Mangum, lifespan off."""
+    problem = _unreadable_event(event, context)
+    if problem:
+        return {
+            "statusCode": 400,
+            "headers": {"content-type": "application/json"},
+            "body": json.dumps({"detail": problem}),
+            "isBase64Encoded": False,
+        }
+    return _mangum(event, context)
+
 
 CFN_REPLY_LIMIT = 4096
 # What migrate keeps back from Lambda's remaining time: ending a timed-out runner (at

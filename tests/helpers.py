@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 from datetime import UTC, datetime, timedelta
+
+import handler
 
 
 def days_ago(days: float) -> datetime:
@@ -89,3 +93,89 @@ def table_digest(sql) -> list:
         sql.run("SELECT * FROM app_analyses ORDER BY id"),
         sql.run("SELECT analyser_id, pings FROM analyser_heartbeats ORDER BY analyser_id"),
     ]
+
+
+# --- the oracle ----------------------------------------------------------------------
+# The design note's candidate rule written out in Python, evaluated on the rows
+# themselves; whatever /queue hands out must be the first candidate in its order.
+
+
+def popularity(details) -> int:
+    reviews = (details or {}).get("reviews")
+    if isinstance(reviews, bool) or reviews is None:
+        return 0
+    text = str(reviews)
+    return int(text) if re.fullmatch(r"[0-9]+", text) else 0
+
+
+def is_candidate(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
+    status = row["status"]
+    if status == "queued":
+        return True
+    if status == "processing":
+        started = row["processing_started"]
+        return started is None or started < now - timedelta(
+            minutes=policy.processing_timeout_minutes
+        )
+    eligible = status == "analysed" or (status == "failed" and row["failure_retryable"])
+    if not eligible:
+        return False
+    old_version = (row["analysisversion"] or 0) < policy.analysis_version
+    stale = row["analysed"] is None or row["analysed"] < now - timedelta(days=policy.stale_days)
+    return old_version or stale
+
+
+def oracle_order(sql, policy: handler.QueuePolicy) -> list[str]:
+    ((now,),) = sql.run("SELECT now()")
+    columns = [
+        "appid",
+        "details",
+        "status",
+        "processing_started",
+        "failure_retryable",
+        "analysisversion",
+        "analysed",
+        "added",
+    ]
+    rows = [
+        dict(zip(columns, r, strict=True))
+        for r in sql.run(f"SELECT {', '.join(columns)} FROM apps")
+    ]
+    candidates = [r for r in rows if is_candidate(r, policy, now)]
+    candidates.sort(key=lambda r: (-popularity(r["details"]), r["added"], r["appid"]))
+    return [r["appid"] for r in candidates]
+
+
+# --- API Gateway events --------------------------------------------------------------
+
+
+def gateway_event(
+    method: str,
+    path: str,
+    query: str = "",
+    headers: dict[str, str] | None = None,
+    body: bytes | str | None = None,
+    base64_body: bool = False,
+) -> dict:
+    """An HTTP API (payload 2.0) event as API Gateway sends it to handler.api."""
+    if isinstance(body, bytes):
+        body = base64.b64encode(body).decode() if base64_body else body.decode("latin-1")
+    return {
+        "version": "2.0",
+        "routeKey": "$default",
+        "rawPath": path,
+        "rawQueryString": query,
+        "headers": {"host": "api.example.com", **(headers or {})},
+        "requestContext": {
+            "http": {
+                "method": method,
+                "path": path,
+                "protocol": "HTTP/1.1",
+                "sourceIp": "203.0.113.9",
+            },
+            "requestId": "test",
+            "stage": "$default",
+        },
+        "body": body,
+        "isBase64Encoded": base64_body,
+    }

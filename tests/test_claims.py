@@ -9,7 +9,6 @@ which is what the passing of PROMOTE_EVERY_SECONDS does in production.
 from __future__ import annotations
 
 import random
-import re
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -18,7 +17,7 @@ import pytest
 
 import handler
 from conftest import ANALYSER, configure_service
-from helpers import app_row, days_ago, insert_app, minutes_ago
+from helpers import app_row, days_ago, insert_app, minutes_ago, oracle_order
 
 POLICY = handler.QueuePolicy()
 
@@ -33,55 +32,6 @@ def claim(client, appid=None):
     answer = client.get(path, headers=ANALYSER)
     assert answer.status_code == 200
     return answer.text
-
-
-# --- the oracle ---------------------------------------------------------------------
-
-
-def popularity(details) -> int:
-    reviews = (details or {}).get("reviews")
-    if isinstance(reviews, bool) or reviews is None:
-        return 0
-    text = str(reviews)
-    return int(text) if re.fullmatch(r"[0-9]+", text) else 0
-
-
-def is_candidate(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
-    status = row["status"]
-    if status == "queued":
-        return True
-    if status == "processing":
-        started = row["processing_started"]
-        return started is None or started < now - timedelta(
-            minutes=policy.processing_timeout_minutes
-        )
-    eligible = status == "analysed" or (status == "failed" and row["failure_retryable"])
-    if not eligible:
-        return False
-    old_version = (row["analysisversion"] or 0) < policy.analysis_version
-    stale = row["analysed"] is None or row["analysed"] < now - timedelta(days=policy.stale_days)
-    return old_version or stale
-
-
-def oracle_order(sql, policy: handler.QueuePolicy) -> list[str]:
-    ((now,),) = sql.run("SELECT now()")
-    columns = [
-        "appid",
-        "details",
-        "status",
-        "processing_started",
-        "failure_retryable",
-        "analysisversion",
-        "analysed",
-        "added",
-    ]
-    rows = [
-        dict(zip(columns, r, strict=True))
-        for r in sql.run(f"SELECT {', '.join(columns)} FROM apps")
-    ]
-    candidates = [r for r in rows if is_candidate(r, policy, now)]
-    candidates.sort(key=lambda r: (-popularity(r["details"]), r["added"], r["appid"]))
-    return [r["appid"] for r in candidates]
 
 
 # --- candidate classes --------------------------------------------------------------
