@@ -2053,8 +2053,9 @@ async def _bad_input(request: Request, error: BadInput) -> Response:
 
 RETRY_AFTER = {"Retry-After": "5"}
 # PostgreSQL errors that say "not now" (a statement or lock timeout, a conflict with
-# another session, a server short of something): 503, try again.
-TRANSIENT_SQLSTATE_CLASSES = ("40", "53", "55", "57")
+# another session, a server short of something or shutting down, a read-only server
+# during a failover): 503, try again.
+TRANSIENT_SQLSTATES = ("40", "53", "55", "57", "58", "25006")
 # Errors about a value (class 22: data exception, 54: program limit, such as an index
 # entry too large). Input checks should have caught it: 400, and logged so we add one.
 VALUE_SQLSTATE_CLASSES = ("22", "54")
@@ -2071,7 +2072,7 @@ async def _database_down(request: Request, error: DatabaseUnavailable) -> Respon
 @app.exception_handler(pg8000.native.DatabaseError)
 async def _database_error(request: Request, error: pg8000.native.DatabaseError) -> Response:
     state = sqlstate(error) or ""
-    if state[:2] in TRANSIENT_SQLSTATE_CLASSES:
+    if state.startswith(TRANSIENT_SQLSTATES):
         logger.warning(
             "database busy", extra={"path": request.url.path, "error": _error_text(error)}
         )
