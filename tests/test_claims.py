@@ -243,9 +243,12 @@ def random_state(sql, rng: random.Random, size: int) -> None:
         status = rng.choice(["queued", "processing", "analysed", "analysed", "failed"])
         kwargs = {"reviews": reviews, "added": added}
         if status == "processing":
-            kwargs["processing_started"] = minutes_ago(rng.choice([5, 60, 110, 130, 300, 5000]))
+            # None: a legacy lock without a start time (it counts as expired)
+            minutes = rng.choice([None, 5, 60, 110, 130, 300, 5000])
+            kwargs["processing_started"] = None if minutes is None else minutes_ago(minutes)
         if status in ("analysed", "failed"):
-            kwargs["version"] = rng.choice([None, 1, 2, 3, 4, 4, 4, 5])
+            # None and negative versions: legacy values the service never writes
+            kwargs["version"] = rng.choice([None, -3, -1, 0, 1, 2, 3, 4, 4, 4, 5])
             kwargs["analysed"] = days_ago(rng.choice([1, 30, 100, 170, 190, 400]))
         if status == "failed":
             kwargs["retryable"] = rng.random() < 0.6
@@ -301,3 +304,112 @@ def test_rows_falling_due_while_the_service_runs_are_claimed_without_a_new_promo
     # No time_passes(): the promotion memo still says "just ran".
     got = {client.get("/queue", headers=ANALYSER).text for _ in range(2)}
     assert got == {"stale.soon", "lease.soon"}
+
+
+# --- promotion behind: after a policy change, flagging takes many requests ------------
+
+UNFLAGGED_STALE = """
+SELECT count(*) FROM apps
+WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+  AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :days)
+"""
+
+
+def test_claims_follow_the_oracle_while_promotion_is_partial(client, sql, monkeypatch):
+    """STALE_ANALYSIS_DAYS lowered over many analyses, then raised again: the promoter
+    flags (then clears) a small batch per claim, and every claim meanwhile is still the
+    oracle's first candidate. Progress is in the database, so a new process goes on."""
+    monkeypatch.setattr(handler, "PROMOTION_BATCH", 7)
+    rng = random.Random(7)
+    for n in range(120):
+        insert_app(
+            sql,
+            f"analysed{n:03d}.app",
+            status=rng.choice(["analysed", "analysed", "failed"]),
+            retryable=True,
+            reviews=rng.randint(0, 500),
+            version=rng.choice([3, 4, 4, 4]),
+            analysed=days_ago(rng.uniform(30, 170)),
+        )
+    for n in range(15):
+        insert_app(sql, f"queued{n:02d}.app", reviews=rng.randint(0, 500))
+    url = handler.settings().database_url
+
+    def run_claims(policy: handler.QueuePolicy, count: int) -> list[int]:
+        configure_service(
+            monkeypatch, url, STALE_ANALYSIS_DAYS=str(policy.stale_days), PROMOTION_BUDGET_MS="1"
+        )
+        unflagged = []
+        for _ in range(count):
+            expected = oracle_order(sql, policy)
+            assert claim(client) == (expected[0] if expected else ""), policy
+            ((left,),) = sql.run(UNFLAGGED_STALE, days=policy.stale_days)
+            unflagged.append(left)
+        return unflagged
+
+    run_claims(POLICY, 2)
+    lowered = handler.QueuePolicy(stale_days=20)
+    left = run_claims(lowered, 6)
+    assert left[0] > 0  # the claims above ran while promotion was partial
+    assert left == sorted(left, reverse=True)
+    handler.reset_database()  # a new process: what was flagged stays flagged
+    ((after_restart,),) = sql.run(UNFLAGGED_STALE, days=20)
+    assert after_restart == left[-1]
+    left = run_claims(lowered, 20)
+    assert left[-1] == 0
+    ((flagged,),) = sql.run("SELECT count(*) FROM apps WHERE due")
+    assert flagged > handler.PROMOTION_BATCH
+    run_claims(POLICY, 12)  # raised again: flags are cleared in batches, claims exact
+
+
+# --- the public queue position ------------------------------------------------------------
+
+
+def positions(client, appids: list[str]) -> dict[str, dict]:
+    answers = {appid: client.get(f"/apps/{appid}").json() for appid in appids}
+    return {
+        a: {k: v for k, v in view.items() if k.startswith("queuePosition")}
+        for a, view in answers.items()
+    }
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_queue_positions_match_the_oracle(client, sql, seed):
+    rng = random.Random(seed)
+    random_state(sql, rng, size=rng.randint(5, 60))
+    claim(client)  # promotes
+    order = oracle_order(sql, POLICY)
+    queued = [r[0] for r in sql.run("SELECT appid FROM apps WHERE status = 'queued'")]
+    for appid, position in positions(client, queued).items():
+        assert position == {"queuePosition": order.index(appid) + 1, "queuePositionExact": True}
+
+
+def test_queue_position_beyond_the_bound_says_so(client, sql):
+    bound = handler.QUEUE_POSITION_BOUND
+    sql.run(
+        """INSERT INTO apps (appid, details)
+           SELECT 'ahead' || n || '.app', '{"reviews": 1000}' FROM generate_series(1, :n) AS n""",
+        n=bound - 1,
+    )
+    insert_app(sql, "last.exact", reviews=999)
+    insert_app(sql, "analysed.ahead", status="analysed", version=2, analysed=days_ago(1), reviews=5)
+    insert_app(sql, "beyond.app", reviews=1)
+    got = positions(client, ["last.exact", "beyond.app"])
+    assert got["last.exact"] == {"queuePosition": bound, "queuePositionExact": True}
+    assert got["beyond.app"] == {
+        "queuePosition": None,
+        "queuePositionExact": False,
+        "queuePositionNote": f"more than {bound} apps are ahead",
+    }
+
+
+def test_queue_position_while_promotion_is_behind_is_a_lower_bound(client, sql, monkeypatch):
+    insert_app(sql, "stale.app", status="analysed", version=4, analysed=days_ago(100), reviews=9)
+    insert_app(sql, "queued.app", reviews=1)
+    claim(client)  # promotion done under the default policy: stale.app is not stale
+    sql.run("UPDATE apps SET status = 'queued' WHERE status = 'processing'")
+    configure_service(monkeypatch, handler.settings().database_url, STALE_ANALYSIS_DAYS="30")
+    got = positions(client, ["queued.app"])["queued.app"]
+    assert got["queuePosition"] == 1
+    assert got["queuePositionExact"] is False
+    assert "policy change" in got["queuePositionNote"]
