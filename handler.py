@@ -410,20 +410,23 @@ SELECT appid, claim_token FROM apps WHERE lower(appid) = lower(:appid) FOR UPDAT
 """
 
 # The public queue position: candidates ahead of the app in claim order, counted from the
-# same index heads the claim reads and only up to QUEUE_POSITION_BOUND per source, so it
-# costs about as much as a claim at any size. Each source is split into "more popular"
-# and "as popular, added earlier" so both halves are index ranges. Stale analyses the
-# promoter has not flagged yet are not counted (the answer says so).
+# same indexes the claim reads and only up to QUEUE_POSITION_BOUND, so it costs about as
+# much as a claim at any size. Each source is split into "more popular" and "as popular,
+# added earlier" so both halves are index ranges. Stale analyses the promoter has not
+# flagged yet are not counted (the answer says so).
 QUEUE_POSITION_BOUND = 1000
+VERSION_ORDER = f"COALESCE(analysisversion, 0), {CLAIM_ORDER}"
 
 
-def _rows_ahead(where: str) -> str:
+def _rows_ahead(where: str, order: str) -> str:
+    """The rows of one claim source ahead of the app, as two index ranges read in index
+    order (ORDER BY keeps the planner on the index, which the outer LIMIT then stops)."""
     return f"""(SELECT 1 FROM apps WHERE {where} AND app_popularity(details) > :popularity
-     LIMIT :bound)
+     ORDER BY {order})
     UNION ALL
     (SELECT 1 FROM apps WHERE {where} AND app_popularity(details) = :popularity
        AND (added, appid) < (:added, :appid)
-     LIMIT :bound)"""
+     ORDER BY {order})"""
 
 
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
@@ -433,11 +436,15 @@ UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due
 QUEUE_POSITION = f"""
 WITH RECURSIVE {OLD_VERSIONS}
 SELECT
-    (SELECT count(*) FROM ({_rows_ahead(QUEUED_OR_DUE_CANDIDATE)}
-        UNION ALL {_rows_ahead(UNFLAGGED_EXPIRED_LEASE)}) ahead)
-    + (SELECT COALESCE(sum(per_version.n), 0) FROM old_versions v CROSS JOIN LATERAL (
-        SELECT count(*) AS n FROM ({_rows_ahead(OLD_VERSION_ROW)}) ahead) per_version
-       WHERE v.version IS NOT NULL),
+    (SELECT count(*) FROM (
+        {_rows_ahead(QUEUED_OR_DUE_CANDIDATE, CLAIM_ORDER)}
+        UNION ALL
+        {_rows_ahead(UNFLAGGED_EXPIRED_LEASE, CLAIM_ORDER)}
+        UNION ALL
+        (SELECT 1 FROM old_versions v CROSS JOIN LATERAL (
+            {_rows_ahead(OLD_VERSION_ROW, VERSION_ORDER)}) x
+         WHERE v.version IS NOT NULL)
+        LIMIT :limit) ahead),
     {UNFLAGGED_STALE_EXIST}
 """
 
@@ -762,6 +769,7 @@ class Database:
             self._settings.append(f"SET statement_timeout = {int(statement_timeout_ms)}")
         if lock_timeout_ms:
             self._settings.append(f"SET lock_timeout = {int(lock_timeout_ms)}")
+        self.generic_plans = generic_plans
         if generic_plans:
             self._settings.append("SET plan_cache_mode = force_generic_plan")
         self._socket_timeout = socket_timeout
@@ -1331,7 +1339,7 @@ def _app_view(row: dict[str, Any]) -> dict[str, Any]:
 def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
     """What GET /apps says of a queued app's place: exact up to QUEUE_POSITION_BOUND apps
     ahead; beyond it, or while the promoter is catching up, a lower bound that says so."""
-    if ahead >= QUEUE_POSITION_BOUND:
+    if ahead > QUEUE_POSITION_BOUND:
         return {
             "queuePosition": None,
             "queuePositionExact": False,
@@ -1359,7 +1367,7 @@ def app_status(db: Database, policy: QueuePolicy, app_id: str) -> dict[str, Any]
                 popularity=row["popularity"],
                 added=row["added"],
                 appid=row["appid"],
-                bound=QUEUE_POSITION_BOUND,
+                limit=QUEUE_POSITION_BOUND + 1,
                 **policy.sql_params(),
             )
             view.update(queue_position_view(int(ahead), bool(unflagged_stale)))

@@ -66,6 +66,8 @@ TARGETS = {
     "peak_rss_mb": ("<", 150.0),
     "upgrade_total_s": (None, None),
     "upgrade_longest_lock_s": (None, None),
+    "app_status_max_ms": ("<=", 5.0),
+    "mass_slowest_request_ms": ("<=", 1000.0),
 }
 
 
@@ -116,6 +118,8 @@ class SizeResult:
     promote_ms: float = math.nan
     first_after_upgrade: float = math.nan
     floor_plan_ms: tuple[float, float] = (math.nan, math.nan)
+    app_status_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    mass: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,7 +228,7 @@ class Bench:
         """Whether the service runs this statement with a generic plan: its API connection
         uses them (plan_cache_mode), except for the promotion, which handler plans with its
         values (PLAN_WITH_VALUES) where it has that setting."""
-        if not getattr(self.handler.database(), "_generic_plans", False):
+        if not self.handler.database().generic_plans:
             return False
         promote = statement in (
             self.handler.PROMOTE_STALE_BATCH,
@@ -634,6 +638,9 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
             result.reports[name] = max(runs)
             say(f"   {name:<16} " + ", ".join(f"{r:.3f} s" for r in runs))
 
+        # --- GET /apps/{appId}: public, so it must cost about a claim at any size ------------
+        app_status_phase(bench, api, result)
+
         # --- version bump -----------------------------------------------------------------
         bumped = policy.analysis_version + 1
         say(f"-- version bump: the service restarted with CURRENT_ANALYSIS_VERSION={bumped}")
@@ -668,7 +675,11 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         for scan in _seq_scan_check(bench, bump_policy):
             result.seq_scans.append(f"at version {bumped}: {scan}")
             say(f"   !! at version {bumped}: {scan}")
-        clear = _explain_plain(bench, handler.CLEAR_STALE_DUE_FLAGS, bump_policy.sql_params())
+        clear = _explain_plain(
+            bench,
+            handler.CLEAR_STALE_DUE_FLAGS,
+            {**bump_policy.sql_params(), "batch": handler.PROMOTION_BATCH},
+        )
         say(
             "   CLEAR_STALE_DUE_FLAGS (once per policy change, in its first claim): "
             + ("; ".join(clear) if clear else "no Seq Scan on apps")
@@ -679,6 +690,13 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
             and result.bump_later_median <= 2 * result.floor_median
         )
         _check_unique(bump_ids, "version bump", result)
+
+        # --- a mass promotion: STALE_ANALYSIS_DAYS lowered over most analyses -------------
+        api.call("configure", {})
+        bench.configure_service()
+        bench.restore_all()
+        bench.restore([])
+        mass_promotion_phase(bench, api, result, args)
 
         # --- leave the database as the service would have it -------------------------------
         api.call("configure", {})
@@ -755,6 +773,105 @@ def _check_unique(appids: list[str], label: str, result: SizeResult) -> None:
         say(f"   !! {label}: apps handed out twice: {duplicates[:5]}")
 
 
+APP_STATUS_KINDS = {
+    "queued-top": "SELECT appid FROM apps WHERE status = 'queued' ORDER BY {order} LIMIT 1",
+    "queued-deep": ("SELECT appid FROM apps WHERE status = 'queued' ORDER BY {order_desc} LIMIT 1"),
+    "analysed": "SELECT appid FROM apps WHERE status = 'analysed' LIMIT 1",
+    "failed": "SELECT appid FROM apps WHERE status = 'failed' LIMIT 1",
+}
+
+
+def app_status_phase(bench: Bench, api: ApiProcess, result: SizeResult) -> None:
+    """GET /apps/{appId} through handler.api for an app at the head of the queue, one at
+    its end (the queue position counts the most there), an analysed and a failed one:
+    the median of 50 requests each; app_status_max_ms is the slowest of the four."""
+    handler = bench.handler
+    order = handler.CLAIM_ORDER
+    order_desc = "app_popularity(details), added DESC, appid DESC"
+    paths = {}
+    for kind, query in APP_STATUS_KINDS.items():
+        rows = bench.sql.run(query.format(order=order, order_desc=order_desc))
+        if rows:
+            paths[kind] = f"/apps/{rows[0][0]}"
+    timings = api.call("gets", [(path, 50) for path in paths.values()])
+    say("-- GET /apps/{appId} (handler.api, 50 requests each; median, max)")
+    for kind, path in paths.items():
+        series = timings[path]
+        result.app_status_ms[kind] = statistics.median(series) * 1000
+        say(f"   {kind:<12} {path:<40} {ms(statistics.median(series))}, {ms(max(series))}")
+    deep = paths.get("queued-deep")
+    if deep:
+        ((popularity, added),) = bench.sql.run(
+            "SELECT app_popularity(details), added FROM apps WHERE appid = :a", a=deep[6:]
+        )
+        plan = bench.explain(
+            handler.QUEUE_POSITION,
+            popularity=popularity,
+            added=added,
+            appid=deep[6:],
+            limit=handler.QUEUE_POSITION_BOUND + 1,
+            **bench.policy.sql_params(),
+        )
+        bench.print_explain("QUEUE_POSITION (queued-deep)", handler.QUEUE_POSITION, plan, result)
+
+
+UNFLAGGED_STALE = """
+SELECT count(*) FROM apps
+WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+  AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :days)
+"""
+
+
+def mass_promotion_phase(
+    bench: Bench, api: ApiProcess, result: SizeResult, args: argparse.Namespace
+) -> None:
+    """The service restarted with STALE_ANALYSIS_DAYS lowered so that most analyses fall
+    due at once. Claims go on one after another, each running the promoter within its
+    budget; every tenth claim (and the first ten) is checked against the oracle while
+    promotion is partial. Measured: the slowest request, and the requests until done."""
+    days = args.mass_stale_days
+    say(f"-- mass promotion: the service restarted with STALE_ANALYSIS_DAYS={days}")
+    env = {"STALE_ANALYSIS_DAYS": str(days)}
+    api.call("configure", env)
+    bench.configure_service(**env)
+    policy = bench.policy
+    ((unflagged,),) = bench.sql.run(UNFLAGGED_STALE, days=days)
+    say(f"   {unflagged:,} analyses fell due at once")
+    times, claimed, checks, requests = [], [], 0, 0
+    failures_before = len(result.oracle_failures)
+    while requests < args.mass_max_requests:
+        check = requests < 10 or requests % 10 == 0
+        expected = bench.oracle(policy)[0] if check else None
+        ((appid, _, seconds),) = api.claims(1)
+        requests += 1
+        times.append(seconds)
+        if appid:
+            claimed.append(appid)
+        if check:
+            checks += 1
+            bench.check_oracle(f"mass claim {requests}", expected, appid, result)
+        ((left,),) = bench.sql.run(UNFLAGGED_STALE, days=days)
+        if left == 0:
+            break
+    result.mass = {
+        "fell_due": unflagged,
+        "requests_until_flagged": requests if left == 0 else math.nan,
+        "slowest_request_ms": max(times) * 1000,
+        "median_request_ms": statistics.median(times) * 1000,
+        "oracle_checks": checks,
+        "oracle_failures": len(result.oracle_failures) - failures_before,
+    }
+    say(
+        f"   {requests} claims until every one was flagged ({left:,} left): slowest"
+        f" {ms(max(times))}, median {ms(statistics.median(times))}; {checks} claims checked"
+        f" against the oracle, {result.mass['oracle_failures']} mismatches"
+    )
+    _check_unique(claimed, "mass promotion", result)
+    bench.restore(claimed)
+    api.call("configure", {})
+    bench.configure_service()
+
+
 def _explain_plain(bench: Bench, statement: str, params: dict) -> list[str]:
     """The Seq Scan on apps lines of a statement's plan (EXPLAIN only, nothing runs)."""
     lines = bench.explain(statement, analyze=False, **params)
@@ -770,7 +887,10 @@ def _seq_scan_check(bench: Bench, policy) -> list[str]:
         (
             "PROMOTE_EXPIRED_LEASES",
             bench.handler.PROMOTE_EXPIRED_LEASES,
-            {"horizon_seconds": bench.handler.PROMOTION_HORIZON_SECONDS},
+            {
+                "horizon_seconds": bench.handler.PROMOTION_HORIZON_SECONDS,
+                "batch": bench.handler.PROMOTION_BATCH,
+            },
         ),
         (
             "PROMOTE_STALE_BATCH",
@@ -880,6 +1000,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--import-runs", type=int, default=11, help="import timings (11)")
     parser.add_argument(
         "--no-baseline", action="store_true", help="do not add a 10k run for growth_10k_to_1m"
+    )
+    parser.add_argument(
+        "--mass-stale-days",
+        type=int,
+        default=30,
+        help="STALE_ANALYSIS_DAYS of the mass promotion (30: most analyses fall due)",
+    )
+    parser.add_argument(
+        "--mass-max-requests", type=int, default=2000, help="claims of the mass promotion"
     )
     parser.add_argument(
         "--reuse",
@@ -1046,6 +1175,8 @@ def print_summary(
         "peak_rss_mb": max(r.peak_rss_mb for r in results.values()),
         "upgrade_total_s": upgrade.total_s if upgrade else math.nan,
         "upgrade_longest_lock_s": upgrade.longest_lock_s if upgrade else math.nan,
+        "app_status_max_ms": max(largest.app_status_ms.values(), default=math.nan),
+        "mass_slowest_request_ms": largest.mass.get("slowest_request_ms", math.nan),
     }
     say()
     say(f"== summary (targets evaluated at {largest.apps:,} apps; run {run_s:.0f} s)")
@@ -1080,6 +1211,8 @@ def print_summary(
     scans = [s for r in results.values() for s in r.seq_scans]
     say(f"   oracle and double-claim checks: {'all passed' if not failures else failures}")
     say(f"   Seq Scan on apps in the claim's plans: {'none' if not scans else scans}")
+    say(f"   GET /apps at {largest.apps:,} (median ms): {largest.app_status_ms}")
+    say(f"   mass promotion at {largest.apps:,}: {largest.mass}")
     say(
         f"   version bump at {largest.apps:,}: first claim right, later claims within 2x the"
         f" floor (median {ratio(largest.bump_later_median, largest.floor_median):.2f}x),"

@@ -120,7 +120,8 @@ class ServiceClaimer:
 
 def api_process(pipe, url: str) -> None:
     """The API process of the latency measurements, driven by commands over a pipe:
-    ("claims", n) -> [(appid, token, seconds)], ("configure", env) -> None,
+    ("claims", n) -> [(appid, token, seconds)], ("gets", [(path, n)]) -> {path: [seconds]},
+    ("configure", env) -> None,
     ("stats", None) -> dict, ("exit", None)."""
     service = ServiceClaimer(url)
     while True:
@@ -134,6 +135,18 @@ def api_process(pipe, url: str) -> None:
                 if not appid:
                     break
             pipe.send(results)
+        elif command == "gets":
+            # [(path, repeats)] -> {path: [seconds of each GET through handler.api]}
+            timings = {}
+            for path, repeats in argument:
+                timings[path] = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    response = service.get(path)
+                    timings[path].append(time.perf_counter() - started)
+                    if response["statusCode"] != 200:
+                        raise RuntimeError(f"{path} answered {response['statusCode']}")
+            pipe.send(timings)
         elif command == "breakdown":
             pipe.send(breakdown(service, argument))
         elif command == "configure":
