@@ -420,13 +420,14 @@ VERSION_ORDER = f"COALESCE(analysisversion, 0), {CLAIM_ORDER}"
 
 def _rows_ahead(where: str, order: str) -> str:
     """The rows of one claim source ahead of the app, as two index ranges read in index
-    order (ORDER BY keeps the planner on the index, which the outer LIMIT then stops)."""
+    order: ORDER BY ... LIMIT makes the planner read the index in order and stop, where
+    without them it collects every match and sorts it."""
     return f"""(SELECT 1 FROM apps WHERE {where} AND app_popularity(details) > :popularity
-     ORDER BY {order})
+     ORDER BY {order} LIMIT :limit)
     UNION ALL
     (SELECT 1 FROM apps WHERE {where} AND app_popularity(details) = :popularity
        AND (added, appid) < (:added, :appid)
-     ORDER BY {order})"""
+     ORDER BY {order} LIMIT :limit)"""
 
 
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"

@@ -17,11 +17,18 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pg8000.native
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import handler  # noqa: E402
+
+# Generated tests: a quick default for a developer's run; CI sets HYPOTHESIS_PROFILE=ci
+# for a thorough one. (Tests that set max_examples themselves keep it.)
+hypothesis_settings.register_profile("dev", max_examples=60)
+hypothesis_settings.register_profile("ci", max_examples=300)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 UPLOAD_PASSWORD = "test-upload-password"
 ADMIN_TOKEN = "test-admin-token"

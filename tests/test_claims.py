@@ -188,6 +188,7 @@ def test_32_concurrent_claimers_never_share_an_app(database_url, sql):
     for n in range(20):
         insert_app(sql, f"old.{n:03d}", status="analysed", version=2, analysed=days_ago(1))
     results: list[str] = []
+    errors: list[BaseException] = []
     lock = threading.Lock()
     start = threading.Barrier(32)
 
@@ -205,6 +206,8 @@ def test_32_concurrent_claimers_never_share_an_app(database_url, sql):
                     return
                 with lock:
                     results.append(claimed[0])
+        except BaseException as error:  # asserted in the test's own thread
+            errors.append(error)
         finally:
             db.discard()
 
@@ -213,6 +216,8 @@ def test_32_concurrent_claimers_never_share_an_app(database_url, sql):
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
     assert len(results) == 220
     assert len(set(results)) == 220
     assert sql.run("SELECT count(*) FROM apps WHERE status = 'processing'") == [[220]]

@@ -29,6 +29,7 @@ WHERE application_name = 'analysis-queue' AND datname = current_database()
   AND pid <> pg_backend_pid()
 """
 SLEEPING_SERVICE_BACKENDS = SERVICE_BACKENDS + " AND wait_event = 'PgSleep'"
+BUSY = "the database is busy (a lock or timeout), try again shortly"
 
 
 def terminate_service_backends(sql, query=SERVICE_BACKENDS) -> int:
@@ -172,7 +173,7 @@ def test_postgres_restart_under_load(own_postgres):
         " FROM generate_series(1, 3000) n"
     )
     sql.close()
-    handed_out, acknowledged, statuses, after_restart = [], [], [], []
+    handed_out, acknowledged, statuses, after_restart, unavailable = [], [], [], [], []
     lock = threading.Lock()
     restarted_at = [None]
     stop_at = time.monotonic() + 7
@@ -185,7 +186,8 @@ def test_postgres_restart_under_load(own_postgres):
                     statuses.append(claim.status_code)
                 if claim.status_code != 200 or not claim.text:
                     if claim.status_code == 503:
-                        assert claim.json() == {"detail": "database unavailable, try again shortly"}
+                        with lock:
+                            unavailable.append((claim.json(), claim.headers.get("Retry-After")))
                     time.sleep(0.05)
                     continue
                 marker = str(uuid.uuid4())
@@ -214,8 +216,14 @@ def test_postgres_restart_under_load(own_postgres):
         for thread in threads:
             thread.join(timeout=30)
 
+    assert not any(thread.is_alive() for thread in threads)
     assert set(statuses) <= {200, 503}, sorted(set(statuses))
     assert 503 in statuses
+    # The outage says what it is (a lost or refused connection, or the server shutting
+    # down a statement), and when to try again.
+    details = {"database unavailable, try again shortly", BUSY}
+    assert {body["detail"] for body, _ in unavailable} <= details
+    assert all(retry_after and retry_after.isdigit() for _, retry_after in unavailable)
     assert len(after_restart) > 10
     assert len(handed_out) == len(set(handed_out)), "an app was handed out twice"
     sql = connect(url)

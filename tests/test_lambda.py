@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import json
@@ -34,6 +35,7 @@ from hypothesis import strategies as st
 import handler
 from conftest import configure_service, connect
 from helpers import app_row, history, insert_app, table_digest
+from live import TcpProxy
 
 EVENTS = handler.HERE / "events"
 UNREACHABLE_DATABASE = "postgresql://postgres@127.0.0.1:9/unreachable"
@@ -1273,6 +1275,11 @@ def test_secret_values_are_never_logged(secret_api, database_url, caplog, capsys
 
 
 def test_database_credentials_from_secrets_manager(aws, database_url, monkeypatch):
+    with contextlib.ExitStack() as stack:
+        check_database_credentials(aws, database_url, monkeypatch, stack)
+
+
+def check_database_credentials(aws, database_url, monkeypatch, stack):
     aws.client("secretsmanager").create_secret(
         Name="queue/db", SecretString=json.dumps({"username": "postgres", "password": "pw-0x5e"})
     )
@@ -1280,11 +1287,13 @@ def test_database_credentials_from_secrets_manager(aws, database_url, monkeypatc
         Name="queue/db-other",
         SecretString=json.dumps({"username": "no_such_role_7e2", "password": "pw-0x5f"}),
     )
-    url = urlsplit(database_url)
+    target = handler.connection_arguments(handler.load_settings({"DATABASE_URL": database_url}))
+    # DB_HOST is a TCP address: a proxy gives the socket-only embedded server one.
+    proxy = stack.enter_context(TcpProxy(target))
     env = {
-        "DB_HOST": url.hostname or "db.internal.example",
-        "DB_PORT": str(url.port or 5432),
-        "DB_NAME": url.path.lstrip("/"),
+        "DB_HOST": "127.0.0.1",
+        "DB_PORT": str(proxy.port),
+        "DB_NAME": target["database"],
         "DB_SECRET_ID": "queue/db",
         "DB_SSLMODE": "disable",
     }
@@ -1301,8 +1310,6 @@ def test_database_credentials_from_secrets_manager(aws, database_url, monkeypatc
     with pytest.raises(handler.ConfigError, match="DB_SECRET_ID"):
         handler.connection_arguments(handler.load_settings(missing))
 
-    if url.hostname is None:
-        return  # the embedded server listens on a Unix socket only: no DB_HOST to reach
     # Over TCP, the service connects with the secret's user (trust auth ignores the
     # password): postgres works, a user that does not exist gets 503.
     for name in ("DATABASE_URL", "UPLOAD_PASSWORD", "ADMIN_TOKEN"):

@@ -392,6 +392,7 @@ def test_two_runners_at_once_apply_each_file_once(empty_database):
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
     assert errors == []
     assert sorted(results, key=len) == [[], ALL_FILES]
     sql = connect(empty_database)

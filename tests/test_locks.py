@@ -16,8 +16,6 @@ should take 0 s must not take the 15 s it would take if the code waited).
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pg8000.converters
@@ -27,6 +25,7 @@ from test_template import load_template
 import handler
 from conftest import ANALYSER, configure_service, connect
 from helpers import app_row, days_ago, insert_app, minutes_ago, oracle_order
+from live import TcpProxy
 
 
 def claim(client) -> str:
@@ -144,65 +143,6 @@ def test_healthz_fails_while_the_database_is_read_only(client, sql, database_url
 # --- a dead network path ----------------------------------------------------------------
 
 
-class BlackholeProxy:
-    """A loopback TCP proxy to the test's PostgreSQL that can stop forwarding: bytes in
-    both directions are then read and dropped, and new connections are accepted and
-    never answered, as on a network path that lost its route (no reply, no reset)."""
-
-    def __init__(self, target: dict):
-        self.target = target
-        self.blackhole = threading.Event()
-        self.closing = threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.sockets: list[socket.socket] = []
-
-    def _upstream(self) -> socket.socket:
-        if "unix_sock" in self.target:
-            upstream = socket.socket(socket.AF_UNIX)
-            upstream.connect(self.target["unix_sock"])
-            return upstream
-        return socket.create_connection((self.target["host"], self.target["port"]))
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                if not self.blackhole.is_set():
-                    sink.sendall(data)
-        except OSError:
-            pass
-
-    def _serve(self) -> None:
-        self.listener.settimeout(0.2)
-        while not self.closing.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed
-                return
-            self.sockets.append(client)
-            if self.blackhole.is_set():
-                threading.Thread(target=self._pump, args=(client, client), daemon=True).start()
-                continue
-            upstream = self._upstream()
-            self.sockets.append(upstream)
-            for pair in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=pair, daemon=True).start()
-
-    def __enter__(self) -> BlackholeProxy:
-        threading.Thread(target=self._serve, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.closing.set()
-        for sock in [*self.sockets, self.listener]:
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-
 def worst_case_seconds(statement_timeout_ms: int) -> float:
     """A request on a dead path: its statement's read times out, then the one retry's
     connect does (two socket timeouts; see API_SOCKET_MARGIN_SECONDS)."""
@@ -219,7 +159,7 @@ def test_a_dead_network_path_answers_503_in_bounded_time(client, sql, database_u
     insert_app(sql, "com.example.app")
     target = handler.connection_arguments(handler.load_settings({"DATABASE_URL": database_url}))
     database = target["database"]
-    with BlackholeProxy(target) as proxy:
+    with TcpProxy(target) as proxy:
         configure_service(
             monkeypatch,
             f"postgresql://{target['user']}@127.0.0.1:{proxy.port}/{database}",
