@@ -2323,6 +2323,9 @@ def _publish_queue_metrics(status: dict[str, Any]) -> None:
     metrics.flush_metrics()
 
 
+REPORT_PROMOTION_BUDGET_SECONDS = 20
+
+
 @logger.inject_lambda_context
 def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     """Scheduled: the queue-status report as one log record plus EMF metrics.
@@ -2373,6 +2376,9 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         return result
     if command != "queue-status":
         raise ValueError(f"unknown command {command!r}")
+    # The hourly report also works off promotion (after a mass policy change the API
+    # requests do it in small shares; this does a large one).
+    promote_due_apps(database(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
     status = queue_status(database(), policy)
     status.pop("policy_text")
     logger.info("queue status", extra={"queue_status": status})

@@ -29,6 +29,8 @@ from cfnlint.decode import decode
 from samtranslator.parser import parser as sam_parser
 from samtranslator.translator.translator import Translator
 
+import handler
+
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "template.yaml"
 MAKEFILE = REPO / "Makefile"
@@ -208,9 +210,9 @@ def test_cfn_lint_reports_a_broken_template():
 def test_functions_handlers_runtime_and_build(source_template, transformed):
     lambdas = resources_of_type(transformed, "AWS::Lambda::Function")
     assert set(lambdas) == set(FUNCTIONS)
-    for name, handler in FUNCTIONS.items():
+    for name, entry in FUNCTIONS.items():
         props = lambdas[name]["Properties"]
-        assert props["Handler"] == handler
+        assert props["Handler"] == entry
         assert props["Runtime"] == RUNTIME
         assert props["VpcConfig"] == {
             "SubnetIds": {"Ref": "SubnetIds"},
@@ -357,7 +359,7 @@ def test_environment_variables(source_template, transformed):
         "CurrentAnalysisVersion": 4,
         "StaleAnalysisDays": 180,
         "ProcessingTimeoutMinutes": 120,
-        "MaxBodyBytes": 5000000,
+        "MaxBodyBytes": handler.DEFAULT_MAX_BODY_BYTES,
     }.items():
         assert int(params[param]["Default"]) == default
 
