@@ -184,9 +184,9 @@ metrics = Metrics(
     namespace=os.environ.get("POWERTOOLS_METRICS_NAMESPACE") or "AnalysisQueue",
 )
 
-# Promotion (promote_due_apps, "Queue operations") runs at most this often per process,
-# and flags what falls due within the horizon, so a claim never misses a row that became
-# due since the last run.
+# Promotion (promote_due_apps, "Queue operations") runs at most this often per process
+# once it has caught up, and flags what falls due within the horizon, so the claim
+# normally finds due rows in one index. It commits every PROMOTION_BATCH rows.
 PROMOTE_EVERY_SECONDS = 15
 PROMOTION_BATCH = 2000
 PROMOTION_HORIZON_SECONDS = 60
@@ -227,7 +227,7 @@ RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryab
 #   head           apps_claim_order: queued rows and rows the promoter flagged `due`;
 #   version_heads  apps_version_order: one head per old analysis version present
 #                  (found by a skip scan, so negative and NULL versions count too);
-#   lease_heads    expired leases not flagged yet (normally none: apps_processing_started);
+#   lease_heads    expired leases not flagged yet (normally none: apps_unflagged_leases);
 #   stale_heads    stale analyses not flagged yet, one head per analysis day older than
 #                  the cutoff (apps_stale_day_order). Read only when the oldest unflagged
 #                  analysis (the head of apps_stale_watch) is past the cutoff: after a

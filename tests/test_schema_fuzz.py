@@ -17,7 +17,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", handler.app)
     max_examples=40,
     deadline=None,
     derandomize=True,
-    suppress_health_check=list(HealthCheck),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 def test_no_server_errors(case, database_url, sql):
     # An app to act on and a recent ping, so that a 5xx can only be an error (503 is
