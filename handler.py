@@ -352,8 +352,9 @@ PLAN_WITH_VALUES = "SET LOCAL plan_cache_mode = force_custom_plan"
 
 # The policy the promoter last applied. When it changes, the flags the new policy no
 # longer supports (a longer staleness window or lease, an older current version) are
-# cleared in batches in claim order (the claim walks past such rows at the head of
-# apps_claim_order), and the new policy is recorded only once none is left.
+# cleared, and the new policy is recorded only once a pass over the flagged rows is done.
+# The pass goes through apps_due by bundle ID from a cursor, PROMOTION_BATCH rows at a
+# time, so a batch costs the same whether it clears none of them or all.
 QUEUE_POLICY_APPLIED = """
 SELECT (analysis_version, stale_days, processing_timeout_minutes)
        IS NOT DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
@@ -367,17 +368,20 @@ WHERE singleton = (SELECT singleton FROM queue_policy FOR UPDATE SKIP LOCKED)
 RETURNING 1
 """
 CLEAR_STALE_DUE_FLAGS = f"""
-WITH cleared AS (
+WITH examined AS (
+    SELECT appid FROM apps WHERE due AND appid > :after ORDER BY appid LIMIT :batch
+), cleared AS (
     UPDATE apps SET due = false
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
-        WHERE due AND status <> 'queued' AND NOT {CANDIDATE}
+        WHERE appid IN (SELECT appid FROM examined)
+          AND due AND status <> 'queued' AND NOT {CANDIDATE}
           AND NOT (status = 'processing' AND processing_started >= {LEASE_CUTOFF})
-        ORDER BY {CLAIM_ORDER}
-        LIMIT :batch FOR UPDATE SKIP LOCKED))
+        FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
-SELECT count(*) FROM cleared
+SELECT (SELECT count(*) FROM examined), (SELECT max(appid) FROM examined),
+       (SELECT count(*) FROM cleared)
 """
 
 # --- SQL: an app's state ---------------------------------------------------------------
@@ -869,6 +873,8 @@ _database_lock = threading.Lock()
 # When this process last ran the promoter (promote_due_apps), per policy: it describes
 # what this process did to its database, so it is forgotten with the connection.
 _promotions: dict[QueuePolicy, float] = {}
+# Where this process's pass clearing flags for a new policy got to (a bundle ID).
+_clear_cursors: dict[QueuePolicy, str] = {}
 
 
 def database() -> Database:
@@ -911,6 +917,7 @@ def reset_database() -> None:
             _database.discard()
         _database = None
     _promotions.clear()
+    _clear_cursors.clear()
 
 
 # ---------------------------------------------------------------------------------------
@@ -1197,34 +1204,51 @@ def promote_due_apps(
         "batch": PROMOTION_BATCH,
     }
 
-    def batch(sql: str) -> int:
-        def work(session: Session) -> int:
+    def batch(sql: str, **cursor: str) -> list[Any]:
+        def work(session: Session) -> list[Any]:
             # Unlike the claim, these range scans must be planned with the real cutoffs: a
             # generic plan cannot tell "few rows are due" from "a third are" and scans apps.
             session.execute(PLAN_WITH_VALUES)
-            ((count,),) = session.run(sql, **params)
-            return count
+            (row,) = session.run(sql, **params, **cursor)
+            return row
 
         return db.transaction(work)
 
-    def batches(sql: str) -> tuple[int, bool]:
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    def flag(sql: str) -> tuple[int, bool]:
         total = 0
         while True:
-            count = batch(sql)
+            (count,) = batch(sql)
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
-            if deadline is not None and time.monotonic() >= deadline:
+            if out_of_time():
+                return total, False
+
+    def clear() -> tuple[int, bool]:
+        total = 0
+        while True:
+            examined, last, cleared = batch(
+                CLEAR_STALE_DUE_FLAGS, after=_clear_cursors.get(policy, "")
+            )
+            total += cleared
+            if examined < PROMOTION_BATCH:
+                _clear_cursors.pop(policy, None)
+                return total, True
+            _clear_cursors[policy] = last
+            if out_of_time():
                 return total, False
 
     done = Promotion()
     ((applied,),) = db.run(QUEUE_POLICY_APPLIED, **policy.sql_params())
     if not applied:
-        done.cleared, cleared_all = batches(CLEAR_STALE_DUE_FLAGS)
+        done.cleared, cleared_all = clear()
         recorded = cleared_all and bool(db.run(RECORD_QUEUE_POLICY, **policy.sql_params()))
         done.complete = recorded
-    done.leases, leases_done = batches(PROMOTE_EXPIRED_LEASES)
-    done.stale, stale_done = batches(PROMOTE_STALE_BATCH)
+    done.leases, leases_done = flag(PROMOTE_EXPIRED_LEASES)
+    done.stale, stale_done = flag(PROMOTE_STALE_BATCH)
     done.complete = done.complete and leases_done and stale_done
     if done.complete:
         _promotions.clear()
@@ -1634,6 +1658,7 @@ def apply_migrations(
                 if not _is_connection_lost(error):
                     raise
     _promotions.clear()
+    _clear_cursors.clear()
     return applied
 
 
