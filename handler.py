@@ -405,6 +405,20 @@ UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND
 LEDGER_RECORD = "INSERT INTO schema_migrations (filename, checksum) VALUES (:filename, :checksum)"
 LEDGER_TRY_LOCK = "SELECT pg_try_advisory_lock(:key)"
 LEDGER_UNLOCK = "SELECT pg_advisory_unlock(:key)"
+# Indexes a failed (or killed) CREATE INDEX CONCURRENTLY of a no-transaction ledger file
+# left INVALID: kept up to date on every write yet never read, and, being there, they make
+# the file's `CREATE INDEX CONCURRENTLY IF NOT EXISTS` skip the build on a re-run. Only
+# indexes the file names are candidates (its words, as unquoted identifiers fold).
+LEDGER_INVALID_INDEXES = """
+SELECT n.nspname, c.relname
+FROM pg_index i
+JOIN pg_class c ON c.oid = i.indexrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE NOT i.indisvalid
+  AND n.nspname = current_schema()
+  AND c.relname = ANY(regexp_split_to_array(lower(:sql), '[^a-z0-9_$]+'))
+"""
+LEDGER_DROP_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"  # quoted identifiers
 VACUUM_APPS = "VACUUM (ANALYZE) apps"
 HEALTH_CHECK = "SELECT 1"
 BACKEND_PID = "SELECT pg_backend_pid()"
@@ -867,6 +881,7 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # decision: the result is always the first candidate of the rule.
 # ---------------------------------------------------------------------------------------
 
+
 def promote_due_apps(db: Database, policy: QueuePolicy, force: bool = False) -> tuple[int, int]:
     """Flag rows due by time (expired leases, stale analyses) into the claim index.
 
@@ -1152,6 +1167,26 @@ def queue_refetch(
 # ---------------------------------------------------------------------------------------
 
 
+# The old server's later releases (after 009) applied these files. Their effects are that
+# server's: the claim token this service adopts (sql/014), and the website's App Store
+# cache and storefront columns, which this service leaves alone. A database it migrated
+# lists them in its ledger: they are history that is not ours. The runner never runs them,
+# never requires them, and does not sort our pending files against them.
+FOREIGN_LEDGER_FILES = frozenset(
+    {
+        "010_analysis_claim_tokens.sql",
+        "011_app_store_cache.sql",
+        "012_app_store_cache_retention.sql",
+        "013_storefront_metadata_lifecycle.sql",
+    }
+)
+# A ledger file whose first line is this runs outside a transaction (CREATE INDEX
+# CONCURRENTLY and the like cannot run inside one). It must hold one statement and be safe
+# to run again (IF NOT EXISTS): it is recorded only after it succeeded, so a run cut short
+# runs it again. tests/test_zero_downtime.py holds new files to both rules.
+NO_TRANSACTION_MARKER = "-- ledger: no-transaction"
+
+
 class MigrationRefused(Exception):
     """The ledger and sql/ disagree in a way no runner should paper over."""
 
@@ -1171,6 +1206,11 @@ class MigrationFile:
     sql: str
     checksum: str
 
+    @property
+    def in_transaction(self) -> bool:
+        first_line = self.sql.split("\n", 1)[0].strip()
+        return first_line != NO_TRANSACTION_MARKER
+
 
 def migration_files(directory: Path | None = None) -> list[MigrationFile]:
     directory = SQL_DIR if directory is None else directory
@@ -1187,6 +1227,16 @@ def pending_migrations(
     files: list[MigrationFile], ledger: dict[str, str | None]
 ) -> list[MigrationFile]:
     """The files to apply, or MigrationRefused when sql/ contradicts the ledger."""
+    ours = {m.name for m in files}
+    unknown = sorted(name for name in ledger if name not in ours | FOREIGN_LEDGER_FILES)
+    if unknown:
+        raise MigrationRefused(
+            f"the database's ledger lists {', '.join(unknown)}, which is neither in sql/ nor"
+            " a known file of the old server: a newer release of this service (or another"
+            " program) migrated this database. Deploy the release whose sql/ has"
+            f" {'them' if len(unknown) > 1 else 'it'}; if it was applied by hand, undo or"
+            " keep its effects and delete its schema_migrations row, then migrate again"
+        )
     for migration in files:
         recorded = ledger.get(migration.name, "")
         if recorded and recorded != migration.checksum:
@@ -1194,8 +1244,9 @@ def pending_migrations(
                 f"{migration.name} was edited after it was applied; add a new file instead"
             )
     pending = [m for m in files if m.name not in ledger]
-    if pending and ledger:
-        last_applied = max(ledger)
+    applied_ours = [name for name in ledger if name in ours]
+    if pending and applied_ours:
+        last_applied = max(applied_ours)
         early = [m.name for m in pending if m.name < last_applied]
         if early:
             raise MigrationRefused(
@@ -1203,6 +1254,45 @@ def pending_migrations(
                 " rename to sort after it"
             )
     return pending
+
+
+def _drop_invalid_indexes(connection: pg8000.native.Connection, migration: MigrationFile) -> None:
+    """Drop the INVALID indexes named in a no-transaction file: what a failed or killed
+    concurrent build of it left behind. Concurrently, so writes never wait for it."""
+    for schema, index in connection.run(LEDGER_INVALID_INDEXES, sql=migration.sql):
+        logger.warning(
+            "dropping an invalid index a concurrent build left",
+            extra={"file": migration.name, "index": index},
+        )
+        connection.run(
+            LEDGER_DROP_INDEX.format(
+                schema=pg8000.native.identifier(schema), index=pg8000.native.identifier(index)
+            )
+        )
+
+
+def _apply_outside_transaction(connection: pg8000.native.Connection, migration: MigrationFile):
+    """A no-transaction file: what an earlier failed run left is cleaned up first, the
+    file runs on its own (autocommit), and its ledger row is written only after it
+    succeeded. If the runner dies between the two, the next run repeats the file, which
+    is why such files must be idempotent."""
+    try:
+        _drop_invalid_indexes(connection, migration)
+        connection.execute_simple(migration.sql)
+    except Exception as error:
+        if _is_connection_lost(error):
+            raise
+        try:
+            _drop_invalid_indexes(connection, migration)
+        except Exception as cleanup_error:
+            if _is_connection_lost(cleanup_error):
+                raise
+            logger.warning(
+                "could not drop the invalid index; the next run drops it",
+                extra={"file": migration.name, "error": _error_text(cleanup_error)},
+            )
+        raise MigrationFailed(migration.name, error) from error
+    connection.run(LEDGER_RECORD, filename=migration.name, checksum=migration.checksum)
 
 
 def apply_migrations(
@@ -1244,6 +1334,10 @@ def apply_migrations(
                 return [m.name for m in pending]
             for migration in pending:
                 logger.info("applying migration", extra={"file": migration.name})
+                if not migration.in_transaction:
+                    _apply_outside_transaction(connection, migration)
+                    applied.append(migration.name)
+                    continue
                 connection.run("BEGIN")
                 try:
                     connection.execute_simple(migration.sql)
