@@ -24,10 +24,10 @@ import hmac
 import json
 import os
 import re
-import secrets
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -220,14 +220,14 @@ WITH head AS (
     LIMIT 1
 )
 UPDATE apps SET status = 'processing', processing_started = now(), due = false,
-                claim_token = :token
+                analysis_claim_token = :token
 FROM choice WHERE apps.appid = choice.appid
 RETURNING apps.appid
 """
 
 CLAIM_NAMED_APP = f"""
 UPDATE apps SET status = 'processing', processing_started = now(), due = false,
-                claim_token = :token
+                analysis_claim_token = :token
 WHERE appid = (
     SELECT appid FROM apps
     WHERE lower(appid) = lower(:appid) AND {CANDIDATE}
@@ -288,7 +288,7 @@ WHERE due AND status <> 'queued' AND NOT {CANDIDATE}
 
 FIND_APP = """
 SELECT appid, details, analysis, analysisversion, analysed, added, status,
-       processing_started, failure_reason, failure_retryable, claim_token,
+       processing_started, failure_reason, failure_retryable, analysis_claim_token,
        app_popularity(details) AS popularity
 FROM apps WHERE lower(appid) = lower(:appid)
 """
@@ -305,7 +305,7 @@ STORE_RESULT = """
 UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
                 analysed = now(), status = :status, failure_reason = :failure_reason,
                 failure_retryable = :failure_retryable, processing_started = NULL,
-                claim_token = NULL, due = false
+                analysis_claim_token = NULL, due = false
 WHERE appid = :appid
 RETURNING appid, details, analysed
 """
@@ -387,7 +387,7 @@ LIMIT :limit
 """
 REFETCH_APPLY = """
 UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
-                failure_retryable = NULL, claim_token = NULL, due = false
+                failure_retryable = NULL, analysis_claim_token = NULL, due = false
 WHERE appid = ANY(CAST(:appids AS text[]))
 """
 
@@ -917,14 +917,27 @@ def promote_due_apps(db: Database, policy: QueuePolicy, force: bool = False) -> 
 
 
 def claim_next_app(db: Database, policy: QueuePolicy, app_id: str | None = None):
-    """Hand out the next app (or the named one, if it is a candidate): (appid, token)."""
+    """Hand out the next app (or the named one, if it is a candidate): (appid, token).
+
+    The token is a random UUID in apps.analysis_claim_token, the column and type the old
+    server's claim-token release uses too (sql/014), so both releases fence one token."""
     promote_due_apps(db, policy)
-    token = secrets.token_urlsafe(24)
+    token = uuid.uuid4()
     if app_id is None:
         rows = db.run(CLAIM_NEXT_APP, token=token, **policy.sql_params())
     else:
         rows = db.run(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
-    return (rows[0][0], token) if rows else None
+    return (rows[0][0], str(token)) if rows else None
+
+
+def is_current_claim(given: str, current: uuid.UUID | None) -> bool:
+    """Whether a result's X-Analysis-Claim-Token is the app's current claim. Compared in
+    Python, in constant time, as canonical text (lower-case hyphenated UUID): a header
+    that is not a UUID at all is simply not equal, so it is a stale claim (409) and the
+    untrusted text never reaches SQL, where casting it to uuid would raise."""
+    if current is None:
+        return False
+    return hmac.compare_digest(given.lower().encode("utf-8", "replace"), str(current).encode())
 
 
 class ClaimConflict(Exception):
@@ -951,9 +964,7 @@ def store_result(
         if not rows:
             raise UnknownApp(app_id)
         appid, current_token = rows[0][0], rows[0][10]
-        if claim_token is not None and not (
-            current_token and hmac.compare_digest(claim_token, current_token)
-        ):
+        if claim_token is not None and not is_current_claim(claim_token, current_token):
             raise ClaimConflict(appid)
         stored = connection.run(
             STORE_RESULT,
