@@ -416,7 +416,7 @@ JOIN pg_class c ON c.oid = i.indexrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE NOT i.indisvalid
   AND n.nspname = current_schema()
-  AND c.relname = ANY(regexp_split_to_array(lower(:sql), '[^a-z0-9_$]+'))
+  AND c.relname = ANY(regexp_split_to_array(lower(:file_text), '[^a-z0-9_$]+'))
 """
 LEDGER_DROP_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"  # quoted identifiers
 VACUUM_APPS = "VACUUM (ANALYZE) apps"
@@ -1270,7 +1270,7 @@ def pending_migrations(
 def _drop_invalid_indexes(connection: pg8000.native.Connection, migration: MigrationFile) -> None:
     """Drop the INVALID indexes named in a no-transaction file: what a failed or killed
     concurrent build of it left behind. Concurrently, so writes never wait for it."""
-    for schema, index in connection.run(LEDGER_INVALID_INDEXES, sql=migration.sql):
+    for schema, index in connection.run(LEDGER_INVALID_INDEXES, file_text=migration.sql):
         logger.warning(
             "dropping an invalid index a concurrent build left",
             extra={"file": migration.name, "index": index},
