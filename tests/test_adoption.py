@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 import handler
 import legacy
 from conftest import ANALYSER, configure_service, connect
-from helpers import app_row
+from helpers import app_row, history
 
 CHECK = "apps_processing_claim_token_check"
 OURS_AFTER_009 = [name for name in legacy.ALL_OUR_FILES if name >= "010"]
@@ -164,7 +164,11 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
             # Its previous holder's result is refused: the lease moved on.
             answer = upload(client, appid, legacy_tokens["old.expired"])
             assert answer.status_code == 409
+        history_before = len(history(sql, appid))
         assert upload(client, appid, token).status_code == 200
+        # RECORD_HISTORY names its columns: it works with or without the website's
+        # storefront columns (and the generated one) on app_analyses.
+        assert len(history(sql, appid)) == history_before + 1
         assert upload(client, appid, token).status_code == 409  # one result per token
         assert app_row(sql, appid)["status"] == "analysed"
         cycle.check("result")
