@@ -179,7 +179,7 @@ class Bench:
         self.sql.run("DROP TABLE IF EXISTS bench_snapshot")
         self.sql.run(
             "CREATE TABLE bench_snapshot AS"
-            " SELECT appid, status, processing_started, due, claim_token FROM apps"
+            " SELECT appid, status, processing_started, due, analysis_claim_token FROM apps"
         )
         self.sql.run("ALTER TABLE bench_snapshot ADD PRIMARY KEY (appid)")
 
@@ -191,7 +191,7 @@ class Bench:
             self.sql.run(
                 """UPDATE apps a SET status = s.status,
                        processing_started = s.processing_started,
-                       due = s.due, claim_token = s.claim_token
+                       due = s.due, analysis_claim_token = s.analysis_claim_token
                    FROM bench_snapshot s
                    WHERE a.appid = s.appid AND a.appid = ANY(CAST(:ids AS text[]))""",
                 ids=appids,
@@ -205,11 +205,12 @@ class Bench:
             self.sql.run(
                 """UPDATE apps a SET status = s.status,
                        processing_started = s.processing_started,
-                       due = s.due, claim_token = s.claim_token
+                       due = s.due, analysis_claim_token = s.analysis_claim_token
                    FROM bench_snapshot s
                    WHERE a.appid = s.appid
-                     AND (a.status, a.processing_started, a.claim_token)
-                         IS DISTINCT FROM (s.status, s.processing_started, s.claim_token)"""
+                     AND (a.status, a.processing_started, a.analysis_claim_token)
+                         IS DISTINCT FROM
+                         (s.status, s.processing_started, s.analysis_claim_token)"""
             )
 
     def drop_snapshot(self) -> None:
@@ -339,7 +340,8 @@ def throughput(bench: Bench, kind: str, clients: int, duration: float, quota: in
             """SELECT count(*) FROM unnest(CAST(:ids AS text[]), CAST(:tokens AS text[]))
                    AS c(appid, token)
                JOIN apps a USING (appid)
-               WHERE a.status = 'processing' AND a.claim_token = c.token""",
+               WHERE a.status = 'processing'
+                 AND CAST(a.analysis_claim_token AS text) = c.token""",
             ids=appids,
             tokens=[token for _, token in claimed],
         )[0]
@@ -450,7 +452,8 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         # --- first claim after the upgrade (first promotion, policy recorded) ---------
         expected, candidates = bench.oracle(policy)
         pre_first = bench.sql.run(
-            "SELECT appid, status, processing_started, due, claim_token FROM apps WHERE appid = :a",
+            "SELECT appid, status, processing_started, due, analysis_claim_token FROM apps"
+            " WHERE appid = :a",
             a=expected or "",
         )
         say(f"-- first /queue after the {'upgrade' if not reuse else 'start'}")
@@ -699,7 +702,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         if pre_first:
             bench.sql.run(
                 """UPDATE apps SET status = :s, processing_started = :p, due = :d,
-                       claim_token = :t WHERE appid = :a""",
+                       analysis_claim_token = :t WHERE appid = :a""",
                 a=pre_first[0][0],
                 s=pre_first[0][1],
                 p=pre_first[0][2],
@@ -737,13 +740,13 @@ def _heap_blocks(lines: list[str]) -> int:
 
 
 def _all_floor_claims(bench: Bench) -> list[str]:
-    """Rows the floor claimed since the snapshot (it sets no token)."""
+    """Rows claimed since the snapshot (restoring a row the service claimed too is
+    harmless: it goes back to the snapshot either way)."""
     return [
         appid
         for (appid,) in bench.sql.run(
             """SELECT a.appid FROM apps a JOIN bench_snapshot s USING (appid)
-               WHERE a.status = 'processing' AND s.status <> 'processing'
-                 AND a.claim_token IS NULL"""
+               WHERE a.status = 'processing' AND s.status <> 'processing'"""
         )
     ]
 

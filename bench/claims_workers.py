@@ -21,7 +21,8 @@ TOKEN_HEADER = "x-analysis-claim-token"
 
 # The floor: the complete index-head claim, bare (the issue's statement).
 FLOOR_CLAIM = """
-UPDATE apps SET status = 'processing', processing_started = now()
+UPDATE apps SET status = 'processing', processing_started = now(),
+                analysis_claim_token = gen_random_uuid()
 WHERE appid = (
     SELECT appid FROM apps WHERE status = 'queued'
     ORDER BY app_popularity(details) DESC, added, appid
