@@ -920,7 +920,7 @@ def claim_next_app(db: Database, policy: QueuePolicy, app_id: str | None = None)
     """Hand out the next app (or the named one, if it is a candidate): (appid, token).
 
     The token is a random UUID in apps.analysis_claim_token, the column and type the old
-    server's claim-token release uses too (sql/014), so both releases fence one token."""
+    server's claim-token release uses too (sql/013), so both releases fence one token."""
     promote_due_apps(db, policy)
     token = uuid.uuid4()
     if app_id is None:
@@ -1179,7 +1179,7 @@ def queue_refetch(
 
 
 # The old server's later releases (after 009) applied these files. Their effects are that
-# server's: the claim token this service adopts (sql/014), and the website's App Store
+# server's: the claim token this service adopts (sql/013), and the website's App Store
 # cache and storefront columns, which this service leaves alone. A database it migrated
 # lists them in its ledger: they are history that is not ours. The runner never runs them,
 # never requires them, and does not sort our pending files against them.
@@ -1218,9 +1218,8 @@ class MigrationFile:
     checksum: str
 
     @property
-    def in_transaction(self) -> bool:
-        first_line = self.sql.split("\n", 1)[0].strip()
-        return first_line != NO_TRANSACTION_MARKER
+    def transactional(self) -> bool:
+        return not self.sql.startswith(NO_TRANSACTION_MARKER)
 
 
 def migration_files(directory: Path | None = None) -> list[MigrationFile]:
@@ -1345,7 +1344,7 @@ def apply_migrations(
                 return [m.name for m in pending]
             for migration in pending:
                 logger.info("applying migration", extra={"file": migration.name})
-                if not migration.in_transaction:
+                if not migration.transactional:
                     _apply_outside_transaction(connection, migration)
                     applied.append(migration.name)
                     continue

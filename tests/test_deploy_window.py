@@ -45,7 +45,7 @@ SELECT appid, analysis, analysisversion, analysed FROM apps WHERE appid = :appid
 ON CONFLICT DO NOTHING
 """
 
-STAGES = ["007", "008", "009", "011", "015"]
+STAGES = ["007", "008", "009", "011", "014"]
 
 
 def migrate_to(url: str, tmp_path, stage: str) -> None:
@@ -93,7 +93,7 @@ def test_previous_release_statements_work_after_each_migration(empty_database, t
     sql.close()
 
 
-@pytest.mark.parametrize("stage", ["009", "011", "015"])
+@pytest.mark.parametrize("stage", ["009", "011", "014"])
 def test_previous_release_cannot_add_a_case_variant_after_009(empty_database, tmp_path, stage):
     """What does not work in the window: ON CONFLICT (appid) does not cover the unique
     index on lower(appid), so adding com.Example.Old next to com.example.old fails (the
@@ -256,9 +256,9 @@ def test_old_server_completion_of_a_promoted_row_leaves_a_flag_that_heals(
 # --- This service's previous release (ledger at 012, text claim tokens) ---------------
 
 
-def test_previous_release_of_this_service_keeps_working_after_014(empty_database, monkeypatch):
+def test_previous_release_of_this_service_keeps_working_after_013(empty_database, monkeypatch):
     """Its statements name claim_token (text) and not analysis_claim_token: the trigger of
-    014 gives its leases a uuid and clears it when they end, so the CHECK holds and its
+    013 gives its leases a uuid and clears it when they end, so the CHECK holds and its
     claims, results and refetches succeed. Its text token is no claim of this release
     (409), and its re-claim of an expired lease fences the uuid's previous holder."""
     from conftest import ANALYSER

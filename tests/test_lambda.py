@@ -624,7 +624,11 @@ def test_custom_resource_reply_stays_under_4096_bytes(database_url, sql_dir, res
 def test_custom_resource_reply_names_many_applied_files_under_4096_bytes(
     database_url, sql_dir, response_url
 ):
-    names = [f"{index:03d}_{'long_migration_name_' * 4}{index}.sql" for index in range(100, 160)]
+    head = int(max(path.name for path in handler.SQL_DIR.glob("*.sql"))[:3])
+    names = [
+        f"{index:03d}_{'long_migration_name_' * 4}{index}.sql"
+        for index in range(head + 1, head + 61)
+    ]
     for name in names:
         sql_dir(name, "SELECT 1;\n")
     migrate(cfn_event("cfn-update.json", response_url))

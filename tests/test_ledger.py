@@ -494,9 +494,9 @@ def add_titled_apps(sql, *titles: str) -> None:
 
 
 def test_marker_declares_a_file_outside_a_transaction():
-    assert not handler.MigrationFile("x.sql", UNIQUE_TITLES, "c").in_transaction
-    assert handler.MigrationFile("x.sql", "-- x\n-- ledger: no-transaction\n", "c").in_transaction
-    assert handler.MigrationFile("x.sql", "CREATE INDEX x ON apps (appid);\n", "c").in_transaction
+    assert not handler.MigrationFile("x.sql", UNIQUE_TITLES, "c").transactional
+    assert handler.MigrationFile("x.sql", "-- x\n-- ledger: no-transaction\n", "c").transactional
+    assert handler.MigrationFile("x.sql", "CREATE INDEX x ON apps (appid);\n", "c").transactional
 
 
 def test_no_transaction_file_is_recorded_only_after_it_succeeds(empty_database, tmp_path):

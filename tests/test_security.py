@@ -30,7 +30,6 @@ def test_token_comparisons_are_constant_time(client, sql, monkeypatch):
         json={"success": True},
         headers={**ANALYSER, "X-Analysis-Claim-Token": "not-it"},
     )
-    # The claim token is compared as canonical text (bytes), the header never parsed.
     assert calls[-1] == (b"not-it", token.encode())
 
 
