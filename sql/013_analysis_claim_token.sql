@@ -59,7 +59,10 @@ BEGIN
     RETURN NEW;
 END $$;
 
-CREATE OR REPLACE TRIGGER apps_claim_token_follows_status
+-- (DROP and CREATE rather than CREATE OR REPLACE TRIGGER, which needs PostgreSQL 14;
+-- gen_random_uuid needs 13. Both run in this file's one transaction.)
+DROP TRIGGER IF EXISTS apps_claim_token_follows_status ON apps;
+CREATE TRIGGER apps_claim_token_follows_status
     BEFORE INSERT OR UPDATE OF status, analysis_claim_token, claim_token ON apps
     FOR EACH ROW EXECUTE FUNCTION apps_claim_token_follows_status();
 
