@@ -29,8 +29,8 @@
 --   claim_token but kept this one (that release re-claiming an expired lease: the
 --   holder of the old uuid is fenced off); leaving processing clears it. Writers that
 --   set this column themselves (this release, the old server's) pass through unchanged.
---   It fires only when status or a token is written, so the promoter's flag updates
---   do not run it.
+--   It fires only when status or a token is written (so the promoter's flag updates do
+--   not run it), and only in the cases it repairs.
 -- * Rows processing now (claimed by the previous release, without a uuid token) get a
 --   random token: a result with no token is still accepted; one with the previous
 --   release's text token is refused (409) and the app is analysed again once its lease
@@ -59,12 +59,24 @@ BEGIN
     RETURN NEW;
 END $$;
 
--- (DROP and CREATE rather than CREATE OR REPLACE TRIGGER, which needs PostgreSQL 14;
--- gen_random_uuid needs 13. Both run in this file's one transaction.)
-DROP TRIGGER IF EXISTS apps_claim_token_follows_status ON apps;
-CREATE TRIGGER apps_claim_token_follows_status
-    BEFORE INSERT OR UPDATE OF status, analysis_claim_token, claim_token ON apps
-    FOR EACH ROW EXECUTE FUNCTION apps_claim_token_follows_status();
+-- The WHEN conditions are the cases the function repairs, evaluated without calling it:
+-- this release's claims, results and refetches (which keep the CHECK themselves) never
+-- enter PL/pgSQL. DROP and CREATE rather than CREATE OR REPLACE TRIGGER, which needs
+-- PostgreSQL 14 (gen_random_uuid needs 13); all in this file's one transaction.
+DROP TRIGGER IF EXISTS apps_claim_token_on_insert ON apps;
+CREATE TRIGGER apps_claim_token_on_insert
+    BEFORE INSERT ON apps FOR EACH ROW
+    WHEN ((NEW.status = 'processing') <> (NEW.analysis_claim_token IS NOT NULL))
+    EXECUTE FUNCTION apps_claim_token_follows_status();
+DROP TRIGGER IF EXISTS apps_claim_token_on_update ON apps;
+CREATE TRIGGER apps_claim_token_on_update
+    BEFORE UPDATE OF status, analysis_claim_token, claim_token ON apps FOR EACH ROW
+    WHEN ((NEW.status = 'processing') <> (NEW.analysis_claim_token IS NOT NULL)
+          OR (NEW.status = 'processing'
+              AND NEW.analysis_claim_token = OLD.analysis_claim_token
+              AND NEW.claim_token IS DISTINCT FROM OLD.claim_token
+              AND NEW.claim_token IS NOT NULL))
+    EXECUTE FUNCTION apps_claim_token_follows_status();
 
 UPDATE apps SET analysis_claim_token = gen_random_uuid()
 WHERE status = 'processing' AND analysis_claim_token IS NULL;

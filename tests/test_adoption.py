@@ -151,7 +151,13 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
 
     # The service's own statements keep the CHECK without the trigger's help (the trigger
     # is for the previous release: tests/test_deploy_window.py).
-    sql.run("ALTER TABLE apps DISABLE TRIGGER apps_claim_token_follows_status")
+    assert {
+        r[0]
+        for r in sql.run(
+            "SELECT tgname FROM pg_trigger WHERE tgrelid = 'apps'::regclass AND NOT tgisinternal"
+        )
+    } == {"apps_claim_token_on_insert", "apps_claim_token_on_update"}
+    sql.run("ALTER TABLE apps DISABLE TRIGGER USER")
 
     configure_service(monkeypatch, url)
     with TestClient(handler.app, raise_server_exceptions=False) as client:
