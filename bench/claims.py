@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -56,6 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE = ROOT
 CONCURRENCY = (1, 4, 16)
 BASELINE_APPS = 10_000
+# A claim token for plans only (EXPLAIN runs nothing; the column is uuid).
+EXPLAIN_TOKEN = str(uuid.UUID(int=0))
 
 TARGETS = {
     "claim_vs_floor": ("<=", 2.0),
@@ -491,7 +494,9 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         bench.restore([])  # vacuum: the phases start from the same clean state
 
         # --- plans ---------------------------------------------------------------------
-        claim_plan = bench.explain(handler.CLAIM_NEXT_APP, token="explain", **policy.sql_params())
+        claim_plan = bench.explain(
+            handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, **policy.sql_params()
+        )
         result.claim_plan_ms = (
             _plan_time(claim_plan, "Planning Time"),
             _plan_time(claim_plan, "Execution Time"),
@@ -665,7 +670,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         bench.print_explain(
             f"CLAIM_NEXT_APP at version {bumped}",
             handler.CLAIM_NEXT_APP,
-            bench.explain(handler.CLAIM_NEXT_APP, token="explain", **bump_policy.sql_params()),
+            bench.explain(handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, **bump_policy.sql_params()),
             result,
         )
         for scan in _seq_scan_check(bench, bump_policy):
@@ -769,7 +774,7 @@ def _seq_scan_check(bench: Bench, policy) -> list[str]:
     promotion (plain EXPLAIN: the planner's current choice, nothing runs)."""
     found = []
     for title, statement, params in (
-        ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": "x"}),
+        ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": str(uuid.UUID(int=0))}),
         (
             "PROMOTE_EXPIRED_LEASES",
             bench.handler.PROMOTE_EXPIRED_LEASES,
