@@ -15,6 +15,7 @@ retryable failure (`LEGACY_APPS`), on top of the production rows of test_ledger.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -299,18 +300,20 @@ def _legacy_rows_at_previous_release(sql) -> dict[str, str | None]:
     return {"old.live": tokens["old.live"], "old.expired": tokens["old.expired"]}
 
 
-_SCRATCH = Path(tempfile.mkdtemp(prefix="ledger-subsets-"))
-
-
+@functools.cache
 def _our_files_up_to(last: str) -> Path:
-    """A copy of sql/ holding our files up to `last` (a three-digit prefix)."""
-    directory = _SCRATCH / last
-    if not directory.exists():
-        directory.mkdir()
-        for path in sorted(handler.SQL_DIR.glob("*.sql")):
-            if path.name[:3] <= last:
-                shutil.copy(path, directory / path.name)
+    """A copy of sql/ holding our files up to `last` (a three-digit prefix), made once per
+    test run and removed when it ends."""
+    scratch = tempfile.TemporaryDirectory(prefix="ledger-subsets-")
+    _SCRATCH_DIRECTORIES.append(scratch)  # kept alive (and cleaned up) with the process
+    directory = Path(scratch.name)
+    for path in sorted(handler.SQL_DIR.glob("*.sql")):
+        if path.name[:3] <= last:
+            shutil.copy(path, directory / path.name)
     return directory
+
+
+_SCRATCH_DIRECTORIES: list[tempfile.TemporaryDirectory] = []
 
 
 def migrate(url: str, directory: Path | None = None) -> list[str]:
