@@ -22,15 +22,15 @@
 -- Safe while the previous release runs:
 -- * The column is added without a default: a catalog change, no rewrite. On a database
 --   from the old server's 010 it is already there, with its tokens, and stays as it is.
--- * The trigger keeps the CHECK for writers that do not know the column: the previous
+-- * The triggers keep the CHECK for writers that do not know the column: the previous
 --   release of this service, whose claims set only claim_token and whose results and
 --   refetches leave processing without clearing this column. Entering processing
 --   without a token gets a fresh random one, and so does a renewed lease that set a new
 --   claim_token but kept this one (that release re-claiming an expired lease: the
 --   holder of the old uuid is fenced off); leaving processing clears it. Writers that
 --   set this column themselves (this release, the old server's) pass through unchanged.
---   It fires only when status or a token is written (so the promoter's flag updates do
---   not run it), and only in the cases it repairs.
+--   They fire only when status or a token is written (so the promoter's flag updates do
+--   not run them), and only in the cases they repair.
 -- * Rows processing now (claimed by the previous release, without a uuid token) get a
 --   random token: a result with no token is still accepted; one with the previous
 --   release's text token is refused (409) and the app is analysed again once its lease

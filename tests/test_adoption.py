@@ -149,8 +149,8 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
         if state.startswith("old"):
             assert after[appid]["claim_token"] == legacy_tokens[appid]
 
-    # The service's own statements keep the CHECK without the trigger's help (the trigger
-    # is for the previous release: tests/test_deploy_window.py).
+    # The service's own statements keep the CHECK without the triggers' help (they are
+    # for the previous release: tests/test_deploy_window.py).
     assert {
         r[0]
         for r in sql.run(
