@@ -25,10 +25,10 @@ import json
 import math
 import os
 import re
-import secrets
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -296,14 +296,14 @@ head AS (
     LIMIT 1
 )
 UPDATE apps SET status = 'processing', processing_started = now(), due = false,
-                claim_token = :token
+                analysis_claim_token = :token
 FROM choice WHERE apps.appid = choice.appid
 RETURNING apps.appid
 """
 
 CLAIM_NAMED_APP = f"""
 UPDATE apps SET status = 'processing', processing_started = now(), due = false,
-                claim_token = :token
+                analysis_claim_token = :token
 WHERE appid = (
     SELECT appid FROM apps
     WHERE lower(appid) = lower(:appid) AND {CANDIDATE}
@@ -400,17 +400,17 @@ APP_COLUMNS = (
     "processing_started",
     "failure_reason",
     "failure_retryable",
-    "claim_token",
+    "analysis_claim_token",
     "popularity",
 )
 FIND_APP = """
 SELECT appid, details::text, analysis::text, analysisversion, analysed, added, status,
-       processing_started, failure_reason, failure_retryable, claim_token,
+       processing_started, failure_reason, failure_retryable, analysis_claim_token,
        app_popularity(details)
 FROM apps WHERE lower(appid) = lower(:appid)
 """
 FIND_APP_FOR_UPDATE = """
-SELECT appid, claim_token FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
+SELECT appid, analysis_claim_token FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
 """
 
 # The public queue position: candidates ahead of the app in claim order, counted from the
@@ -457,7 +457,7 @@ STORE_RESULT = """
 UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
                 analysed = now(), status = :status, failure_reason = :failure_reason,
                 failure_retryable = :failure_retryable, processing_started = NULL,
-                claim_token = NULL, due = false
+                analysis_claim_token = NULL, due = false
 WHERE appid = :appid
 RETURNING appid, details::text, analysed
 """
@@ -539,7 +539,7 @@ LIMIT :limit
 """
 REFETCH_APPLY = """
 UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
-                failure_retryable = NULL, claim_token = NULL, due = false
+                failure_retryable = NULL, analysis_claim_token = NULL, due = false
 WHERE appid = ANY(CAST(:appids AS text[]))
 """
 
@@ -557,12 +557,21 @@ UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND
 LEDGER_RECORD = "INSERT INTO schema_migrations (filename, checksum) VALUES (:filename, :checksum)"
 LEDGER_TRY_LOCK = "SELECT pg_try_advisory_lock(:key)"
 LEDGER_UNLOCK = "SELECT pg_advisory_unlock(:key)"
-VACUUM_APPS = "VACUUM (ANALYZE) apps"
-INVALID_INDEXES = """
-SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+# Indexes a failed (or killed) CREATE INDEX CONCURRENTLY of a no-transaction ledger file
+# left INVALID: kept up to date on every write yet never read, and, being there, they make
+# the file's `CREATE INDEX CONCURRENTLY IF NOT EXISTS` skip the build on a re-run. Only
+# indexes the file names are candidates (its words, as unquoted identifiers fold).
+LEDGER_INVALID_INDEXES = """
+SELECT n.nspname, c.relname
+FROM pg_index i
+JOIN pg_class c ON c.oid = i.indexrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE NOT i.indisvalid AND n.nspname = current_schema()
+WHERE NOT i.indisvalid
+  AND n.nspname = current_schema()
+  AND c.relname = ANY(regexp_split_to_array(lower(:file_text), '[^a-z0-9_$]+'))
 """
+LEDGER_DROP_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"  # quoted identifiers
+VACUUM_APPS = "VACUUM (ANALYZE) apps"
 # Healthy means a claim could run now: the server takes writes, and apps can be read
 # under the API's lock_timeout (a migration holding ACCESS EXCLUSIVE on apps fails this).
 HEALTH_CHECK = """
@@ -1262,7 +1271,10 @@ def claim_next_app(
     app_id: str | None = None,
     promotion_budget_seconds: float | None = None,
 ) -> tuple[str, str] | None:
-    """Hand out the next app (or the named one, if it is a candidate): (appid, token)."""
+    """Hand out the next app (or the named one, if it is a candidate): (appid, token).
+
+    The token is a random UUID in apps.analysis_claim_token, the column and type the old
+    server's claim-token release uses too (sql/013), so both releases fence one token."""
     try:
         promote_due_apps(db, policy, promotion_budget_seconds)
     except pg8000.native.DatabaseError as error:
@@ -1271,12 +1283,22 @@ def claim_next_app(
         # A lock or statement timeout while flagging. The claim does not need the flags
         # to be right (it reads the heads of the unflagged rows too), so it goes on.
         logger.warning("promotion skipped", extra={"error": _error_text(error)})
-    token = secrets.token_urlsafe(24)
+    token = uuid.uuid4()
     if app_id is None:
         rows = db.run(CLAIM_NEXT_APP, token=token, **policy.sql_params())
     else:
         rows = db.run(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
-    return (rows[0][0], token) if rows else None
+    return (rows[0][0], str(token)) if rows else None
+
+
+def is_current_claim(given: str, current: uuid.UUID | None) -> bool:
+    """Whether a result's X-Analysis-Claim-Token is the app's current claim. Compared in
+    Python, in constant time, as canonical text (lower-case hyphenated UUID): a header
+    that is not a UUID at all is simply not equal, so it is a stale claim (409) and the
+    untrusted text never reaches SQL, where casting it to uuid would raise."""
+    if current is None:
+        return False
+    return hmac.compare_digest(given.lower().encode("utf-8", "replace"), str(current).encode())
 
 
 class ClaimConflict(Exception):
@@ -1303,9 +1325,7 @@ def store_result(
         if not rows:
             raise UnknownApp(app_id)
         ((appid, current_token),) = rows
-        if claim_token is not None and not (
-            current_token and hmac.compare_digest(claim_token.encode(), current_token.encode())
-        ):
+        if claim_token is not None and not is_current_claim(claim_token, current_token):
             raise ClaimConflict(appid)
         stored = session.run(
             STORE_RESULT,
@@ -1527,6 +1547,26 @@ def queue_refetch(
 # ---------------------------------------------------------------------------------------
 
 
+# The old server's later releases (after 009) applied these files. Their effects are that
+# server's: the claim token this service adopts (sql/013), and the website's App Store
+# cache and storefront columns, which this service leaves alone. A database it migrated
+# lists them in its ledger: they are history that is not ours. The runner never runs them,
+# never requires them, and does not sort our pending files against them.
+FOREIGN_LEDGER_FILES = frozenset(
+    {
+        "010_analysis_claim_tokens.sql",
+        "011_app_store_cache.sql",
+        "012_app_store_cache_retention.sql",
+        "013_storefront_metadata_lifecycle.sql",
+    }
+)
+# A ledger file whose first line is this runs outside a transaction (CREATE INDEX
+# CONCURRENTLY and the like cannot run inside one). It must hold one statement and be safe
+# to run again (IF NOT EXISTS): it is recorded only after it succeeded, so a run cut short
+# runs it again. tests/test_zero_downtime.py holds new files to both rules.
+NO_TRANSACTION_MARKER = "-- ledger: no-transaction"
+
+
 class MigrationRefused(Exception):
     """The ledger and sql/ disagree in a way no runner should paper over."""
 
@@ -1538,11 +1578,6 @@ class MigrationFailed(Exception):
         super().__init__(f"{filename}: {_error_text(error)}")
         self.filename = filename
         self.sqlstate = sqlstate(error)
-
-
-# A ledger file whose first line is this runs outside a transaction, for statements
-# that cannot run inside one (CREATE INDEX CONCURRENTLY, which does not block writes).
-NO_TRANSACTION_MARKER = "-- ledger: no-transaction"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1571,6 +1606,16 @@ def pending_migrations(
     files: list[MigrationFile], ledger: dict[str, str | None]
 ) -> list[MigrationFile]:
     """The files to apply, or MigrationRefused when sql/ contradicts the ledger."""
+    ours = {m.name for m in files}
+    unknown = sorted(name for name in ledger if name not in ours | FOREIGN_LEDGER_FILES)
+    if unknown:
+        raise MigrationRefused(
+            f"the database's ledger lists {', '.join(unknown)}, which is neither in sql/ nor"
+            " a known file of the old server: a newer release of this service (or another"
+            " program) migrated this database. Deploy the release whose sql/ has"
+            f" {'them' if len(unknown) > 1 else 'it'}; if it was applied by hand, undo or"
+            " keep its effects and delete its schema_migrations row, then migrate again"
+        )
     for migration in files:
         recorded = ledger.get(migration.name, "")
         if recorded and recorded != migration.checksum:
@@ -1578,8 +1623,9 @@ def pending_migrations(
                 f"{migration.name} was edited after it was applied; add a new file instead"
             )
     pending = [m for m in files if m.name not in ledger]
-    if pending and ledger:
-        last_applied = max(ledger)
+    applied_ours = [name for name in ledger if name in ours]
+    if pending and applied_ours:
+        last_applied = max(applied_ours)
         early = [m.name for m in pending if m.name < last_applied]
         if early:
             raise MigrationRefused(
@@ -1587,6 +1633,45 @@ def pending_migrations(
                 " rename to sort after it"
             )
     return pending
+
+
+def _drop_invalid_indexes(connection: pg8000.native.Connection, migration: MigrationFile) -> None:
+    """Drop the INVALID indexes named in a no-transaction file: what a failed or killed
+    concurrent build of it left behind. Concurrently, so writes never wait for it."""
+    for schema, index in connection.run(LEDGER_INVALID_INDEXES, file_text=migration.sql):
+        logger.warning(
+            "dropping an invalid index a concurrent build left",
+            extra={"file": migration.name, "index": index},
+        )
+        connection.run(
+            LEDGER_DROP_INDEX.format(
+                schema=pg8000.native.identifier(schema), index=pg8000.native.identifier(index)
+            )
+        )
+
+
+def _apply_outside_transaction(connection: pg8000.native.Connection, migration: MigrationFile):
+    """A no-transaction file: what an earlier failed run left is cleaned up first, the
+    file runs on its own (autocommit), and its ledger row is written only after it
+    succeeded. If the runner dies between the two, the next run repeats the file, which
+    is why such files must be idempotent."""
+    try:
+        _drop_invalid_indexes(connection, migration)
+        connection.execute_simple(migration.sql)
+    except Exception as error:
+        if _is_connection_lost(error):
+            raise
+        try:
+            _drop_invalid_indexes(connection, migration)
+        except Exception as cleanup_error:
+            if _is_connection_lost(cleanup_error):
+                raise
+            logger.warning(
+                "could not drop the invalid index; the next run drops it",
+                extra={"file": migration.name, "error": _error_text(cleanup_error)},
+            )
+        raise MigrationFailed(migration.name, error) from error
+    connection.run(LEDGER_RECORD, filename=migration.name, checksum=migration.checksum)
 
 
 def apply_migrations(
@@ -1660,24 +1745,6 @@ def apply_migrations(
     _promotions.clear()
     _clear_cursors.clear()
     return applied
-
-
-def _apply_outside_transaction(connection: pg8000.native.Connection, migration: MigrationFile):
-    """A no-transaction file: it is recorded only after it succeeded. A concurrent index
-    build that failed leaves an INVALID index, which IF NOT EXISTS would then take for
-    done: such indexes named in the file are dropped before every try."""
-    try:
-        for (index,) in connection.run(INVALID_INDEXES):
-            if re.search(rf"\b{re.escape(index)}\b", migration.sql):
-                connection.run(
-                    f"DROP INDEX CONCURRENTLY IF EXISTS {pg8000.native.identifier(index)}"
-                )
-        connection.execute_simple(migration.sql)
-        connection.run(LEDGER_RECORD, filename=migration.name, checksum=migration.checksum)
-    except Exception as error:
-        if _is_connection_lost(error):
-            raise
-        raise MigrationFailed(migration.name, error) from error
 
 
 def migrate_and_promote(db: Database) -> list[str]:

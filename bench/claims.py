@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -56,6 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE = ROOT
 CONCURRENCY = (1, 4, 16)
 BASELINE_APPS = 10_000
+# A claim token for plans only (EXPLAIN runs nothing; the column is uuid).
+EXPLAIN_TOKEN = str(uuid.UUID(int=0))
 
 TARGETS = {
     "claim_vs_floor": ("<=", 2.0),
@@ -183,7 +186,7 @@ class Bench:
         self.sql.run("DROP TABLE IF EXISTS bench_snapshot")
         self.sql.run(
             "CREATE TABLE bench_snapshot AS"
-            " SELECT appid, status, processing_started, due, claim_token FROM apps"
+            " SELECT appid, status, processing_started, due, analysis_claim_token FROM apps"
         )
         self.sql.run("ALTER TABLE bench_snapshot ADD PRIMARY KEY (appid)")
 
@@ -195,7 +198,7 @@ class Bench:
             self.sql.run(
                 """UPDATE apps a SET status = s.status,
                        processing_started = s.processing_started,
-                       due = s.due, claim_token = s.claim_token
+                       due = s.due, analysis_claim_token = s.analysis_claim_token
                    FROM bench_snapshot s
                    WHERE a.appid = s.appid AND a.appid = ANY(CAST(:ids AS text[]))""",
                 ids=appids,
@@ -209,11 +212,12 @@ class Bench:
             self.sql.run(
                 """UPDATE apps a SET status = s.status,
                        processing_started = s.processing_started,
-                       due = s.due, claim_token = s.claim_token
+                       due = s.due, analysis_claim_token = s.analysis_claim_token
                    FROM bench_snapshot s
                    WHERE a.appid = s.appid
-                     AND (a.status, a.processing_started, a.claim_token)
-                         IS DISTINCT FROM (s.status, s.processing_started, s.claim_token)"""
+                     AND (a.status, a.processing_started, a.analysis_claim_token)
+                         IS DISTINCT FROM
+                         (s.status, s.processing_started, s.analysis_claim_token)"""
             )
 
     def drop_snapshot(self) -> None:
@@ -343,7 +347,8 @@ def throughput(bench: Bench, kind: str, clients: int, duration: float, quota: in
             """SELECT count(*) FROM unnest(CAST(:ids AS text[]), CAST(:tokens AS text[]))
                    AS c(appid, token)
                JOIN apps a USING (appid)
-               WHERE a.status = 'processing' AND a.claim_token = c.token""",
+               WHERE a.status = 'processing'
+                 AND CAST(a.analysis_claim_token AS text) = c.token""",
             ids=appids,
             tokens=[token for _, token in claimed],
         )[0]
@@ -454,7 +459,8 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         # --- first claim after the upgrade (first promotion, policy recorded) ---------
         expected, candidates = bench.oracle(policy)
         pre_first = bench.sql.run(
-            "SELECT appid, status, processing_started, due, claim_token FROM apps WHERE appid = :a",
+            "SELECT appid, status, processing_started, due, analysis_claim_token FROM apps"
+            " WHERE appid = :a",
             a=expected or "",
         )
         say(f"-- first /queue after the {'upgrade' if not reuse else 'start'}")
@@ -492,7 +498,9 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         bench.restore([])  # vacuum: the phases start from the same clean state
 
         # --- plans ---------------------------------------------------------------------
-        claim_plan = bench.explain(handler.CLAIM_NEXT_APP, token="explain", **policy.sql_params())
+        claim_plan = bench.explain(
+            handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, **policy.sql_params()
+        )
         result.claim_plan_ms = (
             _plan_time(claim_plan, "Planning Time"),
             _plan_time(claim_plan, "Execution Time"),
@@ -669,7 +677,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         bench.print_explain(
             f"CLAIM_NEXT_APP at version {bumped}",
             handler.CLAIM_NEXT_APP,
-            bench.explain(handler.CLAIM_NEXT_APP, token="explain", **bump_policy.sql_params()),
+            bench.explain(handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, **bump_policy.sql_params()),
             result,
         )
         for scan in _seq_scan_check(bench, bump_policy):
@@ -717,7 +725,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         if pre_first:
             bench.sql.run(
                 """UPDATE apps SET status = :s, processing_started = :p, due = :d,
-                       claim_token = :t WHERE appid = :a""",
+                       analysis_claim_token = :t WHERE appid = :a""",
                 a=pre_first[0][0],
                 s=pre_first[0][1],
                 p=pre_first[0][2],
@@ -755,13 +763,13 @@ def _heap_blocks(lines: list[str]) -> int:
 
 
 def _all_floor_claims(bench: Bench) -> list[str]:
-    """Rows the floor claimed since the snapshot (it sets no token)."""
+    """Rows claimed since the snapshot (restoring a row the service claimed too is
+    harmless: it goes back to the snapshot either way)."""
     return [
         appid
         for (appid,) in bench.sql.run(
             """SELECT a.appid FROM apps a JOIN bench_snapshot s USING (appid)
-               WHERE a.status = 'processing' AND s.status <> 'processing'
-                 AND a.claim_token IS NULL"""
+               WHERE a.status = 'processing' AND s.status <> 'processing'"""
         )
     ]
 
@@ -883,7 +891,7 @@ def _seq_scan_check(bench: Bench, policy) -> list[str]:
     promotion (plain EXPLAIN: the planner's current choice, nothing runs)."""
     found = []
     for title, statement, params in (
-        ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": "x"}),
+        ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": str(uuid.UUID(int=0))}),
         (
             "PROMOTE_EXPIRED_LEASES",
             bench.handler.PROMOTE_EXPIRED_LEASES,

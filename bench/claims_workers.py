@@ -13,6 +13,7 @@ import os
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +22,8 @@ TOKEN_HEADER = "x-analysis-claim-token"
 
 # The floor: the complete index-head claim, bare (the issue's statement).
 FLOOR_CLAIM = """
-UPDATE apps SET status = 'processing', processing_started = now()
+UPDATE apps SET status = 'processing', processing_started = now(),
+                analysis_claim_token = gen_random_uuid()
 WHERE appid = (
     SELECT appid FROM apps WHERE status = 'queued'
     ORDER BY app_popularity(details) DESC, added, appid
@@ -180,13 +182,13 @@ def breakdown(service: ServiceClaimer, count: int) -> dict[str, float]:
 
     def raw() -> None:
         with db.session() as connection:
-            connection.run(handler.CLAIM_NEXT_APP, token="breakdown", **params)
+            connection.run(handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), **params)
 
     layers = {
         "GET /queue via handler.api": lambda: service.claim(),
         "handler.claim_next_app": lambda: handler.claim_next_app(db, policy),
         "handler.Database.run(CLAIM_NEXT_APP)": lambda: db.run(
-            handler.CLAIM_NEXT_APP, token="breakdown", **params
+            handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), **params
         ),
         "pg8000 connection.run(CLAIM_NEXT_APP), unprepared": raw,
         "pg8000 to_statement(CLAIM_NEXT_APP) (client-side parse)": lambda: to_statement(

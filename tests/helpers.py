@@ -74,7 +74,12 @@ def app_row(sql, appid: str) -> dict:
         "claim_token",
         "due",
     ]
-    rows = sql.run(f"SELECT {', '.join(columns)} FROM apps WHERE appid = :appid", appid=appid)
+    # The service's claim token is apps.analysis_claim_token (uuid), compared as the text
+    # the X-Analysis-Claim-Token header carries.
+    selected = [
+        "CAST(analysis_claim_token AS text)" if name == "claim_token" else name for name in columns
+    ]
+    rows = sql.run(f"SELECT {', '.join(selected)} FROM apps WHERE appid = :appid", appid=appid)
     return dict(zip(columns, rows[0], strict=True)) if rows else None
 
 

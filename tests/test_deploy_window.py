@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 
 import pg8000.native
 import pytest
 
 import handler
-from conftest import connect
+import legacy
+from conftest import configure_service, connect
 from helpers import app_row
 
 # The previous release's statements (before the state-machine change), verbatim in shape.
@@ -149,3 +151,162 @@ def test_old_upload_on_a_new_claim_self_heals_when_the_lease_expires(client, sql
         headers=ANALYSER,
     )
     assert app_row(sql, "com.example.app")["status"] == "analysed"
+
+
+# --- The old server's later releases (010-013) against the migrated database ----------
+
+
+def adopted(url: str, state: str, monkeypatch):
+    """The database in `state`, migrated to the head, served by this release."""
+    from fastapi.testclient import TestClient
+
+    legacy.build(url, state)
+    legacy.migrate(url)
+    configure_service(monkeypatch, url)
+    return TestClient(handler.app, raise_server_exceptions=False)
+
+
+def check_holds(sql) -> None:
+    assert sql.run(
+        "SELECT convalidated FROM pg_constraint WHERE conname = 'apps_processing_claim_token_check'"
+    ) == [[True]]
+
+
+@pytest.mark.parametrize("state", legacy.OLD_STATES)
+def test_old_server_release_statements_after_migrate(empty_database, monkeypatch, state):
+    """Its insert, its claim with a token, its completion that compares the token, its
+    history insert and its website cache keep working on the migrated database."""
+    with adopted(empty_database, state, monkeypatch):
+        sql = connect(empty_database)
+        sql.run(legacy.OLD_ADD_APP, appid="web.added", details='{"reviews": "1"}')
+        assert app_row(sql, "web.added")["status"] == "queued"
+        token = uuid.uuid4()
+        ((claimed,),) = sql.run(legacy.OLD_CLAIM_NEXT, token=token)
+        assert app_row(sql, claimed)["claim_token"] == str(token)
+        # A completion with another token changes nothing.
+        assert legacy.old_server_complete(sql, claimed, uuid.uuid4(), {"success": True}, "") == []
+        assert app_row(sql, claimed)["status"] == "processing"
+        history = legacy.OLD_RECORD_HISTORY_013 if state == "old013" else legacy.OLD_RECORD_HISTORY
+        done = legacy.old_server_complete(sql, claimed, token, {"success": True}, history)
+        assert done == [[claimed]]
+        row = app_row(sql, claimed)
+        assert (row["status"], row["claim_token"]) == ("analysed", None)
+        assert sql.run("SELECT count(*) FROM app_analyses WHERE appid = :a", a=claimed)[0][0] >= 1
+        if state != "old010":
+            sql.run(legacy.OLD_CACHE_APP, appid="web.added", details='{"title": "x"}')
+        check_holds(sql)
+        sql.close()
+
+
+def test_old_server_and_this_release_share_one_token(empty_database, monkeypatch):
+    """One token column: a lease either release handed out is fenced by both."""
+    from conftest import ANALYSER
+
+    with adopted(empty_database, "old013", monkeypatch) as client:
+        sql = connect(empty_database)
+        # This release's lease: the old release neither re-claims it nor completes it.
+        answer = client.get("/queue?appId=old.queued", headers=ANALYSER)
+        ours = answer.headers["x-analysis-claim-token"]
+        assert sql.run(legacy.OLD_CLAIM_NAMED, appid="old.queued", token=uuid.uuid4()) == []
+        assert legacy.old_server_complete(sql, "old.queued", uuid.uuid4(), {}, "") == []
+        assert app_row(sql, "old.queued")["claim_token"] == ours
+        # The old release's lease (old.live, handed out before the deploy): this release
+        # does not hand it out, and takes its holder's result with that token.
+        assert client.get("/queue?appId=old.live", headers=ANALYSER).text == ""
+        theirs = app_row(sql, "old.live")["claim_token"]
+        upload = client.post(
+            "/uploadAnalysis?appId=old.live&analysisVersion=4",
+            json={"success": True},
+            headers={**ANALYSER, "X-Analysis-Claim-Token": theirs},
+        )
+        assert upload.status_code == 200
+        # ... and a token of its is good for one result, in either release.
+        assert legacy.old_server_complete(sql, "old.live", uuid.UUID(theirs), {}, "") == []
+        check_holds(sql)
+        sql.close()
+
+
+def test_old_server_completion_of_a_promoted_row_leaves_a_flag_that_heals(
+    empty_database, monkeypatch
+):
+    """The mismatch: the old release does not know `due`. A row the promoter flagged and
+    the old release then analysed stays flagged, though it is no candidate; the claim
+    re-checks the rule, so it is not handed out, and the next policy change clears it."""
+    with adopted(empty_database, "old013", monkeypatch) as client:
+        from conftest import ANALYSER
+
+        sql = connect(empty_database)
+        sql.run("UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = 'old.done'")
+        handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+        assert app_row(sql, "old.done")["due"] is True
+        token = uuid.uuid4()
+        assert sql.run(legacy.OLD_CLAIM_NAMED, appid="old.done", token=token) == [["old.done"]]
+        legacy.old_server_complete(
+            sql, "old.done", token, {"success": True}, legacy.OLD_RECORD_HISTORY_013
+        )
+        row = app_row(sql, "old.done")
+        assert (row["status"], row["due"]) == ("analysed", True)
+        assert client.get("/queue?appId=old.done", headers=ANALYSER).text == ""
+        # Healing: a new policy clears flags it does not support.
+        configure_service(monkeypatch, empty_database, STALE_ANALYSIS_DAYS="181")
+        handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+        assert app_row(sql, "old.done")["due"] is False
+        check_holds(sql)
+        sql.close()
+
+
+# --- This service's previous release (ledger at 012, text claim tokens) ---------------
+
+
+def test_previous_release_of_this_service_keeps_working_after_013(empty_database, monkeypatch):
+    """Its statements name claim_token (text) and not analysis_claim_token: the trigger of
+    013 gives its leases a uuid and clears it when they end, so the CHECK holds and its
+    claims, results and refetches succeed. Its text token is no claim of this release
+    (409), and its re-claim of an expired lease fences the uuid's previous holder."""
+    from conftest import ANALYSER
+
+    with adopted(empty_database, "head", monkeypatch) as client:
+        sql = connect(empty_database)
+        assert sql.run(legacy.PREVIOUS_CLAIM_NAMED, appid="old.queued", token="previous-token") == [
+            ["old.queued"]
+        ]
+        row = app_row(sql, "old.queued")
+        assert row["status"] == "processing" and uuid.UUID(row["claim_token"])
+        upload = client.post(
+            "/uploadAnalysis?appId=old.queued&analysisVersion=4",
+            json={"success": True},
+            headers={**ANALYSER, "X-Analysis-Claim-Token": "previous-token"},
+        )
+        assert upload.status_code == 409
+        assert sql.run(
+            legacy.PREVIOUS_STORE_RESULT,
+            appid="old.queued",
+            analysis='{"success": true}',
+            status="analysed",
+            reason=None,
+            retryable=None,
+        ) == [["old.queued"]]
+        assert app_row(sql, "old.queued")["claim_token"] is None
+
+        # This release's lease expires; the previous release re-claims it.
+        sql.run("UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = 'old.done'")
+        ours = client.get("/queue?appId=old.done", headers=ANALYSER).headers[
+            "x-analysis-claim-token"
+        ]
+        sql.run(
+            "UPDATE apps SET processing_started = now() - interval '3 hours'"
+            " WHERE appid = 'old.done'"
+        )
+        sql.run(legacy.PREVIOUS_CLAIM_NAMED, appid="old.done", token="previous-again")
+        assert app_row(sql, "old.done")["claim_token"] not in (None, ours)
+        upload = client.post(
+            "/uploadAnalysis?appId=old.done&analysisVersion=4",
+            json={"success": True},
+            headers={**ANALYSER, "X-Analysis-Claim-Token": ours},
+        )
+        assert upload.status_code == 409
+        sql.run(legacy.PREVIOUS_REFETCH, appid="old.done")
+        row = app_row(sql, "old.done")
+        assert (row["status"], row["claim_token"]) == ("queued", None)
+        check_holds(sql)
+        sql.close()

@@ -231,8 +231,8 @@ def claim_matches_oracle(sql) -> None:
     assert answer["body"] == (expected[0] if expected else "")
     if answer["body"]:
         sql.run(
-            """UPDATE apps SET status = 'queued', processing_started = NULL, claim_token = NULL,
-                   due = false WHERE appid = :appid""",
+            """UPDATE apps SET status = 'queued', processing_started = NULL,
+                   analysis_claim_token = NULL, due = false WHERE appid = :appid""",
             appid=answer["body"],
         )
 

@@ -429,3 +429,125 @@ def test_pending_rules_are_pure():
         handler.pending_migrations(files, {"001_a.sql": "changed"})
     with pytest.raises(handler.MigrationRefused):
         handler.pending_migrations(files, {"002_b.sql": "b"})
+
+
+# --- Files that are not ours, and files that are nobody's -------------------------------
+
+OLD_SERVER_LATER_FILES = sorted(handler.FOREIGN_LEDGER_FILES)
+
+
+def test_old_server_files_are_history_that_is_not_ours():
+    files = [
+        handler.MigrationFile(n, "", n)
+        for n in ("009_c.sql", "010_claim_columns.sql", "014_mine.sql")
+    ]
+    ledger = {"009_c.sql": "009_c.sql", **dict.fromkeys(OLD_SERVER_LATER_FILES)}
+    # Never run, never required, and our pending 010 does not "sort before" their 013.
+    assert handler.pending_migrations(files, ledger) == files[1:]
+    # Our own files keep their checks.
+    with pytest.raises(handler.MigrationRefused, match=r"009_c\.sql was edited"):
+        handler.pending_migrations(files, {**ledger, "009_c.sql": "changed"})
+    with pytest.raises(handler.MigrationRefused, match=r"010_claim_columns\.sql sort\(s\) before"):
+        handler.pending_migrations(files, {**ledger, "014_mine.sql": "014_mine.sql"})
+
+
+def test_an_unknown_ledger_file_is_refused_with_what_to_do(empty_database, tmp_path):
+    directory = copy_ledger(tmp_path, ALL_FILES)
+    db = runner(empty_database)
+    handler.apply_migrations(db, directory=directory)
+    sql = connect(empty_database)
+    sql.run("INSERT INTO schema_migrations (filename) VALUES ('013_mystery.sql')")
+    (directory / "099_next.sql").write_text("-- next\nCREATE TABLE next_one (x int);\n")
+    with pytest.raises(handler.MigrationRefused) as refusal:
+        handler.apply_migrations(db, directory=directory)
+    message = str(refusal.value)
+    assert "013_mystery.sql" in message
+    assert "Deploy the release whose sql/ has it" in message
+    assert "delete its schema_migrations row" in message
+    assert sql.run("SELECT to_regclass('next_one')") == [[None]]
+    db.discard()
+    sql.close()
+
+
+# --- No-transaction files ---------------------------------------------------------------
+
+UNIQUE_TITLES = """-- ledger: no-transaction
+-- A unique index built without blocking writes.
+CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS apps_title_key ON apps ((details->>'title'));
+"""
+
+
+def index_validity(sql, name: str) -> list:
+    return sql.run(
+        "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+        " WHERE c.relname = :name",
+        name=name,
+    )
+
+
+def add_titled_apps(sql, *titles: str) -> None:
+    for number, title in enumerate(titles):
+        sql.run(
+            "INSERT INTO apps (appid, details) VALUES (:a, CAST(:d AS jsonb))",
+            a=f"app.titled{number}",
+            d=json.dumps({"title": title}),
+        )
+
+
+def test_marker_declares_a_file_outside_a_transaction():
+    assert not handler.MigrationFile("x.sql", UNIQUE_TITLES, "c").transactional
+    assert handler.MigrationFile("x.sql", "-- x\n-- ledger: no-transaction\n", "c").transactional
+    assert handler.MigrationFile("x.sql", "CREATE INDEX x ON apps (appid);\n", "c").transactional
+
+
+def test_no_transaction_file_is_recorded_only_after_it_succeeds(empty_database, tmp_path):
+    directory = copy_ledger(tmp_path, ALL_FILES)
+    db = runner(empty_database)
+    handler.apply_migrations(db, directory=directory)
+    sql = connect(empty_database)
+    add_titled_apps(sql, "Same", "Same", "Other")
+    (directory / "099_unique_titles.sql").write_text(UNIQUE_TITLES)
+
+    # The concurrent build fails on the duplicate: no ledger row, and the INVALID index
+    # it left is dropped (else the re-run's IF NOT EXISTS would skip the build).
+    with pytest.raises(handler.MigrationFailed, match=r"^099_unique_titles\.sql: 23505"):
+        handler.apply_migrations(db, directory=directory)
+    assert "099_unique_titles.sql" not in [r[0] for r in ledger(sql)]
+    assert index_validity(sql, "apps_title_key") == []
+
+    sql.run("UPDATE apps SET details = '{\"title\": \"Renamed\"}' WHERE appid = 'app.titled1'")
+    assert handler.apply_migrations(db, directory=directory) == ["099_unique_titles.sql"]
+    assert index_validity(sql, "apps_title_key") == [[True]]
+    assert "099_unique_titles.sql" in [r[0] for r in ledger(sql)]
+
+    # Run again (a runner that died after the build, before its ledger row): harmless.
+    sql.run("DELETE FROM schema_migrations WHERE filename = '099_unique_titles.sql'")
+    assert handler.apply_migrations(db, directory=directory) == ["099_unique_titles.sql"]
+    assert index_validity(sql, "apps_title_key") == [[True]]
+    db.discard()
+    sql.close()
+
+
+def test_an_invalid_index_an_earlier_build_left_is_rebuilt(empty_database, tmp_path):
+    """A build killed half-way (the Lambda timed out, the connection dropped) leaves an
+    INVALID index and no ledger row: the next run drops it and builds it again."""
+    directory = copy_ledger(tmp_path, ALL_FILES)
+    db = runner(empty_database)
+    handler.apply_migrations(db, directory=directory)
+    sql = connect(empty_database)
+    add_titled_apps(sql, "Same", "Same")
+    with pytest.raises(pg8000.native.DatabaseError):
+        sql.execute_simple(UNIQUE_TITLES)
+    assert index_validity(sql, "apps_title_key") == [[False]]
+    # Someone else's invalid index, not named by the file, is left alone.
+    with pytest.raises(pg8000.native.DatabaseError):
+        sql.execute_simple(
+            "CREATE UNIQUE INDEX CONCURRENTLY apps_title_key2 ON apps ((details->>'title'))"
+        )
+    sql.run("DELETE FROM apps WHERE appid = 'app.titled1'")
+    (directory / "099_unique_titles.sql").write_text(UNIQUE_TITLES)
+    assert handler.apply_migrations(db, directory=directory) == ["099_unique_titles.sql"]
+    assert index_validity(sql, "apps_title_key") == [[True]]
+    assert index_validity(sql, "apps_title_key2") == [[False]]
+    db.discard()
+    sql.close()

@@ -237,7 +237,7 @@ class QueueModel(RuleBasedStateMachine):
             return
         rows = self.sql.run(
             "SELECT appid, status, analysisversion, failure_reason, failure_retryable,"
-            " processing_started, claim_token FROM apps"
+            " processing_started, CAST(analysis_claim_token AS text) FROM apps"
         )
         assert {r[0] for r in rows} == set(self.apps), "an app was lost or invented"
         for appid, status, version, reason, retryable, started, token in rows:
