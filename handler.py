@@ -1171,7 +1171,7 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # Queue operations: the queue logic applied to the database.
 #
-# How /queue stays an index read at any size (sql/010-016): filtering CANDIDATE and
+# How /queue stays an index read at any size (sql/010-017): filtering CANDIDATE and
 # sorting grows with the table, so the claim reads index heads instead ("SQL: the claim"
 # lists them). The promoter moves rows that fell due by time into apps_claim_order in
 # bounded batches; until it has, the claim finds them through the heads of the unflagged
@@ -1274,7 +1274,7 @@ def claim_next_app(
     """Hand out the next app (or the named one, if it is a candidate): (appid, token).
 
     The token is a random UUID in apps.analysis_claim_token, the column and type the old
-    server's claim-token release uses too (sql/013), so both releases fence one token."""
+    server's claim-token release uses too (sql/018), so both releases fence one token."""
     try:
         promote_due_apps(db, policy, promotion_budget_seconds)
     except pg8000.native.DatabaseError as error:
@@ -1548,7 +1548,7 @@ def queue_refetch(
 
 
 # The old server's later releases (after 009) applied these files. Their effects are that
-# server's: the claim token this service adopts (sql/013), and the website's App Store
+# server's: the claim token this service adopts (sql/018), and the website's App Store
 # cache and storefront columns, which this service leaves alone. A database it migrated
 # lists them in its ledger: they are history that is not ours. The runner never runs them,
 # never requires them, and does not sort our pending files against them.

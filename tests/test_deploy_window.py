@@ -260,7 +260,7 @@ def test_old_server_completion_of_a_promoted_row_leaves_a_flag_that_heals(
 
 def test_previous_release_of_this_service_keeps_working_after_013(empty_database, monkeypatch):
     """Its statements name claim_token (text) and not analysis_claim_token: the trigger of
-    013 gives its leases a uuid and clears it when they end, so the CHECK holds and its
+    018 gives its leases a uuid and clears it when they end, so the CHECK holds and its
     claims, results and refetches succeed. Its text token is no claim of this release
     (409), and its re-claim of an expired lease fences the uuid's previous holder."""
     from conftest import ANALYSER

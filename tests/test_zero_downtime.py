@@ -146,8 +146,8 @@ def is_volatile(server_url):
 
 def test_there_are_new_files_to_check():
     assert [path.name for path in NEW_FILES][:2] == [
-        "013_analysis_claim_token.sql",
-        "014_validate_claim_token_check.sql",
+        "015_analysis_day.sql",
+        "016_apps_stale_day_order.sql",
     ]
 
 

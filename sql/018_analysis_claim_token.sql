@@ -1,4 +1,4 @@
--- 013: one claim token for this service and the old server: apps.analysis_claim_token.
+-- 018: one claim token for this service and the old server: apps.analysis_claim_token.
 --
 -- Why this column. The old server's claim-token release (its 010_analysis_claim_tokens)
 -- added apps.analysis_claim_token uuid and the CHECK apps_processing_claim_token_check:
@@ -14,10 +14,9 @@
 -- it would break the previous release of this service during the deploy window: every
 -- one of its claims, results and refetches names that column.
 --
--- The number 013 is also that of the old server's 013_storefront_metadata_lifecycle.sql.
--- The runner knows files by name, and never orders its own files against the old
--- server's, so on a database at that 013 this file simply runs (tests/test_adoption.py);
--- the two rows stand side by side in the ledger.
+-- The runner knows the old server's files by name and never orders its own files against
+-- them, so on a database at the old server's 013 this file simply runs
+-- (tests/test_adoption.py).
 --
 -- Safe while the previous release runs:
 -- * The column is added without a default: a catalog change, no rewrite. On a database
@@ -37,7 +36,7 @@
 --   expires. The UPDATE reads them through apps_processing_started (sql/007).
 -- * The CHECK is dropped if the old server added it and added again with the same
 --   condition, NOT VALID: the lock it takes is held only for the catalog change, with no
---   scan; every write from now on is checked. 014 validates it in a transaction of its
+--   scan; every write from now on is checked. 019 validates it in a transaction of its
 --   own, which blocks no reads or writes. (Adding it only where it is missing would need
 --   a DO block, which hides the statement from the zero-downtime check in the tests.)
 -- * Everything here is one short transaction under apps' ACCESS EXCLUSIVE lock (the
