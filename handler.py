@@ -113,9 +113,10 @@ def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0)
     return value
 
 
-# Lambda refuses an invocation over 6 MB (6,291,456 bytes). A body API Gateway sends
+# Lambda refuses an invocation, or a response, over 6 MB. A body API Gateway sends
 # base64-encoded grows by 4/3, so 4.5 MB of body is 6,000,000 bytes in the event, which
 # leaves room for the event's other fields.
+LAMBDA_PAYLOAD_LIMIT_BYTES = 6_291_456
 DEFAULT_MAX_BODY_BYTES = 4_500_000
 
 
@@ -389,10 +390,13 @@ SELECT (SELECT count(*) FROM examined), (SELECT max(appid) FROM examined),
 # JSON columns are read as text and spliced into responses as they are: the service never
 # parses a stored document, so no stored value (however deep, however large) can fail to
 # decode on the way out.
+# A document larger than a Lambda answer can carry is not even read: only its size.
 APP_COLUMNS = (
     "appid",
     "details",
+    "details_bytes",
     "analysis",
+    "analysis_bytes",
     "analysisversion",
     "analysed",
     "added",
@@ -403,10 +407,12 @@ APP_COLUMNS = (
     "analysis_claim_token",
     "popularity",
 )
-FIND_APP = """
-SELECT appid, details::text, analysis::text, analysisversion, analysed, added, status,
-       processing_started, failure_reason, failure_retryable, analysis_claim_token,
-       app_popularity(details)
+DOCUMENT = """CASE WHEN octet_length({0}::text) <= :document_limit THEN {0}::text END,
+       octet_length({0}::text)"""
+FIND_APP = f"""
+SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
+       analysisversion, analysed, added, status, processing_started, failure_reason,
+       failure_retryable, analysis_claim_token, app_popularity(details)
 FROM apps WHERE lower(appid) = lower(:appid)
 """
 FIND_APP_FOR_UPDATE = """
@@ -453,13 +459,13 @@ SELECT
     {UNFLAGGED_STALE_EXIST}
 """
 
-STORE_RESULT = """
+STORE_RESULT = f"""
 UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
                 analysed = now(), status = :status, failure_reason = :failure_reason,
                 failure_retryable = :failure_retryable, processing_started = NULL,
                 analysis_claim_token = NULL, due = false
 WHERE appid = :appid
-RETURNING appid, details::text, analysed
+RETURNING appid, {DOCUMENT.format("details")}, analysed
 """
 
 RECORD_HISTORY = """
@@ -572,12 +578,13 @@ WHERE NOT i.indisvalid
 """
 LEDGER_DROP_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"  # quoted identifiers
 VACUUM_APPS = "VACUUM (ANALYZE) apps"
-# Healthy means a claim could run now: the server takes writes, and apps can be read
-# under the API's lock_timeout (a migration holding ACCESS EXCLUSIVE on apps fails this).
-HEALTH_CHECK = """
-SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off',
-       (SELECT count(*) FROM (SELECT 1 FROM apps WHERE status = 'queued' OR due LIMIT 1) x)
+# Healthy means a claim could run now: the server takes writes, and the lock a claim
+# takes on apps (ROW EXCLUSIVE, which an index build's SHARE lock or a migration's ACCESS
+# EXCLUSIVE blocks) is granted within the API's lock_timeout. The probe changes nothing.
+DATABASE_WRITABLE = """
+SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'
 """
+CLAIM_LOCK_PROBE = "UPDATE apps SET due = due WHERE false"
 BACKEND_PID = "SELECT pg_backend_pid()"
 TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 
@@ -974,59 +981,111 @@ SIMPLE_KEY = re.compile(r"[A-Za-z0-9_]{1,40}")
 MAX_REVIEW_DIGITS = 20
 
 
+# jsonb keeps a number as numeric and writes it out without an exponent: 1e308 comes back
+# as 309 digits. A number whose written-out form is longer than this is refused, so that
+# nothing stored is much larger than what was sent (the integers JSON parsing allows,
+# 4,300 digits, are written out as sent).
+MAX_NUMBER_TEXT = 64
+
+
+def stored_number_text(number: float) -> str:
+    """How PostgreSQL's jsonb writes out a JSON number sent as json.dumps writes it."""
+    return format(Decimal(json.dumps(number)), "f")
+
+
 def _text_problem(text: str, where: str) -> str | None:
     if "\x00" in text:
         return f"{where} holds a NUL character (\\u0000), which PostgreSQL cannot store"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return f"{where} holds a lone UTF-16 surrogate, which is not Unicode text"
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{where} holds a lone UTF-16 surrogate, which is not Unicode text"
+    return None
+
+
+def _number_problem(number: float, where: str) -> str | None:
+    if not math.isfinite(number):
+        return f"{where} is a number too large to store"
+    written = stored_number_text(number)
+    if len(written) > MAX_NUMBER_TEXT:
+        return f"{where} is a number PostgreSQL would write out with {len(written)} digits"
+    return None
+
+
+def _value_problem(item: Any, where: str) -> str | None:
+    if isinstance(item, str):
+        return _text_problem(item, where)
+    if isinstance(item, float):
+        return _number_problem(item, where)
     return None
 
 
 def json_problem(value: Any, name: str) -> str | None:
     """Why PostgreSQL's jsonb cannot store value as parsed from JSON, or the service could
-    not read it back, naming the place (e.g. "the analysis.trackers[3]"); None if it can."""
+    not read it back, naming the place (e.g. "the analysis.trackers[3]"); None if it can.
+    Places are named only on the way to a problem: the walk over a document without one
+    builds no names (a 4 MB upload has millions of values)."""
+    if not isinstance(value, dict | list):
+        return _value_problem(value, name)
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth >= MAX_JSON_DEPTH:
+            return _named_problem(value, name)
+        if isinstance(item, dict) and any(_text_problem(key, "") for key in item):
+            return _named_problem(value, name)
+        for child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+            elif _value_problem(child, ""):
+                return _named_problem(value, name)
+    return None
+
+
+def _named_problem(value: Any, name: str) -> str | None:
+    """json_problem's answer with the place named (the slow walk, run once it is known
+    that there is a problem)."""
     stack = [(value, name, 0)]
     while stack:
         item, where, depth = stack.pop()
-        if isinstance(item, str):
-            problem = _text_problem(item, where)
-        elif isinstance(item, float):
-            finite = math.isfinite(item)
-            problem = None if finite else f"{where} is a number too large to store"
-        elif isinstance(item, dict | list):
-            if depth >= MAX_JSON_DEPTH:
-                return f"{where} nests deeper than {MAX_JSON_DEPTH} levels"
-            if isinstance(item, list):
-                stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
-                continue
-            for key, child in item.items():
-                problem = _text_problem(key, f"a key in {where}")
-                if problem:
-                    return problem
-                inner = f"{where}.{key}" if SIMPLE_KEY.fullmatch(key) else f"{where}[…]"
-                stack.append((child, inner, depth + 1))
+        if not isinstance(item, dict | list):
+            problem = _value_problem(item, where)
+            if problem:
+                return problem
             continue
-        else:
-            problem = None
-        if problem:
-            return problem
+        if depth >= MAX_JSON_DEPTH:
+            return f"{where} nests deeper than {MAX_JSON_DEPTH} levels"
+        if isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(item))
+            continue
+        for key, child in item.items():
+            problem = _text_problem(key, f"a key in {where}")
+            if problem:
+                return problem
+            inner = f"{where}.{key}" if SIMPLE_KEY.fullmatch(key) else f"{where}[…]"
+            stack.append((child, inner, depth + 1))
     return None
 
 
 def details_problem(details: dict[str, Any]) -> str | None:
-    """Beyond json_problem: what the claim index needs of an app's details."""
+    """Beyond json_problem: what the claim index needs of an app's details. Its key is
+    details->>'reviews' as PostgreSQL writes it (a float such as 1e20 comes out as 21
+    digits), when that is all digits."""
+    problem = json_problem(details, "details")
+    if problem:
+        return problem
     reviews = details.get("reviews")
-    if isinstance(reviews, bool):
+    if isinstance(reviews, bool) or not isinstance(reviews, int | float | str):
         return None
-    digits = str(reviews) if isinstance(reviews, int | str) else ""
-    if digits.isascii() and digits.isdigit() and len(digits) > MAX_REVIEW_DIGITS:
+    written = stored_number_text(reviews) if isinstance(reviews, float) else str(reviews)
+    if written.isascii() and written.isdigit() and len(written) > MAX_REVIEW_DIGITS:
         return (
-            f"details.reviews has {len(digits)} digits;"
+            f"details.reviews has {len(written)} digits;"
             f" a review count has at most {MAX_REVIEW_DIGITS}"
         )
-    return json_problem(details, "details")
+    return None
 
 
 def classify_analysis_failure(log_text: str) -> tuple[str, bool]:
@@ -1094,6 +1153,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Decimal):
         return int(value) if value == value.to_integral_value() else float(value)
     return value
+
+
+def omission(field: str, size: int) -> dict[str, str]:
+    """What an answer says in place of a stored document too large for it."""
+    return {
+        f"{field}Omitted": f"the stored {field} is {size} bytes of JSON, more than a response"
+        " can carry"
+    }
 
 
 class RawJSON(str):
@@ -1199,8 +1266,8 @@ def promote_due_apps(
     looks PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run
     was already flagged then. Rows flagged early are not handed out early: the claim
     re-checks the candidate rule. Each batch commits on its own; when budget_seconds run
-    out (checked after each batch, and each step gets one batch) the rest waits for the
-    next call. The first run with a new policy clears flags it no longer supports.
+    out (checked before each batch) the rest waits for the next call. The first run with
+    a new policy clears flags it no longer supports.
     """
     started = time.monotonic()
     last = _promotions.get(policy)
@@ -1223,32 +1290,38 @@ def promote_due_apps(
 
         return db.transaction(work)
 
+    batches_run = 0
+
     def out_of_time() -> bool:
-        return deadline is not None and time.monotonic() >= deadline
+        # Checked before each batch, so a call lasts at most its budget and one batch; the
+        # first batch of a call always runs, so every call makes progress.
+        return batches_run > 0 and deadline is not None and time.monotonic() >= deadline
 
     def flag(sql: str) -> tuple[int, bool]:
+        nonlocal batches_run
         total = 0
-        while True:
+        while not out_of_time():
             (count,) = batch(sql)
+            batches_run += 1
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
-            if out_of_time():
-                return total, False
+        return total, False
 
     def clear() -> tuple[int, bool]:
+        nonlocal batches_run
         total = 0
-        while True:
+        while not out_of_time():
             examined, last, cleared = batch(
                 CLEAR_STALE_DUE_FLAGS, after=_clear_cursors.get(policy, "")
             )
+            batches_run += 1
             total += cleared
             if examined < PROMOTION_BATCH:
                 _clear_cursors.pop(policy, None)
                 return total, True
             _clear_cursors[policy] = last
-            if out_of_time():
-                return total, False
+        return total, False
 
     done = Promotion()
     ((applied,),) = db.run(QUEUE_POLICY_APPLIED, **policy.sql_params())
@@ -1329,6 +1402,7 @@ def store_result(
             raise ClaimConflict(appid)
         stored = session.run(
             STORE_RESULT,
+            document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
             appid=appid,
             analysis=document,
             version=version,
@@ -1338,8 +1412,8 @@ def store_result(
         )
         session.run(RECORD_HISTORY, appids=[appid])
         return [
-            {"appid": appid, "details": RawJSON.of(details), "analysed": _plain(analysed)}
-            for appid, details, analysed in stored
+            {"appid": appid, **_document("details", details, size), "analysed": _plain(analysed)}
+            for appid, details, size, analysed in stored
         ]
 
     return db.transaction(work)
@@ -1358,10 +1432,18 @@ def add_app(db: Database, app_id: str, details: dict[str, Any] | None) -> tuple[
                 else json.dumps(details, ensure_ascii=False, allow_nan=False),
             )
         )
-        (row,) = session.run(FIND_APP, appid=app_id)
+        (row,) = session.run(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
         return created, _app_view(dict(zip(APP_COLUMNS, row, strict=True)))
 
     return db.transaction(work)
+
+
+def _document(field: str, text: str | None, size: int | None) -> dict[str, Any]:
+    """A stored document for an answer: its JSON text, or, if it was too large to read
+    (text None, size given), null and a note saying so."""
+    if text is None and size is not None:
+        return {field: None, **omission(field, size)}
+    return {field: RawJSON.of(text)}
 
 
 def _app_view(row: dict[str, Any]) -> dict[str, Any]:
@@ -1371,8 +1453,8 @@ def _app_view(row: dict[str, Any]) -> dict[str, Any]:
         "analysed": _plain(row["analysed"]),
         "analysisVersion": row["analysisversion"],
         "added": _plain(row["added"]),
-        "details": RawJSON.of(row["details"]),
-        "analysis": RawJSON.of(row["analysis"]),
+        **_document("details", row["details"], row["details_bytes"]),
+        **_document("analysis", row["analysis"], row["analysis_bytes"]),
     }
     if row["status"] == "failed":
         view["failure"] = {"reason": row["failure_reason"], "retryable": row["failure_retryable"]}
@@ -1401,7 +1483,7 @@ def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
 
 def app_status(db: Database, policy: QueuePolicy, app_id: str) -> dict[str, Any] | None:
     def work(session: Session) -> dict[str, Any] | None:
-        rows = session.run(FIND_APP, appid=app_id)
+        rows = session.run(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
         if not rows:
             return None
         row = dict(zip(APP_COLUMNS, rows[0], strict=True))
@@ -1417,6 +1499,20 @@ def app_status(db: Database, policy: QueuePolicy, app_id: str) -> dict[str, Any]
             )
             view.update(queue_position_view(int(ahead), bool(unflagged_stale)))
         return view
+
+    return db.transaction(work)
+
+
+def claim_readiness(db: Database) -> str | None:
+    """Why a claim could not run now, or None. A lock it would wait for past the
+    lock_timeout raises (55P03: 503 like any claim)."""
+
+    def work(session: Session) -> str | None:
+        ((writable,),) = session.run(DATABASE_WRITABLE)
+        if not writable:
+            return "the database is read-only (a replica?)"
+        session.run(CLAIM_LOCK_PROBE)
+        return None
 
     return db.transaction(work)
 
@@ -1845,6 +1941,14 @@ def _single_query_value(request: Request, name: str, required: bool = True) -> s
     return values[0]
 
 
+def _only_query(request: Request, known: tuple[str, ...]) -> None:
+    """A misspelt parameter (appid for appId) must not quietly change what a route does:
+    /queue would hand out some other app."""
+    unknown = sorted({name for name in request.query_params if name not in known})
+    if unknown:
+        raise HTTPException(400, f"unknown query parameter {unknown[0]!r}; known: {known}"[:300])
+
+
 def _bundle_id(value: str | None) -> str:
     if value is None or not is_valid_bundle_id(value):
         raise HTTPException(400, "appId must be a bundle ID (letters, digits, '.', '-')")
@@ -1854,7 +1958,7 @@ def _bundle_id(value: str | None) -> str:
 def _analysis_version(request: Request) -> int:
     value = _single_query_value(request, "analysisVersion")
     if value is None or not VERSION_TEXT.fullmatch(value):
-        raise HTTPException(400, "analysisVersion must be a non-negative integer")
+        raise HTTPException(400, "analysisVersion must be a whole number of 1 to 9 digits")
     return int(value)
 
 
@@ -1925,6 +2029,7 @@ def _claim_token(request: Request) -> str | None:
 
 def _result_target(request: Request) -> tuple[str, int, str | None]:
     """What a result names: the app, the analyser's format version, its claim token."""
+    _only_query(request, tuple(RESULT_QUERY))
     app_id = _bundle_id(_single_query_value(request, "appId"))
     return app_id, _analysis_version(request), _claim_token(request)
 
@@ -1933,7 +2038,6 @@ def _result_target(request: Request) -> tuple[str, int, str | None]:
 # the body is a string in it, so every quote and backslash in the body is escaped again
 # and every character past ASCII may become a \\uXXXX escape (12 bytes for one outside
 # the BMP). The allowance covers the status, headers and field names.
-LAMBDA_PAYLOAD_LIMIT_BYTES = 6_291_456
 RESPONSE_ENVELOPE_ALLOWANCE = 32_768
 WORST_ESCAPE_FACTOR = 12
 
@@ -1955,14 +2059,7 @@ def fit_for_lambda(view: dict[str, Any], droppable: tuple[str, ...]) -> str:
         stored = view.get(field)
         if stored is None:
             continue
-        view = {
-            **view,
-            field: None,
-            f"{field}Omitted": (
-                f"the stored {field} is {len(stored.encode())} bytes of JSON, more than a"
-                " response can carry"
-            ),
-        }
+        view = {**view, field: None, **omission(field, len(stored.encode()))}
         text = json_text(view)
     return text
 
@@ -1990,6 +2087,8 @@ def _store(app_id: str, version: int, payload: dict, token: str | None) -> Respo
 async def ping(request: Request) -> PlainTextResponse:
     """Heartbeat. The analyser is known by X-Analyser-Id, else address and User-Agent."""
     source = request.client.host if request.client else "unknown"
+    if len(source) > 100 or not PRINTABLE_ASCII.fullmatch(source):
+        raise HTTPException(400, "the request's source address is not printable ASCII")
     user_agent = (_header(request, "User-Agent", max_length=1000) or "")[:200]
     analyser_id = _header(request, "X-Analyser-Id", max_length=64)
     if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
@@ -2026,6 +2125,7 @@ RESULT_QUERY = {"appId": True, "analysisVersion": True}
 )
 async def next_app(request: Request) -> PlainTextResponse:
     """The next bundle ID as the whole body, or an empty body when there is no work."""
+    _only_query(request, ("appId",))
     wanted = _single_query_value(request, "appId", required=False)
     if wanted is not None:
         wanted = _bundle_id(wanted)
@@ -2110,13 +2210,11 @@ async def get_app(request: Request) -> JSONResponse:
 
 @app.get("/healthz")
 async def healthz() -> JSONResponse:
-    """ok when a claim could run now (see HEALTH_CHECK), else 503."""
-    ((writable, _),) = database().run(HEALTH_CHECK)
-    if not writable:
+    """ok when a claim could run now (see claim_readiness), else 503."""
+    problem = claim_readiness(database())
+    if problem:
         return JSONResponse(
-            {"status": "unavailable", "detail": "the database is read-only (a replica?)"},
-            status_code=503,
-            headers=RETRY_AFTER,
+            {"status": "unavailable", "detail": problem}, status_code=503, headers=RETRY_AFTER
         )
     return JSONResponse({"status": "ok"})
 
@@ -2202,14 +2300,15 @@ _mangum = Mangum(app, lifespan="off")
 
 
 def _unreadable_event(event: dict[str, Any], context: Any) -> str | None:
-    """Why Mangum could not turn this API Gateway event into an HTTP request (a header,
-    path or query string that is not encodable text, a body that is not base64, a Host
-    with a bad port), or None. Mangum would raise, and API Gateway would answer 500."""
+    """Why Mangum could not turn this event into an HTTP request (a header, path or query
+    string that is not encodable text, a body that is not base64, a Host with a bad port,
+    a field missing or of the wrong type), or None. Mangum would raise, and API Gateway
+    would answer 500. Whatever fails here is the event's doing: 400."""
     try:
         adapter = _mangum.infer(event, context)
         adapter.scope  # noqa: B018 - builds headers, path and query string as bytes
         adapter.body  # noqa: B018 - decodes base64
-    except (UnicodeError, ValueError, TypeError) as error:  # binascii.Error is a ValueError
+    except Exception as error:  # noqa: BLE001 - any failure to read the event is the event's
         return f"the request cannot be read: {type(error).__name__}"
     return None
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import handler
-from conftest import ADMIN_TOKEN, UPLOAD_PASSWORD
+from conftest import ADMIN_TOKEN, UPLOAD_PASSWORD, connect
 from helpers import app_row, gateway_event, insert_app, oracle_order, table_digest
 from live import LiveServer
 
@@ -146,7 +146,27 @@ MUTATIONS = (
     "host",
     "base64",
     "path",
+    "source",
+    "query",
+    "shape",
 )
+
+# Fields of the event that API Gateway itself fills in, set to what it never sends: the
+# entry point must still answer (400), not raise.
+BROKEN_SHAPES = [
+    ("headers", "user-agent", 7),
+    ("headers", "x-analyser-id", ["a"]),
+    ("", "headers", None),
+    ("", "headers", ["a"]),
+    ("", "body", {"success": True}),
+    ("", "body", 7),
+    ("", "rawQueryString", None),
+    ("", "rawQueryString", 7),
+    ("requestContext", "http", None),
+    ("", "requestContext", None),
+    ("", "version", "1.0"),
+    ("", "version", None),
+]
 
 
 @st.composite
@@ -202,6 +222,15 @@ def hostile_events(draw) -> dict:
     if "base64" in mutations:
         event["isBase64Encoded"] = True
         event["body"] = draw(st.sampled_from(["not base64!", "\ud800", "YQ", "=" * 7]))
+    if "source" in mutations:
+        event["requestContext"]["http"]["sourceIp"] = draw(hostile_text)
+    if "query" in mutations:  # a misspelt or extra parameter
+        name = draw(st.sampled_from(["appid", "AppId", "analysisversion", "x", "appId[]"]))
+        extra = f"{name}={query_value(draw(hostile_text))}"
+        event["rawQueryString"] = f"{event['rawQueryString']}&{extra}".lstrip("&")
+    if "shape" in mutations:
+        parent, field, value = draw(st.sampled_from(BROKEN_SHAPES))
+        (event[parent] if parent else event)[field] = value
     return event
 
 
@@ -364,3 +393,91 @@ def test_bytes_in_headers_through_uvicorn(database_url, sql, path, header):
     status = int(reply.split(b" ", 2)[1])
     assert 400 <= status < 500, reply
     assert table_digest(sql) == before
+
+
+# --- what an attack from outside found (each a class, each generated above too) -----------
+
+
+@settings(deadline=None)
+@given(number=st.floats(allow_nan=False, allow_infinity=False))
+def test_the_written_out_form_of_a_number_is_what_postgresql_writes(server_url, number):
+    """stored_number_text is PostgreSQL's own output (jsonb numeric, no exponent), so the
+    bound on it bounds what is stored: 1e308 is 6 bytes sent and 309 written."""
+    sql = connect(server_url)
+    try:
+        ((written,),) = sql.run("SELECT CAST(:doc AS jsonb)->>0", doc=json.dumps([number]))
+    finally:
+        sql.close()
+    assert written == handler.stored_number_text(number)
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ('{"x": [' + ",".join(["1e308"] * 1000) + "]}", "the analysis.x[999]"),
+        ('{"tiny": 5e-324}', "the analysis.tiny"),
+        ('{"a": {"b": [1, 2, 1e65]}}', "the analysis.a.b[2]"),
+    ],
+)
+def test_numbers_that_would_be_stored_far_larger_are_refused(database_url, sql, body, named):
+    insert_app(sql, "top.app", status="processing")
+    before = table_digest(sql)
+    answer = call(
+        gateway_event(
+            "POST",
+            "/uploadAnalysis",
+            "appId=top.app&analysisVersion=4",
+            headers={**ANALYSER, "content-type": "application/json"},
+            body=body.encode(),
+        )
+    )
+    assert answer["statusCode"] == 400
+    assert json.loads(answer["body"])["detail"].startswith(named)
+    assert table_digest(sql) == before
+
+
+@pytest.mark.parametrize("reviews", [1e20, 1e300, "1" * 21, 10**21])
+def test_a_review_count_is_bounded_as_postgresql_writes_it(database_url, sql, reviews):
+    answer = call(
+        gateway_event(
+            "POST",
+            "/apps",
+            headers={**ADMIN, "content-type": "application/json"},
+            body=json.dumps({"appId": "rev.app", "details": {"reviews": reviews}}).encode(),
+        )
+    )
+    assert answer["statusCode"] == 400
+    assert "details.reviews" in json.loads(answer["body"])["detail"]
+    assert app_row(sql, "rev.app") is None
+
+
+@pytest.mark.parametrize("parent,field,value", BROKEN_SHAPES)
+def test_an_event_api_gateway_never_sends_gets_a_400(database_url, sql, parent, field, value):
+    event = gateway_event("GET", "/ping", headers=ANALYSER)
+    (event[parent] if parent else event)[field] = value
+    answer = call(event)
+    assert answer["statusCode"] == 400, answer
+    assert sql.run("SELECT count(*) FROM analyser_heartbeats") == [[0]]
+
+
+@pytest.mark.parametrize("source", ["\ud800", "\x00", "a\x7fb", "é", "1" * 200])
+def test_a_source_address_that_is_not_text_gets_a_400(database_url, sql, source):
+    event = gateway_event("GET", "/ping", headers=ANALYSER)
+    event["requestContext"]["http"]["sourceIp"] = source
+    answer = call(event)
+    assert answer["statusCode"] == 400
+    assert "source address" in json.loads(answer["body"])["detail"]
+    assert sql.run("SELECT count(*) FROM analyser_heartbeats") == [[0]]
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["appid=top.app", "AppId=top.app", "appId=top.app&x=1"],
+)
+def test_a_misspelt_parameter_of_queue_does_not_hand_out_another_app(database_url, sql, query):
+    insert_app(sql, "top.app", reviews=1)
+    insert_app(sql, "other.app", reviews=9)
+    answer = call(gateway_event("GET", "/queue", query, headers=ANALYSER))
+    assert answer["statusCode"] == 400
+    assert "unknown query parameter" in json.loads(answer["body"])["detail"]
+    assert app_row(sql, "other.app")["status"] == "queued"

@@ -155,3 +155,20 @@ def test_one_byte_over_the_limit_is_refused(database_url, sql):
     )
     assert answer["statusCode"] == 413
     assert app_row(sql, "big.app")["status"] == "processing"
+
+
+def test_a_legacy_document_too_large_to_answer_is_not_even_read(database_url, sql):
+    """Rows written before the limits (or by another program) may hold documents of any
+    size; only their size is read, and the answer says so."""
+    insert_app(sql, "legacy.app", status="analysed", version=4)
+    sql.run(
+        """UPDATE apps SET analysis = jsonb_build_object('success', true, 'blob',
+               repeat('x', :n)) WHERE appid = 'legacy.app'""",
+        n=LIMIT + 1000,
+    )
+    answer = call(gateway_event("GET", "/apps/legacy.app"))
+    assert answer["statusCode"] == 200
+    assert invocation_bytes(answer) < LIMIT
+    view = json.loads(answer["body"])
+    assert view["analysis"] is None
+    assert f"is {LIMIT + 1000 + 29} bytes" in view["analysisOmitted"]

@@ -88,6 +88,27 @@ def test_a_claimed_row_locked_by_an_upload_is_skipped(client, sql, database_url)
 # --- table locks ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", ["SHARE", "SHARE ROW EXCLUSIVE", "EXCLUSIVE", "ACCESS EXCLUSIVE"])
+def test_healthz_fails_under_every_lock_that_stops_a_claim(
+    client, sql, database_url, monkeypatch, mode
+):
+    """An index build's SHARE lock lets reads through but not a claim's UPDATE: /healthz
+    takes the claim's lock, so it says what /queue would meet."""
+    configure_service(monkeypatch, database_url, LOCK_TIMEOUT_MS="300")
+    insert_app(sql, "com.example.app")
+    holder = connect(database_url)
+    holder.run("BEGIN")
+    holder.run(f"LOCK TABLE apps IN {mode} MODE")
+    try:
+        assert client.get("/healthz").status_code == 503
+        assert client.get("/queue", headers=ANALYSER).status_code == 503
+    finally:
+        holder.run("ROLLBACK")
+        holder.close()
+    assert client.get("/healthz").status_code == 200
+    assert claim(client) == "com.example.app"
+
+
 def test_a_table_lock_answers_503_after_the_lock_timeout(client, sql, database_url, monkeypatch):
     configure_service(
         monkeypatch, database_url, LOCK_TIMEOUT_MS="300", STATEMENT_TIMEOUT_MS="30000"
