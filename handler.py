@@ -112,7 +112,7 @@ def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0)
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ if env is None else env)
-    return Settings(
+    config = Settings(
         database_url=env.get("DATABASE_URL") or None,
         db_host=env.get("DB_HOST") or None,
         db_port=_int_setting(env, "DB_PORT", 5432, minimum=1),
@@ -137,6 +137,31 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         migration_lock_timeout=env.get("MIGRATION_LOCK_TIMEOUT") or "10s",
         migration_wait_seconds=_int_setting(env, "MIGRATION_WAIT_SECONDS", 300),
     )
+    _check_settings(config)
+    return config
+
+
+SSL_MODES = ("disable", "require", "verify-ca", "verify-full")
+
+
+def _check_settings(config: Settings) -> None:
+    """Refuse, naming the variable, what would otherwise fail on every request."""
+    if config.database_url and urlsplit(config.database_url).scheme not in (
+        "postgres",
+        "postgresql",
+    ):
+        raise ConfigError("DATABASE_URL must start with postgresql://")
+    if config.db_sslmode not in SSL_MODES:
+        raise ConfigError(f"DB_SSLMODE must be one of {', '.join(SSL_MODES)}")
+    if not re.fullmatch(r"\d+\s*(us|ms|s|min|h|d)?", config.migration_lock_timeout):
+        raise ConfigError("MIGRATION_LOCK_TIMEOUT must be a duration such as 10s or 500ms")
+    for name, reference in (
+        ("UPLOAD_PASSWORD_SECRET", config.upload_password_secret),
+        ("ADMIN_TOKEN_SECRET", config.admin_token_secret),
+    ):
+        scheme, _, rest = (reference or "secretsmanager:-").partition(":")
+        if scheme not in ("secretsmanager", "ssm") or not rest:
+            raise ConfigError(f"{name} must be secretsmanager:<id> or ssm:<name>")
 
 
 @lru_cache(maxsize=1)
@@ -463,14 +488,19 @@ def _ssl_context(mode: str, root_cert: str | None):
     import ssl
 
     if mode not in ("require", "verify-ca", "verify-full"):
-        raise ConfigError(f"sslmode must be disable, require, verify-ca or verify-full: {mode!r}")
+        raise ConfigError(
+            f"sslmode (DB_SSLMODE, or in DATABASE_URL) must be one of {', '.join(SSL_MODES)}"
+        )
     if mode == "require":
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         return context
     if root_cert and not Path(root_cert).is_file():
-        raise ConfigError(f"the CA bundle {root_cert} does not exist")
+        raise ConfigError(
+            f"DB_SSLROOTCERT (or sslrootcert in DATABASE_URL): the CA bundle {root_cert}"
+            " does not exist"
+        )
     context = ssl.create_default_context(cafile=root_cert)
     context.check_hostname = mode == "verify-full"
     return context
@@ -866,6 +896,7 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # best of those heads and re-checks CANDIDATE, so the `due` flag is bookkeeping, never a
 # decision: the result is always the first candidate of the rule.
 # ---------------------------------------------------------------------------------------
+
 
 def promote_due_apps(db: Database, policy: QueuePolicy, force: bool = False) -> tuple[int, int]:
     """Flag rows due by time (expired leases, stale analyses) into the claim index.
@@ -1598,6 +1629,17 @@ async def _database_down(request: Request, error: DatabaseUnavailable) -> Respon
     return JSONResponse({"detail": "database unavailable, try again shortly"}, status_code=503)
 
 
+@app.exception_handler(ConfigError)
+async def _misconfigured(request: Request, error: ConfigError) -> Response:
+    # The variable and what is wrong with it go to the operators' log; a client learns
+    # only that the fault is the service's and is not worth retrying.
+    logger.error("misconfigured", extra={"path": request.url.path, "error": str(error)})
+    return JSONResponse(
+        {"detail": "the service is misconfigured; its operators can see why in its logs"},
+        status_code=503,
+    )
+
+
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, error: Exception) -> Response:
     logger.exception("unhandled error", extra={"path": request.url.path})
@@ -1708,6 +1750,8 @@ def _migration_error_text(error: BaseException) -> str:
     """Our own migration errors already say what failed and where (the file name)."""
     if isinstance(error, (MigrationFailed, MigrationRefused)):
         return str(error)
+    if isinstance(error, ConfigError):
+        return f"misconfigured: {error}"
     return _error_text(error)
 
 
@@ -2006,7 +2050,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
+    except ConfigError as error:
+        print(f"error: misconfigured: {error}", file=sys.stderr)
+        return 1
+    except (MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
 

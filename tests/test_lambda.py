@@ -660,7 +660,7 @@ def test_custom_resource_exception_still_answers(monkeypatch, response_url):
     assert returned == reply
     assert reply["Status"] == "FAILED"
     assert reply["Reason"] == (
-        "migration failed: ConfigError: DATABASE_URL must start with postgresql://"
+        "migration failed: misconfigured: DATABASE_URL must start with postgresql://"
     )
     assert reply["PhysicalResourceId"] == "analysis-queue-migrations"
 
