@@ -83,6 +83,7 @@ class Settings:
     db_port: int
     db_name: str
     db_secret_id: str | None
+    db_migration_secret_id: str | None
     db_sslmode: str
     db_sslrootcert: str | None
     upload_password: str | None
@@ -118,6 +119,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         db_port=_int_setting(env, "DB_PORT", 5432, minimum=1),
         db_name=env.get("DB_NAME") or "postgres",
         db_secret_id=env.get("DB_SECRET_ID") or None,
+        # The owner of the tables, for migrations only; unset means DB_SECRET_ID's user.
+        db_migration_secret_id=env.get("DB_MIGRATION_SECRET_ID") or None,
         db_sslmode=env.get("DB_SSLMODE") or "verify-full",
         db_sslrootcert=env.get("DB_SSLROOTCERT") or None,
         upload_password=env.get("UPLOAD_PASSWORD") or None,
@@ -506,9 +509,12 @@ def _ssl_context(mode: str, root_cert: str | None):
     return context
 
 
-def _fetch_secret(reference: str, max_age: int, transform: str | None = None) -> Any:
+def _fetch_secret(
+    reference: str, max_age: int, transform: str | None = None, fresh: bool = False
+) -> Any:
     """`secretsmanager:<id>` or `ssm:<name>`, through Powertools Parameters (cached for
-    max_age seconds). boto3 is imported here, on first use, not at cold start."""
+    max_age seconds; `fresh` reads it again and refreshes the cache). boto3 is imported
+    here, on first use, not at cold start."""
     import logging
 
     from aws_lambda_powertools.utilities import parameters
@@ -519,14 +525,20 @@ def _fetch_secret(reference: str, max_age: int, transform: str | None = None) ->
         parsers.setLevel(logging.INFO)
     scheme, _, name = reference.partition(":")
     if scheme == "secretsmanager" and name:
-        return parameters.get_secret(name, max_age=max_age, transform=transform)
+        return parameters.get_secret(name, max_age=max_age, transform=transform, force_fetch=fresh)
     if scheme == "ssm" and name:
-        return parameters.get_parameter(name, decrypt=True, max_age=max_age, transform=transform)
+        return parameters.get_parameter(
+            name, decrypt=True, max_age=max_age, transform=transform, force_fetch=fresh
+        )
     raise ConfigError(f"a secret reference must be secretsmanager:<id> or ssm:<name>: {scheme}:…")
 
 
-def connection_arguments(config: Settings) -> dict[str, Any]:
-    """pg8000 keyword arguments from DATABASE_URL (local) or DB_* (AWS)."""
+def connection_arguments(
+    config: Settings, fresh: bool = False, owner: bool = False
+) -> dict[str, Any]:
+    """pg8000 keyword arguments from DATABASE_URL (local) or DB_* (AWS). `fresh` reads
+    the secret again, bypassing the cache (after a rotation); `owner` uses the
+    migrations' secret (DB_MIGRATION_SECRET_ID) when one is set."""
     if config.database_url:
         url = urlsplit(config.database_url)
         if url.scheme not in ("postgres", "postgresql"):
@@ -555,8 +567,9 @@ def connection_arguments(config: Settings) -> dict[str, Any]:
         raise ConfigError("set DATABASE_URL, or DB_HOST with DB_NAME and DB_SECRET_ID")
     if not config.db_secret_id:
         raise ConfigError("DB_SECRET_ID (the Secrets Manager secret of the database user) is unset")
+    secret_id = (owner and config.db_migration_secret_id) or config.db_secret_id
     credentials = _fetch_secret(
-        f"secretsmanager:{config.db_secret_id}", config.secrets_max_age_seconds, "json"
+        f"secretsmanager:{secret_id}", config.secrets_max_age_seconds, "json", fresh=fresh
     )
     return {
         "user": credentials["username"],
@@ -602,22 +615,33 @@ class Database:
         statement_timeout_ms: int = 0,
         socket_timeout: float | None = None,
         generic_plans: bool = False,
+        fresh_arguments: Callable[[], dict[str, Any]] | None = None,
     ):
         self._arguments = arguments
+        self._fresh_arguments = fresh_arguments
         self._statement_timeout_ms = statement_timeout_ms
         self._socket_timeout = socket_timeout
         self._generic_plans = generic_plans
         self._session: Session | None = None
         self._lock = threading.RLock()
 
+    def _open(self, arguments: dict[str, Any]) -> pg8000.native.Connection:
+        return pg8000.native.Connection(
+            application_name=SERVICE_NAME, timeout=self._socket_timeout, **arguments
+        )
+
     def _connect(self) -> Session:
         if self._session is None:
             try:
-                connection = pg8000.native.Connection(
-                    application_name=SERVICE_NAME,
-                    timeout=self._socket_timeout,
-                    **self._arguments(),
-                )
+                try:
+                    connection = self._open(self._arguments())
+                except pg8000.native.DatabaseError as error:
+                    if sqlstate(error) != "28P01" or self._fresh_arguments is None:
+                        raise
+                    # The password was rotated since the secret was cached: read it
+                    # again, bypassing the cache, and try once more.
+                    logger.info("database authentication failed; reading the secret again")
+                    connection = self._open(self._fresh_arguments())
             except (pg8000.native.InterfaceError, pg8000.native.DatabaseError, OSError) as error:
                 raise DatabaseUnavailable("cannot connect to the database") from error
             if self._statement_timeout_ms:
@@ -712,15 +736,21 @@ def database() -> Database:
                 # plan does not depend on the values; left to choose, PostgreSQL keeps
                 # re-planning the claim (0.3 ms of a 0.7 ms claim).
                 generic_plans=True,
+                # After a password rotation: the secret again, bypassing its cache.
+                fresh_arguments=lambda: connection_arguments(config, fresh=True),
             )
         return _database
 
 
 def migration_database() -> Database:
-    """A connection of its own for the ledger runner: no statement or socket timeout,
-    since rewriting a large table may take minutes (lock_timeout still applies)."""
+    """A connection of its own for the ledger runner, as the tables' owner: no statement
+    or socket timeout, since rewriting a large table may take minutes (lock_timeout
+    still applies)."""
     config = settings()
-    return Database(lambda: connection_arguments(config))
+    return Database(
+        lambda: connection_arguments(config, owner=True),
+        fresh_arguments=lambda: connection_arguments(config, fresh=True, owner=True),
+    )
 
 
 def reset_database() -> None:
