@@ -1683,9 +1683,14 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 api = Mangum(app, lifespan="off")
 
 CFN_REPLY_LIMIT = 4096
-# What migrate keeps back from Lambda's remaining time: ending a timed-out runner (at
-# most 5 s) and delivering the reply.
+# What migrate keeps back from Lambda's remaining time, and its worst case: ending a
+# timed-out runner (CFN_END_SESSION_SECONDS), then every reply attempt running to its
+# hard limit with the pauses between them: 5 + 3 x 4 + 0.5 + 1 = 18.5 s <= 20 s.
 CFN_REPLY_MARGIN_SECONDS = 20
+CFN_END_SESSION_SECONDS = 5
+CFN_REPLY_ATTEMPTS = 3
+CFN_REPLY_TIMEOUT_SECONDS = 4
+CFN_REPLY_PAUSES = (0.5, 1.0)
 
 
 def _is_rollback_update(event: dict[str, Any]) -> bool:
@@ -1738,14 +1743,26 @@ def _send_cfn_reply(url: str, body: bytes) -> None:
         method="PUT",
         headers={"Content-Type": "", "Content-Length": str(len(body))},
     )
-    for attempt in range(3):
+
+    def put() -> None:
+        with urllib.request.urlopen(  # noqa: S310 - scheme checked above
+            request, timeout=CFN_REPLY_TIMEOUT_SECONDS
+        ) as response:
+            response.read()
+
+    for attempt in range(CFN_REPLY_ATTEMPTS):
         try:
-            with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
-                response.read()
+            # A hard limit per attempt: a peer that accepts and then says nothing would
+            # otherwise hold each socket operation for the whole timeout.
+            _run_with_deadline(put, CFN_REPLY_TIMEOUT_SECONDS)
             return
-        except OSError:
-            logger.warning("custom resource reply failed", extra={"attempt": attempt + 1})
-            time.sleep(0.5 * (attempt + 1))
+        except (OSError, TimeoutError) as error:
+            logger.warning(
+                "custom resource reply failed",
+                extra={"attempt": attempt + 1, "error": type(error).__name__},
+            )
+            if attempt < len(CFN_REPLY_PAUSES):
+                time.sleep(CFN_REPLY_PAUSES[attempt])
     logger.error("could not deliver the custom resource reply")
 
 
@@ -1776,12 +1793,61 @@ def _run_with_deadline(
     return outcome.get("value")
 
 
+def _root_cause(error: BaseException) -> str | None:
+    """What went wrong, in an operator's words, from the innermost cause that says it:
+    TLS verification, a refused connection, authentication, a lock timeout. pg8000's
+    and ssl's messages name users and hosts, never a password."""
+    import socket
+    import ssl
+
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    for cause in reversed(chain):
+        state = sqlstate(cause)
+        if state in ("28P01", "28000"):
+            return f"authentication failed ({_error_text(cause)})"
+        if state == "55P03":
+            return f"lock timeout ({_error_text(cause)})"
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"TLS verification failed: {cause.verify_message}"
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS failed: {cause.reason or cause}"
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, socket.gaierror):
+            return f"host name not resolved ({cause.strerror})"
+        if isinstance(cause, TimeoutError):
+            return "connection timed out"
+    return None
+
+
+def _database_address() -> str:
+    config = settings()
+    if config.database_url:
+        url = urlsplit(config.database_url)
+        return f"{url.hostname or 'a local socket'}:{url.port or 5432}"
+    return f"{config.db_host}:{config.db_port}"
+
+
 def _migration_error_text(error: BaseException) -> str:
-    """Our own migration errors already say what failed and where (the file name)."""
+    """The FAILED reason a deploy shows: the root cause, and where (file, host)."""
+    if isinstance(error, MigrationFailed) and error.sqlstate == "55P03":
+        return (
+            f"lock timeout on {error.filename}: another session held a lock on its table"
+            " longer than MIGRATION_LOCK_TIMEOUT; nothing of it was applied"
+        )
     if isinstance(error, (MigrationFailed, MigrationRefused)):
         return str(error)
     if isinstance(error, ConfigError):
         return f"misconfigured: {error}"
+    if isinstance(error, DatabaseUnavailable):
+        detail = _root_cause(error) or _error_text(error.__cause__ or error)
+        return f"{error} at {_database_address()}: {detail}"
+    if sqlstate(error):
+        return _root_cause(error) or _error_text(error)
     return _error_text(error)
 
 
@@ -1827,7 +1893,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
                 stopped.set()
                 if "pid" in session:
                     try:
-                        _run_with_deadline(end_session, 5)
+                        _run_with_deadline(end_session, CFN_END_SESSION_SECONDS)
                     except Exception:  # the FAILED answer matters more
                         logger.exception("could not end the timed-out migration session")
 

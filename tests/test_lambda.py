@@ -578,7 +578,9 @@ def test_custom_resource_version_10_after_9_is_not_a_rollback(monkeypatch, respo
     migrate(event)
     reply = response_url.reply()
     assert reply["Status"] == "FAILED"
-    assert "DatabaseUnavailable" in reply["Reason"]
+    assert reply["Reason"] == (
+        "migration failed: cannot connect to the database at 127.0.0.1:9: connection refused"
+    )
 
 
 def test_custom_resource_broken_file_fails_and_leaves_the_ledger(
