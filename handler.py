@@ -39,6 +39,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pg8000.native
 from aws_lambda_powertools import Logger, Metrics
+from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.metrics import MetricUnit
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -1680,7 +1681,17 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 # Lambda entry points.
 # ---------------------------------------------------------------------------------------
 
-api = Mangum(app, lifespan="off")
+_mangum = Mangum(app, lifespan="off")
+
+
+@logger.inject_lambda_context(
+    correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
+)
+def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
+    """The HTTP API (Mangum). Every log line of the invocation carries the Lambda request
+    id, the cold-start flag and API Gateway's request id (correlation_id)."""
+    return _mangum(event, context)
+
 
 CFN_REPLY_LIMIT = 4096
 # What migrate keeps back from Lambda's remaining time, and its worst case: ending a
@@ -1926,13 +1937,16 @@ def _publish_queue_metrics(status: dict[str, Any]) -> None:
     }
     for name, value in values.items():
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=value)
+    # Durations in hours and minutes: CloudWatch has no such units (only seconds and
+    # finer), so they carry None and say their unit in their name, which the alarms'
+    # thresholds (MaxBacklogEtaHours, 60 minutes) are written in.
     # No finished analysis in a day with work waiting: the ETA is unbounded.
     eta = status["eta_hours"]
-    metrics.add_metric(name="EtaHours", unit=MetricUnit.Count, value=1e6 if eta is None else eta)
+    metrics.add_metric(name="EtaHours", unit=MetricUnit.NoUnit, value=1e6 if eta is None else eta)
     if status["minutes_since_last_ping"] is not None:
         metrics.add_metric(
             name="MinutesSinceLastPing",
-            unit=MetricUnit.Count,
+            unit=MetricUnit.NoUnit,
             value=status["minutes_since_last_ping"],
         )
     metrics.flush_metrics()
