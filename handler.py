@@ -1232,15 +1232,25 @@ class MigrationFile:
     name: str
     sql: str
     checksum: str
+    # The checksum of the same file with CRLF line endings: what a runner that hashed raw
+    # bytes recorded for a Windows checkout. Still accepted, so no ledger is refused.
+    crlf_checksum: str = ""
 
 
 def migration_files(directory: Path | None = None) -> list[MigrationFile]:
+    """The ledger files, hashed with LF line endings (CRLF -> LF first), so a checkout
+    that converted them (Windows, core.autocrlf) has the same checksums."""
     directory = SQL_DIR if directory is None else directory
     files = []
     for path in sorted(directory.glob("*.sql")):
-        content = path.read_bytes()
+        content = path.read_bytes().replace(b"\r\n", b"\n")
         files.append(
-            MigrationFile(path.name, content.decode("utf-8"), hashlib.sha256(content).hexdigest())
+            MigrationFile(
+                path.name,
+                content.decode("utf-8"),
+                hashlib.sha256(content).hexdigest(),
+                hashlib.sha256(content.replace(b"\n", b"\r\n")).hexdigest(),
+            )
         )
     return files
 
@@ -1251,7 +1261,7 @@ def pending_migrations(
     """The files to apply, or MigrationRefused when sql/ contradicts the ledger."""
     for migration in files:
         recorded = ledger.get(migration.name, "")
-        if recorded and recorded != migration.checksum:
+        if recorded and recorded not in (migration.checksum, migration.crlf_checksum):
             raise MigrationRefused(
                 f"{migration.name} was edited after it was applied; add a new file instead"
             )
