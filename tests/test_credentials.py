@@ -17,6 +17,7 @@ import json
 import re
 import threading
 import uuid
+from urllib.parse import urlsplit
 
 import pg8000.native
 import pytest
@@ -248,7 +249,7 @@ def test_a_wrong_password_still_fails_after_one_reread(rotating, aws, capsys):
 def queue_role(database_url, server_url, monkeypatch):
     """The README's role on the test database; the service configured to run as it."""
     role = f"queue_app_{uuid.uuid4().hex[:8]}"
-    database = database_url.rsplit("/", 1)[1].split("?")[0]
+    database = urlsplit(database_url).path.lstrip("/")
     owner = connect(database_url)
     grant_role(owner, role, "pw-app-1", database)
     url = re.sub(r"//[^@/]*@", f"//{role}:pw-app-1@", database_url, count=1)
