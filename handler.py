@@ -98,6 +98,9 @@ class Settings:
     migration_lock_timeout: str
     migration_wait_seconds: int
 
+    def __post_init__(self) -> None:
+        _check_settings(self)
+
 
 def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
     raw = env.get(name, "").strip()
@@ -114,7 +117,7 @@ def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0)
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ if env is None else env)
-    config = Settings(
+    return Settings(
         database_url=env.get("DATABASE_URL") or None,
         db_host=env.get("DB_HOST") or None,
         db_port=_int_setting(env, "DB_PORT", 5432, minimum=1),
@@ -141,8 +144,6 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         migration_lock_timeout=env.get("MIGRATION_LOCK_TIMEOUT") or "10s",
         migration_wait_seconds=_int_setting(env, "MIGRATION_WAIT_SECONDS", 300),
     )
-    _check_settings(config)
-    return config
 
 
 SSL_MODES = ("disable", "require", "verify-ca", "verify-full")
@@ -610,16 +611,18 @@ class Session:
 class Database:
     """A lazily opened connection shared by the process, one user at a time."""
 
+    # The connection arguments read again bypassing any cache, for one more try after an
+    # authentication failure (a rotated password); None: no second try.
+    fresh_arguments: Callable[[], dict[str, Any]] | None = None
+
     def __init__(
         self,
         arguments: Callable[[], dict[str, Any]],
         statement_timeout_ms: int = 0,
         socket_timeout: float | None = None,
         generic_plans: bool = False,
-        fresh_arguments: Callable[[], dict[str, Any]] | None = None,
     ):
         self._arguments = arguments
-        self._fresh_arguments = fresh_arguments
         self._statement_timeout_ms = statement_timeout_ms
         self._socket_timeout = socket_timeout
         self._generic_plans = generic_plans
@@ -637,12 +640,12 @@ class Database:
                 try:
                     connection = self._open(self._arguments())
                 except pg8000.native.DatabaseError as error:
-                    if sqlstate(error) != "28P01" or self._fresh_arguments is None:
+                    if sqlstate(error) != "28P01" or self.fresh_arguments is None:
                         raise
                     # The password was rotated since the secret was cached: read it
                     # again, bypassing the cache, and try once more.
                     logger.info("database authentication failed; reading the secret again")
-                    connection = self._open(self._fresh_arguments())
+                    connection = self._open(self.fresh_arguments())
             except (pg8000.native.InterfaceError, pg8000.native.DatabaseError, OSError) as error:
                 raise DatabaseUnavailable("cannot connect to the database") from error
             if self._statement_timeout_ms:
@@ -737,9 +740,9 @@ def database() -> Database:
                 # plan does not depend on the values; left to choose, PostgreSQL keeps
                 # re-planning the claim (0.3 ms of a 0.7 ms claim).
                 generic_plans=True,
-                # After a password rotation: the secret again, bypassing its cache.
-                fresh_arguments=lambda: connection_arguments(config, fresh=True),
             )
+            # After a password rotation: the secret again, bypassing its cache.
+            _database.fresh_arguments = lambda: connection_arguments(config, fresh=True)
         return _database
 
 
@@ -748,10 +751,9 @@ def migration_database() -> Database:
     or socket timeout, since rewriting a large table may take minutes (lock_timeout
     still applies)."""
     config = settings()
-    return Database(
-        lambda: connection_arguments(config, owner=True),
-        fresh_arguments=lambda: connection_arguments(config, fresh=True, owner=True),
-    )
+    runner = Database(lambda: connection_arguments(config, owner=True))
+    runner.fresh_arguments = lambda: connection_arguments(config, fresh=True, owner=True)
+    return runner
 
 
 def reset_database() -> None:
@@ -1691,17 +1693,7 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 # Lambda entry points.
 # ---------------------------------------------------------------------------------------
 
-_mangum = Mangum(app, lifespan="off")
-
-
-@logger.inject_lambda_context(
-    correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
-)
-def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """The HTTP API (Mangum). Every log line of the invocation carries the Lambda request
-    id, the cold-start flag and API Gateway's request id (correlation_id)."""
-    return _mangum(event, context)
-
+api = Mangum(app, lifespan="off")
 
 CFN_REPLY_LIMIT = 4096
 # What migrate keeps back from Lambda's remaining time, and its worst case: ending a
@@ -2017,6 +2009,13 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     logger.info("queue status", extra={"queue_status": status})
     _publish_queue_metrics(status)
     return status
+
+
+# The API entry as Lambda calls it: every log line of an invocation carries the Lambda
+# request id, the cold-start flag and API Gateway's request id (correlation_id).
+api = logger.inject_lambda_context(
+    api, correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
+)
 
 
 # ---------------------------------------------------------------------------------------

@@ -376,7 +376,7 @@ def test_migration_secret_is_used_for_migrations_only(monkeypatch):
     try:
         runner = handler.migration_database()
         assert runner._arguments()["user"] == "queue_owner"
-        assert runner._fresh_arguments()["user"] == "queue_owner"
+        assert runner.fresh_arguments()["user"] == "queue_owner"
         handler.reset_database()
         api_db = handler.database()
         assert api_db._arguments()["user"] == "queue_app"
