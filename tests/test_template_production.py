@@ -396,3 +396,13 @@ def test_snapstart_is_an_optional_parameter_on_a_published_version(source, trans
     assert all(
         p["Properties"]["FunctionName"] == {"Ref": "ApiFunctionAliaslive"} for p in api_permissions
     )
+
+
+# --------------------------------------------------------------------------- README
+
+
+def test_readme_points_nowhere_outside_the_repository():
+    readme = (handler.HERE / "README.md").read_text()
+    assert "../" not in readme
+    for path in set(re.findall(r"`((?:tests|bench)/[\w./-]+\.py)`", readme)):
+        assert (handler.HERE / path).is_file(), path
