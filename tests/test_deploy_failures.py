@@ -16,7 +16,7 @@ import time
 import pg8000.native
 import pytest
 from pg_password import PasswordServer
-from test_lambda import LambdaContext, ResponseURL, cfn_event
+from test_lambda import LambdaContext, ResponseURL, cfn_event, load_event
 
 import handler
 from conftest import configure_service, connect
@@ -221,7 +221,7 @@ def test_a_reply_that_never_completes_gives_up_within_the_limits(monkeypatch):
     monkeypatch.setattr(handler, "CFN_REPLY_TIMEOUT_SECONDS", 1)
     monkeypatch.setattr(handler, "CFN_REPLY_PAUSES", (0.1, 0.1))
     peer = Dripping()
-    event = cfn_event("cfn-delete.json", ResponseURL(lifetime=0.1))
+    event = load_event("cfn-delete.json")
     event["ResponseURL"] = f"http://127.0.0.1:{peer.port}/cfn-response"
     started = time.monotonic()
     try:
