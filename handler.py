@@ -40,6 +40,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pg8000.native
 from aws_lambda_powertools import Logger, Metrics
+from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.metrics import MetricUnit
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,6 +85,7 @@ class Settings:
     db_port: int
     db_name: str
     db_secret_id: str | None
+    db_migration_secret_id: str | None
     db_sslmode: str
     db_sslrootcert: str | None
     upload_password: str | None
@@ -98,6 +100,9 @@ class Settings:
     promotion_budget_ms: int
     migration_lock_timeout: str
     migration_wait_seconds: int
+
+    def __post_init__(self) -> None:
+        _check_settings(self)
 
 
 def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
@@ -138,6 +143,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         db_port=_int_setting(env, "DB_PORT", 5432, minimum=1),
         db_name=env.get("DB_NAME") or "postgres",
         db_secret_id=env.get("DB_SECRET_ID") or None,
+        # The owner of the tables, for migrations only; unset means DB_SECRET_ID's user.
+        db_migration_secret_id=env.get("DB_MIGRATION_SECRET_ID") or None,
         db_sslmode=env.get("DB_SSLMODE") or "verify-full",
         db_sslrootcert=env.get("DB_SSLROOTCERT") or None,
         upload_password=env.get("UPLOAD_PASSWORD") or None,
@@ -159,6 +166,29 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         migration_lock_timeout=env.get("MIGRATION_LOCK_TIMEOUT") or "10s",
         migration_wait_seconds=_int_setting(env, "MIGRATION_WAIT_SECONDS", 300),
     )
+
+
+SSL_MODES = ("disable", "require", "verify-ca", "verify-full")
+
+
+def _check_settings(config: Settings) -> None:
+    """Refuse, naming the variable, what would otherwise fail on every request."""
+    if config.database_url and urlsplit(config.database_url).scheme not in (
+        "postgres",
+        "postgresql",
+    ):
+        raise ConfigError("DATABASE_URL must start with postgresql://")
+    if config.db_sslmode not in SSL_MODES:
+        raise ConfigError(f"DB_SSLMODE must be one of {', '.join(SSL_MODES)}")
+    if not re.fullmatch(r"\d+\s*(us|ms|s|min|h|d)?", config.migration_lock_timeout):
+        raise ConfigError("MIGRATION_LOCK_TIMEOUT must be a duration such as 10s or 500ms")
+    for name, reference in (
+        ("UPLOAD_PASSWORD_SECRET", config.upload_password_secret),
+        ("ADMIN_TOKEN_SECRET", config.admin_token_secret),
+    ):
+        scheme, _, rest = (reference or "secretsmanager:-").partition(":")
+        if scheme not in ("secretsmanager", "ssm") or not rest:
+            raise ConfigError(f"{name} must be secretsmanager:<id> or ssm:<name>")
 
 
 @lru_cache(maxsize=1)
@@ -641,22 +671,30 @@ def _ssl_context(mode: str, root_cert: str | None):
     import ssl
 
     if mode not in ("require", "verify-ca", "verify-full"):
-        raise ConfigError(f"sslmode must be disable, require, verify-ca or verify-full: {mode!r}")
+        raise ConfigError(
+            f"sslmode (DB_SSLMODE, or in DATABASE_URL) must be one of {', '.join(SSL_MODES)}"
+        )
     if mode == "require":
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         return context
     if root_cert and not Path(root_cert).is_file():
-        raise ConfigError(f"the CA bundle {root_cert} does not exist")
+        raise ConfigError(
+            f"DB_SSLROOTCERT (or sslrootcert in DATABASE_URL): the CA bundle {root_cert}"
+            " does not exist"
+        )
     context = ssl.create_default_context(cafile=root_cert)
     context.check_hostname = mode == "verify-full"
     return context
 
 
-def _fetch_secret(reference: str, max_age: int, transform: str | None = None) -> Any:
+def _fetch_secret(
+    reference: str, max_age: int, transform: str | None = None, fresh: bool = False
+) -> Any:
     """`secretsmanager:<id>` or `ssm:<name>`, through Powertools Parameters (cached for
-    max_age seconds). boto3 is imported here, on first use, not at cold start."""
+    max_age seconds; `fresh` reads it again and refreshes the cache). boto3 is imported
+    here, on first use, not at cold start."""
     import logging
 
     from aws_lambda_powertools.utilities import parameters
@@ -667,14 +705,20 @@ def _fetch_secret(reference: str, max_age: int, transform: str | None = None) ->
         parsers.setLevel(logging.INFO)
     scheme, _, name = reference.partition(":")
     if scheme == "secretsmanager" and name:
-        return parameters.get_secret(name, max_age=max_age, transform=transform)
+        return parameters.get_secret(name, max_age=max_age, transform=transform, force_fetch=fresh)
     if scheme == "ssm" and name:
-        return parameters.get_parameter(name, decrypt=True, max_age=max_age, transform=transform)
+        return parameters.get_parameter(
+            name, decrypt=True, max_age=max_age, transform=transform, force_fetch=fresh
+        )
     raise ConfigError(f"a secret reference must be secretsmanager:<id> or ssm:<name>: {scheme}:…")
 
 
-def connection_arguments(config: Settings) -> dict[str, Any]:
-    """pg8000 keyword arguments from DATABASE_URL (local) or DB_* (AWS)."""
+def connection_arguments(
+    config: Settings, fresh: bool = False, owner: bool = False
+) -> dict[str, Any]:
+    """pg8000 keyword arguments from DATABASE_URL (local) or DB_* (AWS). `fresh` reads
+    the secret again, bypassing the cache (after a rotation); `owner` uses the
+    migrations' secret (DB_MIGRATION_SECRET_ID) when one is set."""
     if config.database_url:
         url = urlsplit(config.database_url)
         if url.scheme not in ("postgres", "postgresql"):
@@ -703,8 +747,9 @@ def connection_arguments(config: Settings) -> dict[str, Any]:
         raise ConfigError("set DATABASE_URL, or DB_HOST with DB_NAME and DB_SECRET_ID")
     if not config.db_secret_id:
         raise ConfigError("DB_SECRET_ID (the Secrets Manager secret of the database user) is unset")
+    secret_id = (owner and config.db_migration_secret_id) or config.db_secret_id
     credentials = _fetch_secret(
-        f"secretsmanager:{config.db_secret_id}", config.secrets_max_age_seconds, "json"
+        f"secretsmanager:{secret_id}", config.secrets_max_age_seconds, "json", fresh=fresh
     )
     return {
         "user": credentials["username"],
@@ -776,6 +821,10 @@ API_SOCKET_MARGIN_SECONDS = 2
 class Database:
     """A lazily opened connection shared by the process, one user at a time."""
 
+    # The connection arguments read again bypassing any cache, for one more try after an
+    # authentication failure (a rotated password); None: no second try.
+    fresh_arguments: Callable[[], dict[str, Any]] | None = None
+
     def __init__(
         self,
         arguments: Callable[[], dict[str, Any]],
@@ -797,14 +846,23 @@ class Database:
         self._session: Session | None = None
         self._lock = threading.RLock()
 
+    def _open(self, arguments: dict[str, Any]) -> pg8000.native.Connection:
+        return pg8000.native.Connection(
+            application_name=SERVICE_NAME, timeout=self._socket_timeout, **arguments
+        )
+
     def _connect(self) -> Session:
         if self._session is None:
             try:
-                connection = pg8000.native.Connection(
-                    application_name=SERVICE_NAME,
-                    timeout=self._socket_timeout,
-                    **self._arguments(),
-                )
+                try:
+                    connection = self._open(self._arguments())
+                except pg8000.native.DatabaseError as error:
+                    if sqlstate(error) != "28P01" or self.fresh_arguments is None:
+                        raise
+                    # The password was rotated since the secret was cached: read it
+                    # again, bypassing the cache, and try once more.
+                    logger.info("database authentication failed; reading the secret again")
+                    connection = self._open(self.fresh_arguments())
             except (pg8000.native.InterfaceError, pg8000.native.DatabaseError, OSError) as error:
                 raise DatabaseUnavailable("cannot connect to the database") from error
             session = Session(connection)
@@ -915,14 +973,19 @@ def database() -> Database:
                 # re-planning the claim (0.3 ms of a 0.7 ms claim).
                 generic_plans=True,
             )
+            # After a password rotation: the secret again, bypassing its cache.
+            _database.fresh_arguments = lambda: connection_arguments(config, fresh=True)
         return _database
 
 
 def migration_database() -> Database:
-    """A connection of its own for the ledger runner: no statement or socket timeout,
-    since rewriting a large table may take minutes (lock_timeout still applies)."""
+    """A connection of its own for the ledger runner, as the tables' owner: no statement
+    or socket timeout, since rewriting a large table may take minutes (lock_timeout
+    still applies)."""
     config = settings()
-    return Database(lambda: connection_arguments(config))
+    runner = Database(lambda: connection_arguments(config, owner=True))
+    runner.fresh_arguments = lambda: connection_arguments(config, fresh=True, owner=True)
+    return runner
 
 
 def reset_database() -> None:
@@ -1681,6 +1744,9 @@ class MigrationFile:
     name: str
     sql: str
     checksum: str
+    # The checksum of the same file with CRLF line endings: what a runner that hashed raw
+    # bytes recorded for a Windows checkout. Still accepted, so no ledger is refused.
+    crlf_checksum: str = ""
 
     @property
     def transactional(self) -> bool:
@@ -1688,12 +1754,19 @@ class MigrationFile:
 
 
 def migration_files(directory: Path | None = None) -> list[MigrationFile]:
+    """The ledger files, hashed with LF line endings (CRLF -> LF first), so a checkout
+    that converted them (Windows, core.autocrlf) has the same checksums."""
     directory = SQL_DIR if directory is None else directory
     files = []
     for path in sorted(directory.glob("*.sql")):
-        content = path.read_bytes()
+        content = path.read_bytes().replace(b"\r\n", b"\n")
         files.append(
-            MigrationFile(path.name, content.decode("utf-8"), hashlib.sha256(content).hexdigest())
+            MigrationFile(
+                path.name,
+                content.decode("utf-8"),
+                hashlib.sha256(content).hexdigest(),
+                hashlib.sha256(content.replace(b"\n", b"\r\n")).hexdigest(),
+            )
         )
     return files
 
@@ -1714,7 +1787,7 @@ def pending_migrations(
         )
     for migration in files:
         recorded = ledger.get(migration.name, "")
-        if recorded and recorded != migration.checksum:
+        if recorded and recorded not in (migration.checksum, migration.crlf_checksum):
             raise MigrationRefused(
                 f"{migration.name} was edited after it was applied; add a new file instead"
             )
@@ -2286,6 +2359,17 @@ async def _database_error(request: Request, error: pg8000.native.DatabaseError) 
     return await _unexpected(request, error)
 
 
+@app.exception_handler(ConfigError)
+async def _misconfigured(request: Request, error: ConfigError) -> Response:
+    # The variable and what is wrong with it go to the operators' log; a client learns
+    # only that the fault is the service's and is not worth retrying.
+    logger.error("misconfigured", extra={"path": request.url.path, "error": str(error)})
+    return JSONResponse(
+        {"detail": "the service is misconfigured; its operators can see why in its logs"},
+        status_code=503,
+    )
+
+
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, error: Exception) -> Response:
     logger.exception("unhandled error", extra={"path": request.url.path})
@@ -2327,9 +2411,14 @@ def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 
 CFN_REPLY_LIMIT = 4096
-# What migrate keeps back from Lambda's remaining time: ending a timed-out runner (at
-# most 5 s) and delivering the reply.
+# What migrate keeps back from Lambda's remaining time, and its worst case: ending a
+# timed-out runner (CFN_END_SESSION_SECONDS), then every reply attempt running to its
+# hard limit with the pauses between them: 5 + 3 x 4 + 0.5 + 1 = 18.5 s <= 20 s.
 CFN_REPLY_MARGIN_SECONDS = 20
+CFN_END_SESSION_SECONDS = 5
+CFN_REPLY_ATTEMPTS = 3
+CFN_REPLY_TIMEOUT_SECONDS = 4
+CFN_REPLY_PAUSES = (0.5, 1.0)
 
 
 def _is_rollback_update(event: dict[str, Any]) -> bool:
@@ -2382,14 +2471,26 @@ def _send_cfn_reply(url: str, body: bytes) -> None:
         method="PUT",
         headers={"Content-Type": "", "Content-Length": str(len(body))},
     )
-    for attempt in range(3):
+
+    def put() -> None:
+        with urllib.request.urlopen(  # noqa: S310 - scheme checked above
+            request, timeout=CFN_REPLY_TIMEOUT_SECONDS
+        ) as response:
+            response.read()
+
+    for attempt in range(CFN_REPLY_ATTEMPTS):
         try:
-            with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
-                response.read()
+            # A hard limit per attempt: a peer that accepts and then says nothing would
+            # otherwise hold each socket operation for the whole timeout.
+            _run_with_deadline(put, CFN_REPLY_TIMEOUT_SECONDS)
             return
-        except OSError:
-            logger.warning("custom resource reply failed", extra={"attempt": attempt + 1})
-            time.sleep(0.5 * (attempt + 1))
+        except (OSError, TimeoutError) as error:
+            logger.warning(
+                "custom resource reply failed",
+                extra={"attempt": attempt + 1, "error": type(error).__name__},
+            )
+            if attempt < len(CFN_REPLY_PAUSES):
+                time.sleep(CFN_REPLY_PAUSES[attempt])
     logger.error("could not deliver the custom resource reply")
 
 
@@ -2420,10 +2521,61 @@ def _run_with_deadline(
     return outcome.get("value")
 
 
+def _root_cause(error: BaseException) -> str | None:
+    """What went wrong, in an operator's words, from the innermost cause that says it:
+    TLS verification, a refused connection, authentication, a lock timeout. pg8000's
+    and ssl's messages name users and hosts, never a password."""
+    import socket
+    import ssl
+
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    for cause in reversed(chain):
+        state = sqlstate(cause)
+        if state in ("28P01", "28000"):
+            return f"authentication failed ({_error_text(cause)})"
+        if state == "55P03":
+            return f"lock timeout ({_error_text(cause)})"
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"TLS verification failed: {cause.verify_message}"
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS failed: {cause.reason or cause}"
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, socket.gaierror):
+            return f"host name not resolved ({cause.strerror})"
+        if isinstance(cause, TimeoutError):
+            return "connection timed out"
+    return None
+
+
+def _database_address() -> str:
+    config = settings()
+    if config.database_url:
+        url = urlsplit(config.database_url)
+        return f"{url.hostname or 'a local socket'}:{url.port or 5432}"
+    return f"{config.db_host}:{config.db_port}"
+
+
 def _migration_error_text(error: BaseException) -> str:
-    """Our own migration errors already say what failed and where (the file name)."""
+    """The FAILED reason a deploy shows: the root cause, and where (file, host)."""
+    if isinstance(error, MigrationFailed) and error.sqlstate == "55P03":
+        return (
+            f"lock timeout on {error.filename}: another session held a lock on its table"
+            " longer than MIGRATION_LOCK_TIMEOUT; nothing of it was applied"
+        )
     if isinstance(error, (MigrationFailed, MigrationRefused)):
         return str(error)
+    if isinstance(error, ConfigError):
+        return f"misconfigured: {error}"
+    if isinstance(error, DatabaseUnavailable):
+        detail = _root_cause(error) or _error_text(error.__cause__ or error)
+        return f"{error} at {_database_address()}: {detail}"
+    if sqlstate(error):
+        return _root_cause(error) or _error_text(error)
     return _error_text(error)
 
 
@@ -2469,7 +2621,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
                 stopped.set()
                 if "pid" in session:
                     try:
-                        _run_with_deadline(end_session, 5)
+                        _run_with_deadline(end_session, CFN_END_SESSION_SECONDS)
                     except Exception:  # the FAILED answer matters more
                         logger.exception("could not end the timed-out migration session")
 
@@ -2502,13 +2654,16 @@ def _publish_queue_metrics(status: dict[str, Any]) -> None:
     }
     for name, value in values.items():
         metrics.add_metric(name=name, unit=MetricUnit.Count, value=value)
+    # Durations in hours and minutes: CloudWatch has no such units (only seconds and
+    # finer), so they carry None and say their unit in their name, which the alarms'
+    # thresholds (MaxBacklogEtaHours, 60 minutes) are written in.
     # No finished analysis in a day with work waiting: the ETA is unbounded.
     eta = status["eta_hours"]
-    metrics.add_metric(name="EtaHours", unit=MetricUnit.Count, value=1e6 if eta is None else eta)
+    metrics.add_metric(name="EtaHours", unit=MetricUnit.NoUnit, value=1e6 if eta is None else eta)
     if status["minutes_since_last_ping"] is not None:
         metrics.add_metric(
             name="MinutesSinceLastPing",
-            unit=MetricUnit.Count,
+            unit=MetricUnit.NoUnit,
             value=status["minutes_since_last_ping"],
         )
     metrics.flush_metrics()
@@ -2575,6 +2730,13 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     logger.info("queue status", extra={"queue_status": status})
     _publish_queue_metrics(status)
     return status
+
+
+# The API entry as Lambda calls it: every log line of an invocation carries the Lambda
+# request id, the cold-start flag and API Gateway's request id (correlation_id).
+api = logger.inject_lambda_context(
+    api, correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2728,7 +2890,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
+    except ConfigError as error:
+        print(f"error: misconfigured: {error}", file=sys.stderr)
+        return 1
+    except (MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
 

@@ -21,6 +21,20 @@ from hypothesis import settings as hypothesis_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+MINIMUM_PYTHON = (3, 11)  # handler.py uses datetime.UTC; the Lambda runtime is 3.12
+
+
+def check_python(version: tuple[int, ...]) -> None:
+    """Say so plainly, instead of an ImportError deep in handler.py."""
+    if tuple(version[:2]) < MINIMUM_PYTHON:
+        found = ".".join(str(part) for part in version[:3])
+        raise SystemExit(
+            f"The tests and handler.py need Python {'.'.join(map(str, MINIMUM_PYTHON))} or"
+            f" newer; this is Python {found}. (The Lambda functions run on Python 3.12.)"
+        )
+
+
+check_python(sys.version_info)
 
 import handler  # noqa: E402
 

@@ -130,9 +130,34 @@ def sam_dir_checksum(directory: Path) -> str:
     return digest.hexdigest()
 
 
+def find_lambda_python() -> str | None:
+    """A Python 3.12 (the Lambda runtime's version) on this machine, if there is one."""
+    candidates = [shutil.which("python3.12"), "/usr/bin/python3.12", "/usr/local/bin/python3.12"]
+    candidates += sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            probe = subprocess.run(
+                [candidate, "-c", "import sys; sys.exit(sys.version_info[:2] != (3, 12))"],
+                capture_output=True,
+                check=False,
+            )
+            if probe.returncode == 0:
+                return candidate
+    return None
+
+
+LAMBDA_PYTHON = find_lambda_python()
+
+
 def make(target: str, cwd: Path, artifacts: Path, **variables: str) -> subprocess.CompletedProcess:
     """Run a Makefile target the way SAM's CustomMakeBuilder does: in a copy of the source,
-    with the repository's Makefile and ARTIFACTS_DIR in the environment."""
+    with the repository's Makefile and ARTIFACTS_DIR in the environment. The bytecode is
+    compiled by this machine's Python 3.12 (none: the package ships without it, and
+    tests/test_bytecode.py fails saying so)."""
+    if LAMBDA_PYTHON:
+        variables.setdefault("LAMBDA_PYTHON", LAMBDA_PYTHON)
+    else:
+        variables.setdefault("ALLOW_NO_BYTECODE", "1")
     env = {**os.environ, "ARTIFACTS_DIR": str(artifacts)}
     args = ["make", "--no-print-directory", "--makefile", str(MAKEFILE), target]
     args += [f"{k}={v}" for k, v in variables.items()]
@@ -155,7 +180,14 @@ def source_copy(tmp_path: Path) -> Path:
     are copied when they exist; stand-ins are written where they do not (yet)."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("handler.py", "README.md", "requirements.txt", "template.yaml", "Makefile"):
+    for name in (
+        "handler.py",
+        "README.md",
+        "requirements.txt",
+        "requirements.lock",
+        "template.yaml",
+        "Makefile",
+    ):
         if (REPO / name).is_file():
             shutil.copy2(REPO / name, src / name)
     for name in ("sql", "events"):
@@ -255,9 +287,16 @@ def test_api_function_depends_on_migration(transformed):
 def test_api_function_timeout_and_concurrency(source_template, transformed):
     props = transformed["Resources"]["ApiFunction"]["Properties"]
     assert props["Timeout"] <= 25  # the HTTP API gives up after 30 s
-    assert props["ReservedConcurrentExecutions"] == {"Ref": "ApiReservedConcurrency"}
+    # Optional: empty (the default) leaves the function unreserved.
+    assert props["ReservedConcurrentExecutions"] == {
+        "Fn::If": [
+            "HasApiReservedConcurrency",
+            {"Ref": "ApiReservedConcurrency"},
+            {"Ref": "AWS::NoValue"},
+        ]
+    }
     param = source_template["Parameters"]["ApiReservedConcurrency"]
-    assert param["Type"] == "Number" and int(param["Default"]) >= 1
+    assert param["Type"] == "String" and param["Default"] == ""
     assert transformed["Resources"]["ReportFunction"]["Properties"]["Timeout"] <= 300
 
 
@@ -268,7 +307,8 @@ def test_every_route_goes_to_the_api_function(transformed):
     for path, methods in paths.items():
         for method, operation in methods.items():
             uri = operation["x-amazon-apigateway-integration"]["uri"]["Fn::Sub"]
-            assert "${ApiFunction.Arn}" in uri, (path, method)
+            # The published alias (SnapStart restores published versions only).
+            assert "${ApiFunctionAliaslive}" in uri, (path, method)
             assert operation["x-amazon-apigateway-integration"]["payloadFormatVersion"] == "2.0"
             routes.add((method.upper(), path))
     assert ROUTES <= routes, ROUTES - routes
@@ -297,6 +337,8 @@ def test_two_alarms_on_report_metrics(transformed):
     alarms = {
         a["Properties"]["MetricName"]: a["Properties"]
         for a in resources_of_type(transformed, "AWS::CloudWatch::Alarm").values()
+        if a["Properties"]["Namespace"] == "AnalysisQueue"
+        and a["Properties"]["MetricName"] != "MigrationFailures"
     }
     assert set(alarms) == {"MinutesSinceLastPing", "EtaHours"}
     for props in alarms.values():
@@ -382,7 +424,8 @@ def test_function_package_holds_only_handler_and_sql(source_copy, tmp_path):
     result = make("build-MigrationFunction", source_copy, out)
     assert result.returncode == 0, result.stderr
     built = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
-    expected = {"handler.py"} | {
+    bytecode = {"__pycache__/handler.cpython-312.pyc"} if LAMBDA_PYTHON else set()
+    expected = {"handler.py", *bytecode} | {
         p.relative_to(source_copy).as_posix()
         for p in (source_copy / "sql").rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")
@@ -516,13 +559,14 @@ def fake_pip(tmp_path: Path) -> Path:
     return script
 
 
-def test_layer_build_installs_runtime_requirements_and_ca_bundle(
+def test_layer_build_installs_the_lock_with_hashes_and_ca_bundle(
     source_copy, tmp_path, fake_pip, monkeypatch
 ):
-    (source_copy / "requirements.txt").write_text(
-        "fastapi==0.115.0\nmangum>=0.17\npsycopg[binary]==3.2.3\naws-lambda-powertools[parser]==3.4.0\n"
-        "pytest==8.3.3\npytest-timeout\ncfn-lint==1.51.0\nruff\n# a comment\n"
+    lock = (
+        "fastapi==0.115.0 \\\n    --hash=sha256:" + "a" * 64 + "\n"
+        "starlette==0.38.6 \\\n    --hash=sha256:" + "b" * 64 + "\n"
     )
+    (source_copy / "requirements.lock").write_text(lock)
     (source_copy / "certs").mkdir()
     pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
     (source_copy / "certs" / "rds-global-bundle.pem").write_text(pem)
@@ -531,18 +575,22 @@ def test_layer_build_installs_runtime_requirements_and_ca_bundle(
     result = make("build-DependenciesLayer", source_copy, out, PIP=str(fake_pip))
     assert result.returncode == 0, result.stderr
     assert (out / "certs" / "rds-global-bundle.pem").read_text() == pem
-    installed = (tmp_path / "requirements").read_text().splitlines()
-    assert [line for line in installed if line and not line.startswith("#")] == [
-        "fastapi==0.115.0",
-        "mangum>=0.17",
-        "psycopg[binary]==3.2.3",
-        "aws-lambda-powertools[parser]==3.4.0",
-    ]
+    assert (tmp_path / "requirements").read_text() == lock
     argv = (tmp_path / "argv").read_text().splitlines()
+    assert "--require-hashes" in argv and "--no-deps" in argv
     assert argv[argv.index("--target") + 1] == str(out / "python")
     assert argv[argv.index("--python-version") + 1] == RUNTIME.removeprefix("python")
     assert "manylinux2014_x86_64" in argv and "--only-binary=:all:" in argv
-    assert not (out / ".layer-requirements.txt").exists()
+
+
+def test_layer_build_refuses_without_the_lock(source_copy, tmp_path, fake_pip, monkeypatch):
+    (source_copy / "requirements.lock").unlink()
+    (source_copy / "certs").mkdir()
+    (source_copy / "certs" / "rds-global-bundle.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.setenv("FAKE_PIP_DIR", str(tmp_path))
+    result = make("build-DependenciesLayer", source_copy, tmp_path / "layer", PIP=str(fake_pip))
+    assert result.returncode != 0
+    assert "requirements.lock not found; run make lock" in result.stderr
 
 
 def test_layer_build_fails_without_ca_bundle(source_copy, tmp_path, fake_pip, monkeypatch):

@@ -1,0 +1,156 @@
+"""Misconfiguration fails loudly and names the variable (issue 10, point 7).
+
+* `serve` and the CLI refuse to start: exit status 1, the variable on stderr, no server.
+* On Lambda the API answers 503 saying the service is misconfigured; the variable is in
+  the log record, not in the body.
+* The migration custom resource answers FAILED with a reason naming the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_lambda import LambdaContext, ResponseURL, cfn_event, load_event, output_records
+
+import handler
+from conftest import configure_service
+from live import free_port
+
+# (variable, bad value, what the message must say)
+MISCONFIGURATIONS = [
+    ("STALE_ANALYSIS_DAYS", "0", "STALE_ANALYSIS_DAYS must be at least 1"),
+    ("PROCESSING_TIMEOUT_MINUTES", "two hours", "PROCESSING_TIMEOUT_MINUTES must be an integer"),
+    ("CURRENT_ANALYSIS_VERSION", "-4", "CURRENT_ANALYSIS_VERSION must be at least 1"),
+    ("MAX_BODY_BYTES", "5MB", "MAX_BODY_BYTES must be an integer"),
+    ("DB_SSLMODE", "prefer", "DB_SSLMODE must be one of"),
+    ("MIGRATION_LOCK_TIMEOUT", "ten seconds", "MIGRATION_LOCK_TIMEOUT must be a duration"),
+    ("UPLOAD_PASSWORD_SECRET", "vault:queue/upload", "UPLOAD_PASSWORD_SECRET must be"),
+    ("ADMIN_TOKEN_SECRET", "ssm:", "ADMIN_TOKEN_SECRET must be"),
+]
+IDS = [name for name, _, _ in MISCONFIGURATIONS]
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(handler.HERE / "handler.py"), *args],
+        env=env,
+        cwd=handler.HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(("name", "value", "message"), MISCONFIGURATIONS, ids=IDS)
+def test_load_settings_names_the_variable(name, value, message):
+    with pytest.raises(handler.ConfigError, match=message):
+        handler.load_settings({"DATABASE_URL": "postgresql://u@127.0.0.1/q", name: value})
+
+
+def test_good_settings_load():
+    config = handler.load_settings(
+        {
+            "DATABASE_URL": "postgresql://u@127.0.0.1/q",
+            "DB_SSLMODE": "verify-ca",
+            "MIGRATION_LOCK_TIMEOUT": "500ms",
+            "UPLOAD_PASSWORD_SECRET": "secretsmanager:queue/upload",
+            "ADMIN_TOKEN_SECRET": "ssm:/queue/admin",
+        }
+    )
+    assert (config.db_sslmode, config.migration_lock_timeout) == ("verify-ca", "500ms")
+
+
+@pytest.mark.parametrize(("name", "value", "message"), MISCONFIGURATIONS, ids=IDS)
+def test_serve_refuses_to_start(database_url, name, value, message):
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": database_url, name: value}
+    out = run_cli("serve", "--port", str(port), env=env)
+    assert out.returncode == 1, out.stderr
+    assert f"error: misconfigured: {message}" in out.stderr
+    assert "Uvicorn running" not in out.stderr
+    assert "migrations applied" not in out.stderr
+
+
+def test_cli_commands_refuse_to_start(database_url):
+    env = {**os.environ, "DATABASE_URL": database_url, "STALE_ANALYSIS_DAYS": "0"}
+    for args in (("queue-status",), ("priority-report",), ("queue-refetch",), ("migrate",)):
+        out = run_cli(*args, env=env)
+        assert out.returncode == 1, (args, out.stdout)
+        assert "error: misconfigured: STALE_ANALYSIS_DAYS must be at least 1" in out.stderr
+        assert out.stdout == ""
+
+
+def test_cli_names_a_missing_secret_id(database_url):
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DB_SECRET_ID")}
+    out = run_cli("queue-status", env={**env, "DB_HOST": "db.example.internal"})
+    assert out.returncode == 1
+    assert "error: misconfigured: DB_SECRET_ID" in out.stderr
+
+
+@pytest.mark.parametrize(("name", "value", "message"), MISCONFIGURATIONS, ids=IDS)
+def test_lambda_api_answers_503_and_logs_the_variable(
+    database_url, monkeypatch, capsys, name, value, message
+):
+    configure_service(monkeypatch, database_url, **{name: value})
+    for event in ("ping.json", "queue.json", "healthz.json", "get-app.json"):
+        answer = handler.api(load_event(event), LambdaContext("analysis-queue-ApiFunction"))
+        assert answer["statusCode"] == 503, (event, answer)
+        body = json.loads(answer["body"])
+        assert body == {
+            "detail": "the service is misconfigured; its operators can see why in its logs"
+        }
+        assert name not in answer["body"]
+    logs, _ = output_records(capsys.readouterr())
+    misconfigured = [record for record in logs if record.get("message") == "misconfigured"]
+    assert len(misconfigured) == 4
+    for record in misconfigured:
+        assert record["level"] == "ERROR"
+        assert message in record["error"]
+
+
+def test_lambda_api_names_a_missing_ca_bundle_in_the_log(database_url, monkeypatch, capsys):
+    for variable in ("DATABASE_URL", "UPLOAD_PASSWORD", "ADMIN_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    configure_service(monkeypatch, database_url)
+    monkeypatch.delenv("DATABASE_URL")
+    for variable, value in {
+        "DB_HOST": "db.example.internal",
+        "DB_SECRET_ID": "queue/db",
+        "DB_SSLROOTCERT": "/opt/certs/missing-bundle.pem",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    handler.settings.cache_clear()
+    handler.reset_database()
+    monkeypatch.setattr(
+        handler, "_fetch_secret", lambda *_, **__: {"username": "u", "password": "p-7f3e"}
+    )
+    answer = handler.api(load_event("healthz.json"), LambdaContext())
+    assert answer["statusCode"] == 503
+    assert "DB_SSLROOTCERT" not in answer["body"]
+    assert "misconfigured" in answer["body"]
+    logs, _ = output_records(capsys.readouterr())
+    (record,) = [r for r in logs if r.get("message") == "misconfigured"]
+    assert "DB_SSLROOTCERT" in record["error"]
+    assert "p-7f3e" not in json.dumps(logs)
+
+
+@pytest.mark.parametrize(("name", "value", "message"), MISCONFIGURATIONS[:6], ids=IDS[:6])
+def test_migration_failed_reason_names_the_variable(
+    database_url, monkeypatch, name, value, message
+):
+    configure_service(monkeypatch, database_url, **{name: value})
+    server = ResponseURL()
+    try:
+        handler.migrate(
+            cfn_event("cfn-update.json", server), LambdaContext("analysis-queue-Migration")
+        )
+        reply = server.reply()
+    finally:
+        server.close()
+    assert reply["Status"] == "FAILED"
+    assert reply["Reason"].startswith(f"migration failed: misconfigured: {message}")

@@ -1,0 +1,385 @@
+"""Credentials that rotate, and least privilege (issue 10, point 2).
+
+* Rotation: on a PostgreSQL that checks passwords (tests/pg_password.py), the database
+  secret in Secrets Manager (moto) and the role's password change together while
+  clients call the Lambda API entry and the service's connections are killed (new
+  containers): zero failed requests, because an authentication failure (28P01) re-reads
+  the secret bypassing the cache. Without the re-read the same scenario fails.
+* Least privilege: the README's GRANT block, run as written, gives a role that serves
+  every route and the report, cannot change the schema, and can use what a later
+  ledger file creates. Migrations use the owner's secret (DB_MIGRATION_SECRET_ID).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import uuid
+from urllib.parse import urlsplit
+
+import pg8000.native
+import pytest
+from pg_password import PasswordServer
+from test_lambda import LambdaContext, load_event
+
+import handler
+from conftest import ADMIN, ANALYSER, configure_service, connect
+from helpers import app_row
+
+README = handler.HERE / "README.md"
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    from moto import mock_aws
+
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "testing")
+    from aws_lambda_powertools.utilities import parameters
+
+    parameters.clear_caches()
+    with mock_aws():
+        import boto3
+
+        yield boto3.session.Session(region_name="us-east-1").client("secretsmanager")
+    parameters.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def password_server():
+    server = PasswordServer()
+    yield server
+    server.stop()
+
+
+def readme_grants() -> str:
+    """The SQL block under the README's least-privilege heading, as written there."""
+    text = README.read_text()
+    section = text.split("### Database roles: least privilege", 1)[1]
+    return re.search(r"```sql\n(.*?)```", section, re.S).group(1)
+
+
+def grant_role(admin: pg8000.native.Connection, role: str, password: str, database: str) -> None:
+    owner = admin.run("SELECT current_user")[0][0]
+    block = readme_grants()
+    block = re.sub(r"\bqueue_app\b", role, block)
+    block = re.sub(r"\bqueue_owner\b", owner, block)
+    block = re.sub(r"\bON DATABASE analysis\b", f"ON DATABASE {database}", block)
+    block = block.replace("'change-me'", pg8000.native.literal(password))
+    assert role in block and database in block and password in block
+    admin.execute_simple(block)
+
+
+def drop_role(admin: pg8000.native.Connection, role: str) -> None:
+    admin.run(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role",
+        role=role,
+    )
+    admin.run(f"DROP OWNED BY {pg8000.native.identifier(role)}")
+    admin.run(f"DROP ROLE {pg8000.native.identifier(role)}")
+
+
+def api_call(event_name: str, headers: dict[str, str] | None = None) -> dict:
+    event = load_event(event_name)
+    event["headers"] = {**event["headers"], **(headers or {})}
+    return handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
+
+
+# ---------------------------------------------------------------------------------------
+# Rotation
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rotating(password_server, aws, monkeypatch):
+    """A migrated database on the password server, a role `queue_app_*` with the README's
+    grants, its secret in moto, and the service configured as on AWS (DB_*)."""
+    name = f"rot_{uuid.uuid4().hex[:10]}"
+    role = f"queue_app_{uuid.uuid4().hex[:8]}"
+    admin = connect(password_server.admin_url())
+    admin.run(f"CREATE DATABASE {name}")
+    owner_db = handler.Database(
+        lambda: handler.connection_arguments(
+            handler.load_settings({"DATABASE_URL": password_server.admin_url(name)})
+        )
+    )
+    handler.apply_migrations(owner_db)
+    owner = owner_db.session
+    with owner() as connection:
+        grant_role(connection, role, "pw-initial-0", name)
+    aws.create_secret(
+        Name="queue/db", SecretString=json.dumps({"username": role, "password": "pw-initial-0"})
+    )
+    for variable in ("DATABASE_URL", "UPLOAD_PASSWORD", "ADMIN_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    configure_service(monkeypatch, "unused")
+    monkeypatch.delenv("DATABASE_URL")
+    for variable, value in {
+        "DB_HOST": "127.0.0.1",
+        "DB_PORT": str(password_server.port),
+        "DB_NAME": name,
+        "DB_SECRET_ID": "queue/db",
+        "DB_SSLMODE": "disable",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    handler.settings.cache_clear()
+    handler.reset_database()
+
+    def rotate(password: str) -> None:
+        # Both together, as one change seen from outside: the new password takes
+        # effect for new connections when the transaction commits, right after the
+        # secret holds it.
+        with owner() as connection:
+            connection.run("BEGIN")
+            connection.run(
+                f"ALTER ROLE {pg8000.native.identifier(role)} PASSWORD "
+                + pg8000.native.literal(password)
+            )
+            aws.put_secret_value(
+                SecretId="queue/db",
+                SecretString=json.dumps({"username": role, "password": password}),
+            )
+            connection.run("COMMIT")
+
+    yield {"rotate": rotate, "role": role, "owner": owner}
+    handler.reset_database()
+    owner_db.discard()
+    admin.run(f"DROP DATABASE {name} WITH (FORCE)")  # and the role's grants in it
+    admin.run(f"DROP ROLE {pg8000.native.identifier(role)}")
+    admin.close()
+
+
+def test_password_rotation_under_load_fails_no_request(rotating, monkeypatch):
+    fetches = {"fresh": 0}
+    real_fetch = handler._fetch_secret
+
+    def counting_fetch(*args, **kwargs):
+        if kwargs.get("fresh"):
+            fetches["fresh"] += 1
+        return real_fetch(*args, **kwargs)
+
+    monkeypatch.setattr(handler, "_fetch_secret", counting_fetch)
+    assert api_call("add-app.json", ADMIN)["statusCode"] == 201
+
+    clients, per_client, rotations = 4, 60, 3
+    statuses: list[tuple[str, int]] = []
+    errors: list[BaseException] = []
+    progress = threading.Semaphore(0)
+
+    def client(index: int) -> None:
+        asyncio.set_event_loop(asyncio.new_event_loop())  # Mangum runs on this thread's loop
+        events = [
+            ("ping.json", ANALYSER),
+            ("queue.json", ANALYSER),
+            ("get-app.json", None),
+            ("healthz.json", None),
+        ]
+        try:
+            for call in range(per_client):
+                if call % 3 == 0:
+                    # A new container: the next request opens a new connection with
+                    # whatever password the secret cache holds.
+                    handler.database().discard()
+                name, headers = events[(index + call) % len(events)]
+                statuses.append((name, api_call(name, headers)["statusCode"]))
+                progress.release()
+        except BaseException as error:  # asserted in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    total = clients * per_client
+    try:
+        for rotation in range(1, rotations + 1):
+            # Rotate after each quarter of the requests (counted, not timed).
+            for _ in range(total // (rotations + 1)):
+                assert progress.acquire(timeout=120), "the clients stopped making progress"
+            rotating["rotate"](f"pw-rotated-{rotation}")
+    finally:
+        for thread in threads:
+            thread.join(timeout=180)
+    assert not errors, errors
+    assert len(statuses) == total
+    failed = [(name, status) for name, status in statuses if status != 200]
+    assert failed == []
+    # The re-read happened (at least once per rotation), and the clients did reconnect.
+    assert fetches["fresh"] >= rotations
+
+
+def test_without_the_reread_a_rotation_fails_new_connections(rotating):
+    """The scenario above is a real test: the cached password is refused after a
+    rotation, and only the fresh read gets a connection."""
+    assert api_call("healthz.json")["statusCode"] == 200
+    rotating["rotate"]("pw-rotated-x")
+    handler.database().discard()
+    stale = handler.Database(lambda: handler.connection_arguments(handler.settings()))
+    with pytest.raises(handler.DatabaseUnavailable) as caught:
+        stale.run("SELECT 1")
+    assert handler.sqlstate(caught.value.__cause__) == "28P01"
+    assert api_call("healthz.json")["statusCode"] == 200  # the service re-reads
+
+
+def test_a_wrong_password_still_fails_after_one_reread(rotating, aws, capsys):
+    rotating["rotate"]("pw-rotated-y")
+    aws.put_secret_value(
+        SecretId="queue/db",
+        SecretString=json.dumps({"username": rotating["role"], "password": "pw-wrong-31"}),
+    )
+    answer = api_call("healthz.json")
+    assert answer["statusCode"] == 503
+    logged = capsys.readouterr().err
+    assert logged.count("database authentication failed; reading the secret again") == 1
+    assert "pw-wrong-31" not in logged + answer["body"]
+    assert "pw-rotated-y" not in logged
+
+
+# ---------------------------------------------------------------------------------------
+# Least privilege
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def queue_role(database_url, server_url, monkeypatch):
+    """The README's role on the test database; the service configured to run as it."""
+    role = f"queue_app_{uuid.uuid4().hex[:8]}"
+    database = urlsplit(database_url).path.lstrip("/")
+    owner = connect(database_url)
+    grant_role(owner, role, "pw-app-1", database)
+    url = re.sub(r"//[^@/]*@", f"//{role}:pw-app-1@", database_url, count=1)
+    configure_service(monkeypatch, url)
+    yield {"role": role, "url": url, "owner": owner}
+    handler.reset_database()
+    drop_role(owner, role)
+    owner.close()
+
+
+def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
+    assert api_call("healthz.json")["statusCode"] == 200
+    whoami = handler.database().run("SELECT current_user")[0][0]
+    assert whoami == queue_role["role"]
+    answers = {
+        name: api_call(name, headers)
+        for name, headers in (
+            ("ping.json", ANALYSER),
+            ("add-app.json", ADMIN),
+            ("queue.json", ANALYSER),
+            ("upload-analysis.json", ANALYSER),
+            ("queue-exact-app.json", ANALYSER),
+            ("report-failure.json", ANALYSER),
+            ("get-app.json", None),
+            ("healthz-analyser.json", None),
+        )
+    }
+    assert {name: a["statusCode"] for name, a in answers.items()} == {
+        "ping.json": 200,
+        "add-app.json": 201,
+        "queue.json": 200,
+        "upload-analysis.json": 200,
+        "queue-exact-app.json": 200,
+        "report-failure.json": 200,
+        "get-app.json": 200,
+        "healthz-analyser.json": 200,
+    }
+    assert app_row(sql, "com.example.app")["status"] in ("analysed", "failed", "processing")
+    status = handler.report(load_event("schedule.json"), LambdaContext())
+    assert status["backlog_total"] >= 0
+    refetch = handler.report(
+        {"command": "queue-refetch", "appIds": ["com.example.app"], "apply": True},
+        LambdaContext(),
+    )
+    assert refetch["apps"] == ["com.example.app"]
+    assert handler.report({"command": "priority-report"}, LambdaContext())["apps"]
+
+
+@pytest.mark.parametrize(
+    "ddl",
+    [
+        "CREATE TABLE sneaky (id int)",
+        "ALTER TABLE apps ADD COLUMN sneaky int",
+        "DROP TABLE app_analyses",
+        "DELETE FROM apps",
+        "TRUNCATE apps",
+        "CREATE INDEX sneaky ON apps (added)",
+    ],
+)
+def test_the_queue_role_cannot_change_the_schema(queue_role, ddl):
+    app = connect(queue_role["url"])
+    try:
+        with pytest.raises(pg8000.native.DatabaseError) as refused:
+            app.run(ddl)
+        assert handler.sqlstate(refused.value) == "42501"  # insufficient_privilege
+    finally:
+        app.close()
+
+
+def test_migrations_as_the_queue_role_fail_and_as_the_owner_succeed(
+    queue_role, database_url, monkeypatch, tmp_path
+):
+    directory = tmp_path / "sql"
+    directory.mkdir()
+    for path in handler.SQL_DIR.glob("*.sql"):
+        (directory / path.name).write_bytes(path.read_bytes())
+    (directory / "900_new_table.sql").write_text(
+        "CREATE TABLE analyser_notes (id bigserial PRIMARY KEY, note text);\n"
+    )
+    monkeypatch.setattr(handler, "SQL_DIR", directory)
+    as_app = handler.migration_database()
+    # The runner's first DDL (the ledger table's CREATE ... IF NOT EXISTS) is refused.
+    with pytest.raises(pg8000.native.DatabaseError) as refused:
+        handler.apply_migrations(as_app)
+    assert handler.sqlstate(refused.value) == "42501"
+    as_app.discard()
+    # The owner (the tests' superuser, who created the tables) applies the new file.
+    owner = handler.Database(
+        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": database_url}))
+    )
+    assert handler.apply_migrations(owner) == ["900_new_table.sql"]
+    owner.discard()
+    # Default privileges: queue_app uses the new table and its sequence at once.
+    app = connect(queue_role["url"])
+    try:
+        app.run("INSERT INTO analyser_notes (note) VALUES ('hello')")
+        assert app.run("SELECT note FROM analyser_notes") == [["hello"]]
+    finally:
+        app.close()
+
+
+def test_migration_secret_is_used_for_migrations_only(monkeypatch):
+    secrets = {
+        "secretsmanager:queue/app": {"username": "queue_app", "password": "a"},
+        "secretsmanager:queue/owner": {"username": "queue_owner", "password": "o"},
+    }
+    monkeypatch.setattr(handler, "_fetch_secret", lambda reference, *_, **__: secrets[reference])
+    env = {
+        "DB_HOST": "db.example.internal",
+        "DB_SECRET_ID": "queue/app",
+        "DB_MIGRATION_SECRET_ID": "queue/owner",
+        "DB_SSLMODE": "disable",
+    }
+    config = handler.load_settings(env)
+    assert handler.connection_arguments(config)["user"] == "queue_app"
+    assert handler.connection_arguments(config, owner=True)["user"] == "queue_owner"
+    assert handler.connection_arguments(config, fresh=True, owner=True)["user"] == "queue_owner"
+    without = handler.load_settings({k: v for k, v in env.items() if k != "DB_MIGRATION_SECRET_ID"})
+    assert handler.connection_arguments(without, owner=True)["user"] == "queue_app"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    handler.settings.cache_clear()
+    try:
+        runner = handler.migration_database()
+        assert runner._arguments()["user"] == "queue_owner"
+        assert runner.fresh_arguments()["user"] == "queue_owner"
+        handler.reset_database()
+        api_db = handler.database()
+        assert api_db._arguments()["user"] == "queue_app"
+    finally:
+        handler.reset_database()
+        handler.settings.cache_clear()

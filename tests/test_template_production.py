@@ -1,0 +1,408 @@
+"""The stack's production settings (issue 10), on the template as SAM translates it.
+
+Conditions are evaluated here for given parameter values (CloudFormation does it on
+deploy; neither the SAM translator nor cfn-lint does), so each optional piece is checked
+both ways: reserved concurrency, the alarm topic and its e-mail subscription, the S3
+endpoint, the migration secret, SnapStart. The alarm topic, subscription and alarms are
+then created in moto's SNS and CloudWatch from the resolved properties.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from test_template import REQUIRED_PARAMETERS, load_template, resources_of_type, translate
+
+import handler
+
+FUNCTIONS = ("ApiFunction", "MigrationFunction", "ReportFunction")
+NO_VALUE = object()
+
+
+def resolve(template: dict, overrides: dict | None = None) -> dict:
+    """The translated template's resources with parameters and conditions applied the
+    way CloudFormation applies them (Ref to a parameter, Fn::If, Fn::Equals, Fn::Not,
+    Fn::And, Fn::Or, Fn::Join; resources whose Condition is false are dropped)."""
+    params = {}
+    for name, spec in template["Parameters"].items():
+        raw = {**REQUIRED_PARAMETERS, **(overrides or {})}.get(name, spec.get("Default"))
+        if spec["Type"] in ("CommaDelimitedList", "List<AWS::EC2::Subnet::Id>") or spec[
+            "Type"
+        ].startswith("List<"):
+            raw = [] if raw in (None, "") else str(raw).split(",")
+        params[name] = raw
+    conditions: dict[str, bool] = {}
+
+    def condition(name: str) -> bool:
+        if name not in conditions:
+            conditions[name] = bool(value(template["Conditions"][name]))
+        return conditions[name]
+
+    def value(node):
+        if isinstance(node, dict) and len(node) == 1:
+            ((key, arg),) = node.items()
+            if key == "Ref":
+                if arg == "AWS::NoValue":
+                    return NO_VALUE
+                return params.get(arg, node)
+            if key == "Fn::If":
+                name, yes, no = arg
+                return value(yes if condition(name) else no)
+            if key == "Fn::Equals":
+                return value(arg[0]) == value(arg[1])
+            if key == "Fn::Not":
+                return not value(arg[0])
+            if key == "Fn::And":
+                return all(value(a) for a in arg)
+            if key == "Fn::Or":
+                return any(value(a) for a in arg)
+            if key == "Condition":
+                return condition(arg)
+            if key == "Fn::Join":
+                items = value(arg[1])
+                return arg[0].join(items if items != [] else [""])
+        if isinstance(node, dict):
+            out = {k: value(v) for k, v in node.items()}
+            return {k: v for k, v in out.items() if v is not NO_VALUE}
+        if isinstance(node, list):
+            return [v for v in (value(x) for x in node) if v is not NO_VALUE]
+        return node
+
+    resources = {
+        name: value(resource)
+        for name, resource in template["Resources"].items()
+        if "Condition" not in resource or condition(resource["Condition"])
+    }
+    return {"Resources": resources, "Outputs": value(template.get("Outputs", {}))}
+
+
+@pytest.fixture(scope="module")
+def transformed() -> dict:
+    return translate(parameters=REQUIRED_PARAMETERS)
+
+
+@pytest.fixture(scope="module")
+def source() -> dict:
+    return load_template()
+
+
+def deployed(transformed: dict, **overrides: str) -> dict:
+    return resolve(transformed, overrides)["Resources"]
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def test_reserved_concurrency_is_optional(transformed):
+    unreserved = deployed(transformed)["ApiFunction"]["Properties"]
+    assert "ReservedConcurrentExecutions" not in unreserved
+    reserved = deployed(transformed, ApiReservedConcurrency="8")["ApiFunction"]["Properties"]
+    assert reserved["ReservedConcurrentExecutions"] == "8"
+
+
+def test_reserved_concurrency_parameter_accepts_empty_or_a_positive_number(source):
+    pattern = source["Parameters"]["ApiReservedConcurrency"]["AllowedPattern"]
+    for good in ("", "1", "25"):
+        assert re.fullmatch(pattern, good)
+    for bad in ("0", "-1", "ten", " 5"):
+        assert not re.fullmatch(pattern, bad)
+
+
+# --------------------------------------------------------------------------- deploys
+
+
+def test_migration_invocation_is_not_retried_and_the_wait_is_bounded(transformed):
+    resources = deployed(transformed)
+    (config,) = resources_of_type(
+        {"Resources": resources}, "AWS::Lambda::EventInvokeConfig"
+    ).values()
+    props = config["Properties"]
+    # CloudFormation invokes the unqualified ARN, i.e. $LATEST.
+    assert props["FunctionName"] == {"Ref": "MigrationFunction"}
+    assert props["Qualifier"] == "$LATEST"
+    assert props["MaximumRetryAttempts"] == 0
+    queued = props["MaximumEventAgeInSeconds"]
+    assert queued == 60  # Lambda's minimum
+    custom = resources["MigrationResource"]
+    assert custom["DependsOn"] in ("MigrationInvokeConfig", ["MigrationInvokeConfig"])
+    assert custom["Properties"]["ServiceToken"] == {"Fn::GetAtt": ["MigrationFunction", "Arn"]}
+    timeout = resources["MigrationFunction"]["Properties"]["Timeout"]
+    service_timeout = int(custom["Properties"]["ServiceTimeout"])
+    # Long enough for the longest wait in the queue plus the function's whole run; no
+    # more than 60 s beyond it.
+    assert timeout + queued < service_timeout <= timeout + queued + 60
+    # The handler answers before its own timeout, with the reply margin kept back.
+    assert handler.CFN_REPLY_MARGIN_SECONDS < timeout
+
+
+def test_s3_gateway_endpoint_is_optional(transformed):
+    without = deployed(transformed)
+    assert not resources_of_type({"Resources": without}, "AWS::EC2::VPCEndpoint")
+    assert without["MigrationResource"]["Properties"]["ReplyEndpoint"] == "none"
+    with_endpoint = deployed(
+        transformed,
+        S3EndpointRouteTableIds="rtb-0a1,rtb-0b2",
+        S3EndpointVpcId="vpc-0123abcd",
+    )
+    (endpoint,) = resources_of_type({"Resources": with_endpoint}, "AWS::EC2::VPCEndpoint").values()
+    props = endpoint["Properties"]
+    assert props["VpcEndpointType"] == "Gateway"
+    assert props["ServiceName"] == {"Fn::Sub": "com.amazonaws.${AWS::Region}.s3"}
+    assert props["RouteTableIds"] == ["rtb-0a1", "rtb-0b2"]
+    assert props["VpcId"] == "vpc-0123abcd"
+    # The custom resource waits for the endpoint before it is first invoked.
+    assert with_endpoint["MigrationResource"]["Properties"]["ReplyEndpoint"] == {
+        "Ref": "ReplyS3Endpoint"
+    }
+
+
+def test_s3_endpoint_rule_asks_for_the_vpc(source):
+    rule = source["Rules"]["S3EndpointNeedsTheVpc"]
+    assert rule["RuleCondition"] == {
+        "Fn::Not": [{"Fn::EachMemberEquals": [{"Ref": "S3EndpointRouteTableIds"}, ""]}]
+    }
+    (assertion,) = rule["Assertions"]
+    assert assertion["Assert"] == {"Fn::Not": [{"Fn::Equals": [{"Ref": "S3EndpointVpcId"}, ""]}]}
+
+
+# --------------------------------------------------------------------------- least privilege
+
+
+def test_migration_secret_goes_to_the_migration_function_only(transformed):
+    resources = deployed(
+        transformed,
+        DbMigrationSecretArn="arn:aws:secretsmanager:us-east-1:123456789012:secret:owner-AbCdEf",
+    )
+    owner = "arn:aws:secretsmanager:us-east-1:123456789012:secret:owner-AbCdEf"
+    for name in FUNCTIONS:
+        env = resources[name]["Properties"]["Environment"]["Variables"]
+        policies = json.dumps(resources[f"{name}Role"]["Properties"])
+        if name == "MigrationFunction":
+            assert env["DB_MIGRATION_SECRET_ID"] == owner
+            assert owner in policies
+        else:
+            assert "DB_MIGRATION_SECRET_ID" not in env
+            assert owner not in policies
+    default = deployed(transformed)
+    env = default["MigrationFunction"]["Properties"]["Environment"]["Variables"]
+    assert env["DB_MIGRATION_SECRET_ID"] == ""  # empty means unset: DB_SECRET_ID's user
+    assert handler.load_settings({"DB_MIGRATION_SECRET_ID": ""}).db_migration_secret_id is None
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def test_functions_log_json_to_log_groups_with_retention(transformed):
+    resources = deployed(transformed, LogRetentionDays="14")
+    for name in FUNCTIONS:
+        logging = resources[name]["Properties"]["LoggingConfig"]
+        assert logging["LogFormat"] == "JSON"
+        group = resources[logging["LogGroup"]["Ref"]]
+        assert group["Type"] == "AWS::Logs::LogGroup"
+        assert group["Properties"]["RetentionInDays"] == "14"
+        assert group["DeletionPolicy"] == "Retain"
+
+
+def test_http_api_access_logs(transformed):
+    resources = deployed(transformed)
+    (stage,) = resources_of_type({"Resources": resources}, "AWS::ApiGatewayV2::Stage").values()
+    settings = stage["Properties"]["AccessLogSettings"]
+    group = settings["DestinationArn"]["Fn::GetAtt"][0]
+    assert resources[group]["Type"] == "AWS::Logs::LogGroup"
+    assert resources[group]["Properties"]["RetentionInDays"] == 30
+    # One JSON object per request once API Gateway fills in the $context variables.
+    record = json.loads(re.sub(r"\$context\.[A-Za-z.]+", "x", settings["Format"]))
+    assert {"requestId", "status", "lambdaRequestId", "integrationError"} <= set(record)
+
+
+# --------------------------------------------------------------------------- alarms
+
+
+def alarm_actions(resources: dict) -> dict[str, tuple]:
+    return {
+        name: (tuple(r["Properties"]["AlarmActions"]), tuple(r["Properties"]["OKActions"]))
+        for name, r in resources.items()
+        if r["Type"] == "AWS::CloudWatch::Alarm"
+    }
+
+
+def test_alarms_notify_a_topic_of_the_stack_by_default(transformed):
+    resources = deployed(transformed)
+    assert resources["AlarmTopic"]["Type"] == "AWS::SNS::Topic"
+    assert "AlarmEmailSubscription" not in resources
+    actions = alarm_actions(resources)
+    assert len(actions) == 10  # 3 functions x 2, the API's 5xx, ping, backlog, migration
+    for name, (on_alarm, on_ok) in actions.items():
+        assert on_alarm == on_ok == ({"Ref": "AlarmTopic"},), name
+
+
+def test_an_existing_topic_and_an_email(transformed):
+    topic = "arn:aws:sns:us-east-1:123456789012:ops"
+    resources = deployed(transformed, AlarmTopicArn=topic, AlarmEmail="ops@example.org")
+    assert "AlarmTopic" not in resources
+    for on_alarm, on_ok in alarm_actions(resources).values():
+        assert on_alarm == on_ok == (topic,)
+    subscription = resources["AlarmEmailSubscription"]["Properties"]
+    assert subscription == {"Protocol": "email", "Endpoint": "ops@example.org", "TopicArn": topic}
+
+
+def test_every_function_has_error_and_throttle_alarms_and_the_api_5xx(transformed):
+    resources = deployed(transformed)
+    watched = set()
+    for resource in resources.values():
+        if resource["Type"] != "AWS::CloudWatch::Alarm":
+            continue
+        props = resource["Properties"]
+        if props["Namespace"] == "AWS/Lambda":
+            (dimension,) = props["Dimensions"]
+            assert dimension["Name"] == "FunctionName"
+            watched.add((dimension["Value"]["Ref"], props["MetricName"]))
+            assert props["Threshold"] == 0
+            assert props["TreatMissingData"] == "notBreaching"
+        if props["Namespace"] == "AWS/ApiGateway":
+            assert props["MetricName"] == "5xx"
+            assert props["Dimensions"] == [{"Name": "ApiId", "Value": {"Ref": "HttpApi"}}]
+            assert props["Statistic"] == "Sum"
+    assert watched == {(f, m) for f in FUNCTIONS for m in ("Errors", "Throttles")}
+
+
+def evaluate(datapoints: list[float | None], props: dict) -> str:
+    """CloudWatch's M-of-N evaluation of the last EvaluationPeriods periods, with
+    missing data treated as the alarm says."""
+    window = datapoints[-int(props["EvaluationPeriods"]) :]
+    needed = int(props.get("DatapointsToAlarm", props["EvaluationPeriods"]))
+    threshold = float(props["Threshold"])
+    breaching = 0
+    for point in window:
+        if point is None:
+            breaching += props["TreatMissingData"] == "breaching"
+        else:
+            breaching += point > threshold
+    return "ALARM" if breaching >= needed else "OK"
+
+
+def test_analyser_offline_alarm_ignores_one_late_report(transformed):
+    props = deployed(transformed)["NoAnalyserPingAlarm"]["Properties"]
+    assert props["MetricName"] == "MinutesSinceLastPing"
+    assert int(props["Period"]) == 3600
+    online = 5.0
+    assert evaluate([online, online, None], props) == "OK"  # one report late or lost
+    assert evaluate([online, None, online], props) == "OK"
+    assert evaluate([online, None, None], props) == "ALARM"  # the report stopped
+    assert evaluate([online, 90.0, 150.0], props) == "ALARM"  # analysers offline
+    assert evaluate([online, 30.0, 90.0], props) == "OK"  # one hour without a ping
+
+
+def test_failed_migration_alarm_counts_the_handlers_log_record(transformed, monkeypatch, capsys):
+    resources = deployed(transformed)
+    metric_filter = resources["MigrationFailedMetricFilter"]["Properties"]
+    assert metric_filter["LogGroupName"] == {"Ref": "MigrationLogGroup"}
+    (transformation,) = metric_filter["MetricTransformations"]
+    alarm = resources["MigrationFailedAlarm"]["Properties"]
+    assert (alarm["Namespace"], alarm["MetricName"]) == (
+        transformation["MetricNamespace"],
+        transformation["MetricName"],
+    )
+    assert alarm["Threshold"] == 0 and alarm["Statistic"] == "Sum"
+    # The filter `{ $.message = "..." }` selects the record a failed migration logs.
+    field, expected = re.fullmatch(
+        r'\{ \$\.(\w+) = "([^"]+)" \}', metric_filter["FilterPattern"]
+    ).groups()
+    monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:9/unreachable")
+    handler.settings.cache_clear()
+    handler.reset_database()
+    from test_lambda import LambdaContext, load_event
+
+    failed = handler.migrate(load_event("cfn-create.json") | {"ResponseURL": ""}, LambdaContext())
+    assert failed["Status"] == "FAILED"
+    passed = handler.migrate(load_event("cfn-delete.json") | {"ResponseURL": ""}, LambdaContext())
+    assert passed["Status"] == "SUCCESS"
+    handler.settings.cache_clear()
+    records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+    matching = [r for r in records if r.get(field) == expected]
+    assert len(matching) == 1
+    assert matching[0]["level"] == "ERROR"
+
+
+def test_alarm_resources_are_accepted_by_sns_and_cloudwatch(transformed, monkeypatch):
+    """The resolved topic, subscription and alarms, created through the AWS APIs (moto):
+    each alarm's properties are valid PutMetricAlarm input and notify the topic."""
+    from moto import mock_aws
+
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    resources = deployed(transformed, AlarmEmail="ops@example.org")
+    with mock_aws():
+        import boto3
+
+        sns = boto3.client("sns", region_name="us-east-1")
+        cloudwatch = boto3.client("cloudwatch", region_name="us-east-1")
+        topic = sns.create_topic(Name="AlarmTopic")["TopicArn"]
+        names = {"AlarmTopic": topic, "HttpApi": "a1b2c3", **{f: f"fn-{f}" for f in FUNCTIONS}}
+
+        def physical(node):
+            if isinstance(node, dict) and set(node) == {"Ref"}:
+                return names[node["Ref"]]
+            if isinstance(node, dict):
+                return {k: physical(v) for k, v in node.items()}
+            if isinstance(node, list):
+                return [physical(v) for v in node]
+            return node
+
+        subscription = physical(resources["AlarmEmailSubscription"]["Properties"])
+        sns.subscribe(
+            TopicArn=subscription["TopicArn"],
+            Protocol=subscription["Protocol"],
+            Endpoint=subscription["Endpoint"],
+        )
+        alarms = {n: r for n, r in resources.items() if r["Type"] == "AWS::CloudWatch::Alarm"}
+        for name, alarm in alarms.items():
+            props = physical(alarm["Properties"])
+            for key in ("Period", "EvaluationPeriods", "DatapointsToAlarm"):
+                if key in props:
+                    props[key] = int(props[key])
+            props["Threshold"] = float(props["Threshold"])
+            cloudwatch.put_metric_alarm(AlarmName=name, **props)
+        described = cloudwatch.describe_alarms()["MetricAlarms"]
+        assert {a["AlarmName"] for a in described} == set(alarms)
+        assert all(a["AlarmActions"] == [topic] == a["OKActions"] for a in described)
+        (subscribed,) = sns.list_subscriptions_by_topic(TopicArn=topic)["Subscriptions"]
+        assert (subscribed["Protocol"], subscribed["Endpoint"]) == ("email", "ops@example.org")
+
+
+# --------------------------------------------------------------------------- cold start
+
+
+def test_snapstart_is_an_optional_parameter_on_a_published_version(source, transformed):
+    param = source["Parameters"]["ApiSnapStart"]
+    assert param["AllowedValues"] == ["None", "PublishedVersions"]
+    assert param["Default"] == "None"
+    for value in ("None", "PublishedVersions"):
+        props = deployed(transformed, ApiSnapStart=value)["ApiFunction"]["Properties"]
+        assert props["SnapStart"] == {"ApplyOn": value}
+    resources = deployed(transformed)
+    alias = resources["ApiFunctionAliaslive"]
+    assert alias["Type"] == "AWS::Lambda::Alias"
+    version = alias["Properties"]["FunctionVersion"]["Fn::GetAtt"][0]
+    assert resources[version]["Type"] == "AWS::Lambda::Version"
+    permissions = resources_of_type({"Resources": resources}, "AWS::Lambda::Permission")
+    api_permissions = [p for n, p in permissions.items() if n.startswith("ApiFunction")]
+    assert api_permissions
+    assert all(
+        p["Properties"]["FunctionName"] == {"Ref": "ApiFunctionAliaslive"} for p in api_permissions
+    )
+
+
+# --------------------------------------------------------------------------- README
+
+
+def test_readme_points_nowhere_outside_the_repository():
+    readme = (handler.HERE / "README.md").read_text()
+    assert "../" not in readme
+    for path in set(re.findall(r"`((?:tests|bench)/[\w./-]+\.py)`", readme)):
+        assert (handler.HERE / path).is_file(), path
