@@ -1052,8 +1052,10 @@ MAX_NUMBER_TEXT = 64
 
 
 def stored_number_text(number: float) -> str:
-    """How PostgreSQL's jsonb writes out a JSON number sent as json.dumps writes it."""
-    return format(Decimal(json.dumps(number)), "f")
+    """How PostgreSQL's jsonb writes out a JSON number sent as json.dumps writes it
+    (numeric has no negative zero)."""
+    written = Decimal(json.dumps(number))
+    return format(written.copy_abs() if written.is_zero() else written, "f")
 
 
 def _text_problem(text: str, where: str) -> str | None:
@@ -1353,36 +1355,37 @@ def promote_due_apps(
 
         return db.transaction(work)
 
-    batches_run = 0
+    full_batches = 0
 
     def out_of_time() -> bool:
-        # Checked before each batch, so a call lasts at most its budget and one batch; the
-        # first batch of a call always runs, so every call makes progress.
-        return batches_run > 0 and deadline is not None and time.monotonic() >= deadline
+        # Checked before each batch, so a call lasts at most its budget and one full
+        # batch. Until a full batch has run, every step gets its batch: each call makes
+        # progress, and a step with nothing to do (a short batch) costs next to nothing.
+        return full_batches > 0 and deadline is not None and time.monotonic() >= deadline
 
     def flag(sql: str) -> tuple[int, bool]:
-        nonlocal batches_run
+        nonlocal full_batches
         total = 0
         while not out_of_time():
             (count,) = batch(sql)
-            batches_run += 1
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
+            full_batches += 1
         return total, False
 
     def clear() -> tuple[int, bool]:
-        nonlocal batches_run
+        nonlocal full_batches
         total = 0
         while not out_of_time():
             examined, last, cleared = batch(
                 CLEAR_STALE_DUE_FLAGS, after=_clear_cursors.get(policy, "")
             )
-            batches_run += 1
             total += cleared
             if examined < PROMOTION_BATCH:
                 _clear_cursors.pop(policy, None)
                 return total, True
+            full_batches += 1
             _clear_cursors[policy] = last
         return total, False
 
