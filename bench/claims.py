@@ -686,7 +686,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         clear = _explain_plain(
             bench,
             handler.CLEAR_STALE_DUE_FLAGS,
-            {**bump_policy.sql_params(), "batch": handler.PROMOTION_BATCH},
+            {**bump_policy.sql_params(), "batch": handler.PROMOTION_BATCH, "after": ""},
         )
         say(
             "   CLEAR_STALE_DUE_FLAGS (once per policy change, in its first claim): "
