@@ -35,9 +35,9 @@ def checkout():
         yield base
     finally:
         pid = postmaster_pid(base)
-        if pid is not None and psutil.pid_exists(pid):
+        if pid is not None and alive(pid):
             os.kill(pid, signal.SIGINT)  # a fast shutdown of a server a test left behind
-            psutil.Process(pid).wait(60)
+            stopped(pid)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -101,15 +101,23 @@ def start_serve(checkout: Path) -> tuple[subprocess.Popen, str]:
         time.sleep(0.3)
 
 
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie has ended: its parent, here often the container's
+    init, has just not collected it yet)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def stopped(pid: int) -> bool:
     """Whether the process ends within 60 s (a PostgreSQL stops in well under one)."""
-    try:
-        psutil.Process(pid).wait(60)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired:
-        return False
-    return not psutil.pid_exists(pid)
+    deadline = time.monotonic() + 60
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @pytest.mark.parametrize(
@@ -131,7 +139,7 @@ def test_serve_shares_its_embedded_postgres_and_stops_it_on_a_signal(
         status = command(checkout, "queue-status")
         assert status.returncode == 0, status.stderr
         assert "com.example.serve" in status.stdout
-        assert postmaster_pid(checkout) == postgres and psutil.pid_exists(postgres)
+        assert postmaster_pid(checkout) == postgres and alive(postgres)
         assert users(checkout) == [server.pid]
         claimed = httpx.get(f"{base}/queue?appId=com.example.serve", headers=analyser)
         assert (claimed.status_code, claimed.text) == (200, "com.example.serve")
@@ -158,7 +166,7 @@ def test_a_postgres_left_by_a_killed_serve_is_reused_then_stopped(checkout):
     finally:
         server.kill()  # a crash: no handler runs
         server.communicate(timeout=60)
-    assert psutil.pid_exists(postgres)  # left behind, still using the data directory
+    assert alive(postgres)  # left behind, still using the data directory
     assert users(checkout) == [server.pid]
     report = command(checkout, "priority-report")
     assert report.returncode == 0, report.stderr
