@@ -1368,8 +1368,10 @@ def promote_due_apps(
     batches_run = 0
 
     def out_of_time() -> bool:
-        # Checked before each batch, so a call lasts at most its budget and one batch; the
-        # first batch of a call always runs, so every call makes progress.
+        # Checked before each batch, so a call lasts at most its budget and one batch that
+        # did work; until one has, batches run, so every call makes progress. (Counting a
+        # batch that found nothing, the expired leases' usual answer, let it use up the
+        # guarantee: with a budget that fits one batch, stale rows were never flagged.)
         return batches_run > 0 and deadline is not None and time.monotonic() >= deadline
 
     def flag(sql: str) -> tuple[int, bool]:
@@ -1377,7 +1379,7 @@ def promote_due_apps(
         total = 0
         while not out_of_time():
             (count,) = batch(sql)
-            batches_run += 1
+            batches_run += 1 if count else 0
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
