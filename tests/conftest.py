@@ -163,3 +163,24 @@ def client(database_url):
 
 ANALYSER = {"Authorization": f"Bearer {UPLOAD_PASSWORD}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    """moto's fake AWS (no network) with fake credentials, and Powertools' parameter cache
+    emptied before and after (a secret read in one test must not answer the next)."""
+    from aws_lambda_powertools.utilities import parameters
+    from moto import mock_aws
+
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "testing")
+    parameters.clear_caches()
+    with mock_aws():
+        import boto3
+
+        yield boto3.session.Session(region_name="us-east-1")
+    parameters.clear_caches()

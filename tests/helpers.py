@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import handler
@@ -184,3 +186,19 @@ def gateway_event(
         "body": body,
         "isBase64Encoded": base64_body,
     }
+
+
+# --- the CLI ---------------------------------------------------------------------------
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python handler.py ARGS` in its own process with env, as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, str(handler.HERE / "handler.py"), *args],
+        env=env,
+        cwd=handler.HERE,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

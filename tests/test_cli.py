@@ -5,25 +5,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import handler
-from helpers import app_row, days_ago, history, insert_app, minutes_ago
+from helpers import app_row, days_ago, history, insert_app, minutes_ago, run_cli
 
 
 def cli(database_url: str, *args: str, unset=()) -> subprocess.CompletedProcess:
     env = {**os.environ, "DATABASE_URL": database_url}
     for name in unset:
         env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, str(handler.HERE / "handler.py"), *args],
-        env=env,
-        cwd=handler.HERE,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_cli(*args, env=env)
 
 
 def test_refetch_one_app_for_exact_app_mode(database_url, sql):

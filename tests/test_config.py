@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from test_lambda import LambdaContext, ResponseURL, cfn_event, load_event, output_records
 
 import handler
 from conftest import configure_service
+from helpers import run_cli
 from live import free_port
 
 # (variable, bad value, what the message must say)
@@ -32,18 +31,6 @@ MISCONFIGURATIONS = [
     ("ADMIN_TOKEN_SECRET", "ssm:", "ADMIN_TOKEN_SECRET must be"),
 ]
 IDS = [name for name, _, _ in MISCONFIGURATIONS]
-
-
-def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(handler.HERE / "handler.py"), *args],
-        env=env,
-        cwd=handler.HERE,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(("name", "value", "message"), MISCONFIGURATIONS, ids=IDS)

@@ -32,23 +32,8 @@ README = handler.HERE / "README.md"
 
 
 @pytest.fixture
-def aws(monkeypatch):
-    from moto import mock_aws
-
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CONFIG_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_SESSION_TOKEN", "testing")
-    from aws_lambda_powertools.utilities import parameters
-
-    parameters.clear_caches()
-    with mock_aws():
-        import boto3
-
-        yield boto3.session.Session(region_name="us-east-1").client("secretsmanager")
-    parameters.clear_caches()
+def secrets_manager(aws):
+    return aws.client("secretsmanager")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +82,7 @@ def api_call(event_name: str, headers: dict[str, str] | None = None) -> dict:
 
 
 @pytest.fixture
-def rotating(password_server, aws, monkeypatch):
+def rotating(password_server, secrets_manager, monkeypatch):
     """A migrated database on the password server, a role `queue_app_*` with the README's
     grants, its secret in moto, and the service configured as on AWS (DB_*)."""
     name = f"rot_{uuid.uuid4().hex[:10]}"
@@ -113,7 +98,7 @@ def rotating(password_server, aws, monkeypatch):
     owner = owner_db.session
     with owner() as connection:
         grant_role(connection, role, "pw-initial-0", name)
-    aws.create_secret(
+    secrets_manager.create_secret(
         Name="queue/db", SecretString=json.dumps({"username": role, "password": "pw-initial-0"})
     )
     for variable in ("DATABASE_URL", "UPLOAD_PASSWORD", "ADMIN_TOKEN"):
@@ -141,7 +126,7 @@ def rotating(password_server, aws, monkeypatch):
                 f"ALTER ROLE {pg8000.native.identifier(role)} PASSWORD "
                 + pg8000.native.literal(password)
             )
-            aws.put_secret_value(
+            secrets_manager.put_secret_value(
                 SecretId="queue/db",
                 SecretString=json.dumps({"username": role, "password": password}),
             )
@@ -226,9 +211,9 @@ def test_without_the_reread_a_rotation_fails_new_connections(rotating):
     assert api_call("healthz.json")["statusCode"] == 200  # the service re-reads
 
 
-def test_a_wrong_password_still_fails_after_one_reread(rotating, aws, capsys):
+def test_a_wrong_password_still_fails_after_one_reread(rotating, secrets_manager, capsys):
     rotating["rotate"]("pw-rotated-y")
-    aws.put_secret_value(
+    secrets_manager.put_secret_value(
         SecretId="queue/db",
         SecretString=json.dumps({"username": rotating["role"], "password": "pw-wrong-31"}),
     )

@@ -1138,23 +1138,6 @@ ADMIN_SECRET = "ssm-admin-5b60e4d21a9f"
 
 
 @pytest.fixture
-def aws(monkeypatch):
-    """moto's fake AWS (no network) with fake credentials."""
-    from moto import mock_aws
-
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_CONFIG_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_SESSION_TOKEN", "testing")
-    with mock_aws():
-        import boto3
-
-        yield boto3.session.Session(region_name="us-east-1")
-
-
-@pytest.fixture
 def secret_api(aws, database_url, monkeypatch):
     """The API with UPLOAD_PASSWORD in Secrets Manager and ADMIN_TOKEN in SSM."""
     aws.client("secretsmanager").create_secret(Name="queue/upload", SecretString=UPLOAD_SECRET)
