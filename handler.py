@@ -2871,8 +2871,10 @@ def _local_database(apply: bool) -> None:
 
 def _local_defaults() -> None:
     """For `serve` and `invoke api|report` on a developer's machine: an embedded PostgreSQL
-    when no database is configured, the events' local tokens when none are, and the ledger."""
-    _local_database(apply=False)
+    (migrated) when no database is configured, and the events' local tokens when none are.
+    A configured database is migrated by `migrate` only: pointing `serve` at production
+    must not change its schema."""
+    _local_database(apply=True)
     config = settings()
     for name, configured, local_value in (
         (
@@ -2887,8 +2889,6 @@ def _local_defaults() -> None:
             print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
     settings.cache_clear()
     reset_database()
-    applied = apply_ledger()
-    print(f"migrations applied: {', '.join(applied) or 'none pending'}", file=sys.stderr)
 
 
 def _cli_serve(args: argparse.Namespace) -> int:
@@ -3023,6 +3023,10 @@ def _exit_on_signal(number: int, frame: Any) -> None:
     raise SystemExit(128 + number)
 
 
+# An undefined table, column or function: the database is older than this code.
+UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="handler.py", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -3065,6 +3069,15 @@ def main(argv: list[str] | None = None) -> int:
     except (MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except pg8000.native.DatabaseError as error:
+        if sqlstate(error) in UNMIGRATED_SQLSTATES:
+            print(
+                f"error: the database is not at the head of the ledger ({_error_text(error)});"
+                " run `python handler.py migrate` first",
+                file=sys.stderr,
+            )
+            return 1
+        raise
 
 
 if __name__ == "__main__":

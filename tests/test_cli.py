@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import handler
+from conftest import connect
 from helpers import app_row, days_ago, history, insert_app, minutes_ago, run_cli
 
 
@@ -214,3 +215,20 @@ def test_invoke_exits_1_on_a_server_error_from_the_api(database_url, sql, tmp_pa
     refused = cli(database_url, "invoke", "api", str(path), unset=local_tokens)
     assert json.loads(refused.stdout.splitlines()[-1])["statusCode"] == 401
     assert refused.returncode == 0, refused.stderr
+
+
+def test_a_command_on_an_unmigrated_database_says_to_migrate(empty_database):
+    for args in (("queue-status",), ("priority-report",)):
+        out = cli(empty_database, *args)
+        assert out.returncode == 1, out.stderr
+        assert "run `python handler.py migrate` first" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_serve_and_invoke_never_migrate_a_configured_database(empty_database):
+    cli(empty_database, "invoke", "api", "events/healthz.json")
+    sql = connect(empty_database)
+    try:
+        assert sql.run("SELECT to_regclass('schema_migrations')") == [[None]]
+    finally:
+        sql.close()
