@@ -667,6 +667,11 @@ def sqlstate(error: BaseException) -> str | None:
     return None
 
 
+def _is_server_reply(error: BaseException) -> bool:
+    """A complete error reply from PostgreSQL about the statement, on a live connection."""
+    return sqlstate(error) is not None and not _is_connection_lost(error)
+
+
 def _error_text(error: BaseException) -> str:
     """A short, secret-free description: SQLSTATE and message for database errors."""
     if isinstance(error, pg8000.native.DatabaseError) and error.args:
@@ -817,11 +822,6 @@ class Session:
 
     def close(self) -> None:
         self.connection.close()
-
-
-def _is_server_reply(error: BaseException) -> bool:
-    """A complete error reply from PostgreSQL about the statement, on a live connection."""
-    return sqlstate(error) is not None and not _is_connection_lost(error)
 
 
 # The API's socket timeout is the statement timeout plus this: a dead network path (no
@@ -1972,6 +1972,9 @@ app = FastAPI(
 analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
 admin_bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken")
 CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
+# A 503 for database trouble (a lock, a timeout, a lost or read-only server) says when
+# to try again.
+RETRY_AFTER = {"Retry-After": "5"}
 
 
 def _configured_secret(plain: str | None, reference: str | None) -> str | None:
@@ -2355,7 +2358,6 @@ async def _bad_input(request: Request, error: BadInput) -> Response:
     return JSONResponse({"detail": str(error)}, status_code=400)
 
 
-RETRY_AFTER = {"Retry-After": "5"}
 # PostgreSQL errors that say "not now" (a statement or lock timeout, a conflict with
 # another session, a server short of something or shutting down, a read-only server
 # during a failover): 503, try again.
