@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -194,12 +193,6 @@ def _check_settings(config: Settings) -> None:
         scheme, _, rest = (reference or "secretsmanager:-").partition(":")
         if scheme not in ("secretsmanager", "ssm") or not rest:
             raise ConfigError(f"{name} must be secretsmanager:<id> or ssm:<name>")
-
-
-@lru_cache(maxsize=1)
-def settings() -> Settings:
-    """The process's settings, read once (tests call settings.cache_clear())."""
-    return load_settings()
 
 
 def session_runtime_dir(env: dict[str, str] | None = None) -> Path | None:
@@ -376,7 +369,7 @@ WITH flagged AS (
         LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
-SELECT count(*) FROM flagged
+SELECT count(*) AS flagged FROM flagged
 """
 PROMOTE_STALE_BATCH = f"""
 WITH flagged AS (
@@ -390,7 +383,7 @@ WITH flagged AS (
         LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
-SELECT count(*) FROM flagged
+SELECT count(*) AS flagged FROM flagged
 """
 PLAN_WITH_VALUES = "SET LOCAL plan_cache_mode = force_custom_plan"
 
@@ -424,8 +417,8 @@ WITH examined AS (
         FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM examined), (SELECT max(appid) FROM examined),
-       (SELECT count(*) FROM cleared)
+SELECT (SELECT count(*) FROM examined) AS examined, (SELECT max(appid) FROM examined) AS last,
+       (SELECT count(*) FROM cleared) AS cleared
 """
 
 # --- SQL: an app's state ---------------------------------------------------------------
@@ -434,28 +427,12 @@ SELECT (SELECT count(*) FROM examined), (SELECT max(appid) FROM examined),
 # parses a stored document, so no stored value (however deep, however large) can fail to
 # decode on the way out.
 # A document larger than a Lambda answer can carry is not even read: only its size.
-APP_COLUMNS = (
-    "appid",
-    "details",
-    "details_bytes",
-    "analysis",
-    "analysis_bytes",
-    "analysisversion",
-    "analysed",
-    "added",
-    "status",
-    "processing_started",
-    "failure_reason",
-    "failure_retryable",
-    "analysis_claim_token",
-    "popularity",
-)
-DOCUMENT = """CASE WHEN octet_length({0}::text) <= :document_limit THEN {0}::text END,
-       octet_length({0}::text)"""
+DOCUMENT = """CASE WHEN octet_length({0}::text) <= :document_limit THEN {0}::text END AS {0},
+       octet_length({0}::text) AS {0}_bytes"""
 FIND_APP = f"""
 SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
        analysisversion, analysed, added, status, processing_started, failure_reason,
-       failure_retryable, analysis_claim_token, app_popularity(details)
+       failure_retryable, analysis_claim_token, app_popularity(details) AS popularity
 FROM apps WHERE lower(appid) = lower(:appid)
 """
 FIND_APP_FOR_UPDATE = """
@@ -536,23 +513,26 @@ SET last_seen = now(), source_address = EXCLUDED.source_address,
     user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
 """
 LAST_PING = """
-SELECT max(last_seen), count(*) FILTER (WHERE last_seen > now() - interval '1 hour')
+SELECT max(last_seen) AS last_seen,
+       count(*) FILTER (WHERE last_seen > now() - interval '1 hour') AS analysers_last_hour
 FROM analyser_heartbeats
 """
 
 COUNT_BY_STATUS = """
-SELECT status, count(*), count(*) FILTER (WHERE failure_retryable) FROM apps GROUP BY status
+SELECT status, count(*) AS apps, count(*) FILTER (WHERE failure_retryable) AS retryable
+FROM apps GROUP BY status
 """
 BACKLOG_BY_REASON = f"""
-SELECT {CANDIDATE_REASON} AS reason, count(*) FROM apps WHERE {CANDIDATE} GROUP BY 1
+SELECT {CANDIDATE_REASON} AS reason, count(*) AS apps FROM apps WHERE {CANDIDATE} GROUP BY 1
 """
 THROUGHPUT = """
-SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success),
-       count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND NOT success),
-       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND success),
-       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND NOT success),
-       count(*) FILTER (WHERE success),
-       count(*) FILTER (WHERE NOT success)
+SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) AS analysed_1h,
+       count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND NOT success) AS failed_1h,
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND success) AS analysed_24h,
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND NOT success)
+           AS failed_24h,
+       count(*) FILTER (WHERE success) AS analysed_7d,
+       count(*) FILTER (WHERE NOT success) AS failed_7d
 FROM app_analyses WHERE analysed > now() - interval '7 days'
 """
 PROCESSING_APPS = """
@@ -707,7 +687,7 @@ def _ssl_context(mode: str, root_cert: str | None):
     return context
 
 
-def _fetch_secret(
+def fetch_secret(
     reference: str, max_age: int, transform: str | None = None, fresh: bool = False
 ) -> Any:
     """`secretsmanager:<id>` or `ssm:<name>`, through Powertools Parameters (cached for
@@ -766,7 +746,7 @@ def connection_arguments(
     if not config.db_secret_id:
         raise ConfigError("DB_SECRET_ID (the Secrets Manager secret of the database user) is unset")
     secret_id = (owner and config.db_migration_secret_id) or config.db_secret_id
-    credentials = _fetch_secret(
+    credentials = fetch_secret(
         f"secretsmanager:{secret_id}", config.secrets_max_age_seconds, "json", fresh=fresh
     )
     return {
@@ -805,16 +785,29 @@ class Session:
             raise
 
     def run(self, sql: str, **params: Any) -> list[list[Any]]:
+        """The rows as lists; for a single value (`((count,),) = ...`)."""
+        rows, _ = self._run(sql, params)
+        return rows
+
+    def records(self, sql: str, **params: Any) -> list[dict[str, Any]]:
+        """The rows as dicts by column name: the SQL names every column it returns."""
+        rows, columns = self._run(sql, params)
+        names = [column["name"] for column in columns or ()]
+        return [dict(zip(names, row, strict=True)) for row in rows]
+
+    def _run(self, sql: str, params: dict[str, Any]) -> tuple[list[list[Any]], list[dict]]:
         statement = self._prepared.get(sql)
         if statement is None:
             statement = self._prepared[sql] = self._guarded(lambda: self.connection.prepare(sql))
         try:
-            return self._guarded(lambda: statement.run(**params))
+            rows = self._guarded(lambda: statement.run(**params))
+            return rows, statement.columns
         except pg8000.native.DatabaseError as error:
             if sqlstate(error) != "0A000":  # a migration changed a table under the plan
                 raise
             self._prepared.pop(sql, None)
-            return self._guarded(lambda: self.connection.run(sql, **params))
+            rows = self._guarded(lambda: self.connection.run(sql, **params))
+            return rows, self.connection.columns
 
     def execute(self, sql: str) -> None:
         """A statement without parameters or plan (BEGIN, COMMIT, ROLLBACK, SET)."""
@@ -831,6 +824,21 @@ class Session:
 API_SOCKET_MARGIN_SECONDS = 2
 
 
+@dataclasses.dataclass
+class PromoterMemo:
+    """What this process's promoter (promote_due_apps) did to one database: when it last
+    caught up, per policy, and where its pass clearing flags for a new policy got to (a
+    bundle ID). It describes that database, so it lives and dies with its Database."""
+
+    clock: Callable[[], float] = time.monotonic
+    caught_up_at: dict[QueuePolicy, float] = dataclasses.field(default_factory=dict)
+    clear_cursors: dict[QueuePolicy, str] = dataclasses.field(default_factory=dict)
+
+    def forget(self) -> None:
+        self.caught_up_at.clear()
+        self.clear_cursors.clear()
+
+
 class Database:
     """A lazily opened connection shared by the process, one user at a time."""
 
@@ -845,8 +853,10 @@ class Database:
         socket_timeout: float | None = None,
         generic_plans: bool = False,
         lock_timeout_ms: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        self._arguments = arguments
+        self.arguments = arguments
+        self.promoter = PromoterMemo(clock)
         self._settings = []
         if statement_timeout_ms:
             self._settings.append(f"SET statement_timeout = {int(statement_timeout_ms)}")
@@ -868,7 +878,7 @@ class Database:
         if self._session is None:
             try:
                 try:
-                    connection = self._open(self._arguments())
+                    connection = self._open(self.arguments())
                 except pg8000.native.DatabaseError as error:
                     if sqlstate(error) != "28P01" or self.fresh_arguments is None:
                         raise
@@ -939,6 +949,10 @@ class Database:
         """One statement, autocommitted (no BEGIN/COMMIT round trips)."""
         return self._attempt(lambda session: session.run(sql, **params), in_transaction=False)
 
+    def records(self, sql: str, **params: Any) -> list[dict[str, Any]]:
+        """One statement, autocommitted; rows by column name (Session.records)."""
+        return self._attempt(lambda session: session.records(sql, **params), in_transaction=False)
+
     @contextmanager
     def session(self) -> Iterator[pg8000.native.Connection]:
         """The raw connection, for work that manages its own transactions (migrations).
@@ -955,61 +969,104 @@ class Database:
                 raise
 
 
-_database: Database | None = None
-_database_lock = threading.Lock()
-# When this process last ran the promoter (promote_due_apps), per policy: it describes
-# what this process did to its database, so it is forgotten with the connection.
-_promotions: dict[QueuePolicy, float] = {}
-# Where this process's pass clearing flags for a new policy got to (a bundle ID).
-_clear_cursors: dict[QueuePolicy, str] = {}
+class Runtime:
+    """What one process keeps between requests: its settings, the API's connection to the
+    queue database (a Database, with the promoter's memo of what this process did there),
+    and the clock the promoter paces itself by. A Lambda container builds one from the
+    environment on first use (`runtime()`); the CLI and tests build theirs and install it
+    (`use_runtime`)."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.clock = clock
+        self._database: Database | None = None
+        self._lock = threading.Lock()
+
+    def database(self) -> Database:
+        """The API's Database, created on first use."""
+        with self._lock:
+            if self._database is None:
+                self._database = self._api_database()
+            return self._database
+
+    def _api_database(self) -> Database:
+        config = self.settings
+        db = Database(
+            lambda: connection_arguments(config),
+            config.statement_timeout_ms,
+            # A socket timeout a little over the statement timeout: a dead network
+            # fails the request instead of hanging until Lambda's timeout.
+            socket_timeout=(
+                config.statement_timeout_ms / 1000 + API_SOCKET_MARGIN_SECONDS
+                if config.statement_timeout_ms
+                else None
+            ),
+            lock_timeout_ms=config.lock_timeout_ms,
+            # The API's statements are index-head reads and point lookups whose best plan
+            # does not depend on the values; left to choose, PostgreSQL keeps re-planning
+            # the claim (0.3 ms of a 0.7 ms claim).
+            generic_plans=True,
+            clock=self.clock,
+        )
+        # After a password rotation: the secret again, bypassing its cache.
+        db.fresh_arguments = lambda: connection_arguments(config, fresh=True)
+        return db
+
+    def migration_database(self) -> Database:
+        """A connection of its own for the ledger runner, as the tables' owner: no
+        statement or socket timeout, since rewriting a large table may take minutes
+        (lock_timeout still applies)."""
+        config = self.settings
+        runner = Database(lambda: connection_arguments(config, owner=True), clock=self.clock)
+        runner.fresh_arguments = lambda: connection_arguments(config, fresh=True, owner=True)
+        return runner
+
+    def close(self) -> None:
+        """Close the connection and forget it, with its promoter memo."""
+        with self._lock:
+            if self._database is not None:
+                self._database.discard()
+            self._database = None
+
+
+def runtime() -> Runtime:
+    """The process's Runtime: the one installed by use_runtime, or else one built from
+    the environment on first use (a Lambda container's; never at import)."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Runtime(load_settings())
+        return _runtime
+
+
+def use_runtime(new: Runtime | None) -> Runtime | None:
+    """Make `new` the process's Runtime, closing the one it replaces. None: build one
+    from the environment at the next use (after the environment changed)."""
+    global _runtime
+    with _runtime_lock:
+        old, _runtime = _runtime, new
+    if old is not None and old is not new:
+        old.close()
+    return new
+
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def settings() -> Settings:
+    """The process's settings (its Runtime's)."""
+    return runtime().settings
 
 
 def database() -> Database:
-    """The process's Database, created on first use (never at import)."""
-    global _database
-    with _database_lock:
-        if _database is None:
-            config = settings()
-            # A socket timeout a little over the statement timeout: a dead network
-            # fails the request instead of hanging until Lambda's timeout.
-            _database = Database(
-                lambda: connection_arguments(config),
-                config.statement_timeout_ms,
-                socket_timeout=(
-                    config.statement_timeout_ms / 1000 + API_SOCKET_MARGIN_SECONDS
-                    if config.statement_timeout_ms
-                    else None
-                ),
-                lock_timeout_ms=config.lock_timeout_ms,
-                # The API's statements are index-head reads and point lookups whose best
-                # plan does not depend on the values; left to choose, PostgreSQL keeps
-                # re-planning the claim (0.3 ms of a 0.7 ms claim).
-                generic_plans=True,
-            )
-            # After a password rotation: the secret again, bypassing its cache.
-            _database.fresh_arguments = lambda: connection_arguments(config, fresh=True)
-        return _database
+    """The process's API Database (its Runtime's)."""
+    return runtime().database()
 
 
 def migration_database() -> Database:
-    """A connection of its own for the ledger runner, as the tables' owner: no statement
-    or socket timeout, since rewriting a large table may take minutes (lock_timeout
-    still applies)."""
-    config = settings()
-    runner = Database(lambda: connection_arguments(config, owner=True))
-    runner.fresh_arguments = lambda: connection_arguments(config, fresh=True, owner=True)
-    return runner
-
-
-def reset_database() -> None:
-    """Forget the process's connection (tests, and after settings change)."""
-    global _database
-    with _database_lock:
-        if _database is not None:
-            _database.discard()
-        _database = None
-    _promotions.clear()
-    _clear_cursors.clear()
+    """A new ledger-runner Database with the process's settings."""
+    return runtime().migration_database()
 
 
 # ---------------------------------------------------------------------------------------
@@ -1347,8 +1404,9 @@ def promote_due_apps(
     out (checked before each batch) the rest waits for the next call. The first run with
     a new policy clears flags it no longer supports.
     """
-    started = time.monotonic()
-    last = _promotions.get(policy)
+    memo = db.promoter
+    started = memo.clock()
+    last = memo.caught_up_at.get(policy)
     if not force and last is not None and started - last < PROMOTE_EVERY_SECONDS:
         return Promotion()
     deadline = None if budget_seconds is None else started + budget_seconds
@@ -1358,12 +1416,12 @@ def promote_due_apps(
         "batch": PROMOTION_BATCH,
     }
 
-    def batch(sql: str, **cursor: str) -> list[Any]:
-        def work(session: Session) -> list[Any]:
+    def batch(sql: str, **cursor: str) -> dict[str, Any]:
+        def work(session: Session) -> dict[str, Any]:
             # Unlike the claim, these range scans must be planned with the real cutoffs: a
             # generic plan cannot tell "few rows are due" from "a third are" and scans apps.
             session.execute(PLAN_WITH_VALUES)
-            (row,) = session.run(sql, **params, **cursor)
+            (row,) = session.records(sql, **params, **cursor)
             return row
 
         return db.transaction(work)
@@ -1374,13 +1432,13 @@ def promote_due_apps(
         # Checked before each batch, so a call lasts at most its budget and one full
         # batch. Until a full batch has run, every step gets its batch: each call makes
         # progress, and a step with nothing to do (a short batch) costs next to nothing.
-        return full_batches > 0 and deadline is not None and time.monotonic() >= deadline
+        return full_batches > 0 and deadline is not None and memo.clock() >= deadline
 
     def flag(sql: str) -> tuple[int, bool]:
         nonlocal full_batches
         total = 0
         while not out_of_time():
-            (count,) = batch(sql)
+            count = batch(sql)["flagged"]
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
@@ -1391,15 +1449,13 @@ def promote_due_apps(
         nonlocal full_batches
         total = 0
         while not out_of_time():
-            examined, last, cleared = batch(
-                CLEAR_STALE_DUE_FLAGS, after=_clear_cursors.get(policy, "")
-            )
-            total += cleared
-            if examined < PROMOTION_BATCH:
-                _clear_cursors.pop(policy, None)
+            step = batch(CLEAR_STALE_DUE_FLAGS, after=memo.clear_cursors.get(policy, ""))
+            total += step["cleared"]
+            if step["examined"] < PROMOTION_BATCH:
+                memo.clear_cursors.pop(policy, None)
                 return total, True
             full_batches += 1
-            _clear_cursors[policy] = last
+            memo.clear_cursors[policy] = step["last"]
         return total, False
 
     done = Promotion()
@@ -1412,8 +1468,8 @@ def promote_due_apps(
     done.stale, stale_done = flag(PROMOTE_STALE_BATCH)
     done.complete = done.complete and leases_done and stale_done
     if done.complete:
-        _promotions.clear()
-        _promotions[policy] = started
+        memo.caught_up_at.clear()
+        memo.caught_up_at[policy] = started
     return done
 
 
@@ -1437,10 +1493,10 @@ def claim_next_app(
         logger.warning("promotion skipped", extra={"error": _error_text(error)})
     token = uuid.uuid4()
     if app_id is None:
-        rows = db.run(CLAIM_NEXT_APP, token=token, **policy.sql_params())
+        rows = db.records(CLAIM_NEXT_APP, token=token, **policy.sql_params())
     else:
-        rows = db.run(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
-    return (rows[0][0], str(token)) if rows else None
+        rows = db.records(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
+    return (rows[0]["appid"], str(token)) if rows else None
 
 
 def is_current_claim(given: str, current: uuid.UUID | None) -> bool:
@@ -1473,13 +1529,16 @@ def store_result(
     document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
     def work(session: Session) -> list[dict[str, Any]]:
-        rows = session.run(FIND_APP_FOR_UPDATE, appid=app_id)
+        rows = session.records(FIND_APP_FOR_UPDATE, appid=app_id)
         if not rows:
             raise UnknownApp(app_id)
-        ((appid, current_token),) = rows
-        if claim_token is not None and not is_current_claim(claim_token, current_token):
+        (found,) = rows
+        appid = found["appid"]
+        if claim_token is not None and not is_current_claim(
+            claim_token, found["analysis_claim_token"]
+        ):
             raise ClaimConflict(appid)
-        stored = session.run(
+        stored = session.records(
             STORE_RESULT,
             document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
             appid=appid,
@@ -1491,8 +1550,12 @@ def store_result(
         )
         session.run(RECORD_HISTORY, appids=[appid])
         return [
-            {"appid": appid, **_document("details", details, size), "analysed": _plain(analysed)}
-            for appid, details, size, analysed in stored
+            {
+                "appid": row["appid"],
+                **_document("details", row["details"], row["details_bytes"]),
+                "analysed": _plain(row["analysed"]),
+            }
+            for row in stored
         ]
 
     return db.transaction(work)
@@ -1511,8 +1574,8 @@ def add_app(db: Database, app_id: str, details: dict[str, Any] | None) -> tuple[
                 else json.dumps(details, ensure_ascii=False, allow_nan=False),
             )
         )
-        (row,) = session.run(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
-        return created, _app_view(dict(zip(APP_COLUMNS, row, strict=True)))
+        (row,) = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
+        return created, _app_view(row)
 
     return db.transaction(work)
 
@@ -1523,6 +1586,10 @@ def _document(field: str, text: str | None, size: int | None) -> dict[str, Any]:
     if text is None and size is not None:
         return {field: None, **omission(field, size)}
     return {field: RawJSON.of(text)}
+
+
+def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {name: _plain(value) for name, value in row.items()}
 
 
 def _app_view(row: dict[str, Any]) -> dict[str, Any]:
@@ -1562,10 +1629,10 @@ def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
 
 def app_status(db: Database, policy: QueuePolicy, app_id: str) -> dict[str, Any] | None:
     def work(session: Session) -> dict[str, Any] | None:
-        rows = session.run(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
+        rows = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
         if not rows:
             return None
-        row = dict(zip(APP_COLUMNS, rows[0], strict=True))
+        (row,) = rows
         view = _app_view(row)
         if row["status"] == "queued":
             ((ahead, unflagged_stale),) = session.run(
@@ -1606,10 +1673,10 @@ def record_ping(db: Database, analyser_id: str, source_address: str, user_agent:
 
 
 def minutes_since_last_ping(db: Database) -> float | None:
-    ((last_seen, _),) = db.run(LAST_PING)
-    if last_seen is None:
+    (ping,) = db.records(LAST_PING)
+    if ping["last_seen"] is None:
         return None
-    return (datetime.now(UTC) - last_seen).total_seconds() / 60
+    return (datetime.now(UTC) - ping["last_seen"]).total_seconds() / 60
 
 
 def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
@@ -1617,35 +1684,32 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
 
     def work(connection: Session) -> dict[str, Any]:
         params = policy.sql_params()
-        counts, failed_retryable = {}, 0
-        for state, count, retryable in connection.run(COUNT_BY_STATUS):
-            counts[state] = count
-            if state == "failed":
-                failed_retryable = retryable
-        backlog = dict(connection.run(BACKLOG_BY_REASON, **params))
-        ((a1, f1, a24, f24, a7, f7),) = connection.run(THROUGHPUT)
-        ((last_seen, analysers),) = connection.run(LAST_PING)
+        by_status = connection.records(COUNT_BY_STATUS)
+        counts = {row["status"]: row["apps"] for row in by_status}
+        failed_retryable = sum(row["retryable"] for row in by_status if row["status"] == "failed")
+        backlog = {
+            row["reason"]: row["apps"] for row in connection.records(BACKLOG_BY_REASON, **params)
+        }
+        (throughput,) = connection.records(THROUGHPUT)
+        (ping,) = connection.records(LAST_PING)
         processing = [
             {
-                "appid": appid,
-                "started": _plain(started),
-                "age_minutes": float(age or 0),
-                "expired": bool(expired),
+                "appid": row["appid"],
+                "started": _plain(row["processing_started"]),
+                "age_minutes": float(row["age_minutes"] or 0),
+                "expired": bool(row["expired"]),
             }
-            for appid, started, age, expired in connection.run(
+            for row in connection.records(
                 PROCESSING_APPS,
                 limit=50,
                 timeout_minutes=policy.processing_timeout_minutes,
             )
         ]
-        top_rows = [
-            {"appid": a, "popularity": _plain(p), "added": _plain(d), "reason": r}
-            for a, p, d, r in connection.run(TOP_BACKLOG, limit=top, **params)
-        ]
+        top_rows = [_plain_row(row) for row in connection.records(TOP_BACKLOG, limit=top, **params)]
         backlog_total = sum(backlog.values())
         minutes = None
-        if last_seen is not None:
-            minutes = round((datetime.now(UTC) - last_seen).total_seconds() / 60, 1)
+        if ping["last_seen"] is not None:
+            minutes = round((datetime.now(UTC) - ping["last_seen"]).total_seconds() / 60, 1)
         return {
             "counts": counts,
             "total": sum(counts.values()),
@@ -1653,17 +1717,12 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
             "backlog": backlog,
             "backlog_total": backlog_total,
             "expired_leases": backlog.get("lease_expired", 0),
-            "throughput": {
-                "analysed_1h": a1,
-                "failed_1h": f1,
-                "analysed_24h": a24,
-                "failed_24h": f24,
-                "analysed_7d": a7,
-                "failed_7d": f7,
-            },
-            "eta_hours": eta_hours(backlog_total, a24 + f24),
+            "throughput": throughput,
+            "eta_hours": eta_hours(
+                backlog_total, throughput["analysed_24h"] + throughput["failed_24h"]
+            ),
             "minutes_since_last_ping": minutes,
-            "analysers_last_hour": analysers,
+            "analysers_last_hour": ping["analysers_last_hour"],
             "processing": processing,
             "top_backlog": top_rows,
             "policy": dataclasses.asdict(policy),
@@ -1677,10 +1736,7 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
 
 
 def priority_report(db: Database, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
-    return [
-        {"appid": a, "popularity": _plain(p), "added": _plain(d), "reason": r}
-        for a, p, d, r in db.run(TOP_BACKLOG, limit=limit, **policy.sql_params())
-    ]
+    return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
 
 
 def queue_refetch(
@@ -1690,25 +1746,27 @@ def queue_refetch(
     include_non_retryable: bool,
     limit: int | None,
     apply: bool,
-) -> list[tuple[str, str]]:
-    """Select apps to analyse again; with apply, snapshot their current analysis into
-    history and reset them to queued (the analysis stays visible until replaced)."""
+) -> list[dict[str, str]]:
+    """Select apps to analyse again ({"appid", "status"} each, the status before); with
+    apply, snapshot their current analysis into history and reset them to queued (the
+    analysis stays visible until replaced)."""
 
-    def work(connection: Session) -> list[tuple[str, str]]:
+    def work(connection: Session) -> list[dict[str, str]]:
         if app_ids:
-            rows = connection.run(REFETCH_SELECT_BY_ID, lowered=[a.lower() for a in app_ids])
-            rows = rows[:limit] if limit is not None else rows
+            selected = connection.records(
+                REFETCH_SELECT_BY_ID, lowered=[a.lower() for a in app_ids]
+            )
+            selected = selected[:limit] if limit is not None else selected
         elif failed:
-            rows = connection.run(
+            selected = connection.records(
                 REFETCH_SELECT_FAILED,
                 include_non_retryable=include_non_retryable,
                 limit=limit,
             )
         else:
-            rows = connection.run(REFETCH_SELECT_ANALYSED, limit=limit)
-        selected = [(appid, state) for appid, state in rows]
+            selected = connection.records(REFETCH_SELECT_ANALYSED, limit=limit)
         if apply and selected:
-            appids = [appid for appid, _ in selected]
+            appids = [row["appid"] for row in selected]
             connection.run(RECORD_HISTORY, appids=appids)
             connection.run(REFETCH_APPLY, appids=appids)
         return selected
@@ -1927,8 +1985,7 @@ def apply_migrations(
             except Exception as error:
                 if not _is_connection_lost(error):
                     raise
-    _promotions.clear()
-    _clear_cursors.clear()
+    db.promoter.forget()  # what it knew of the old schema
     return applied
 
 
@@ -1982,7 +2039,7 @@ def _configured_secret(plain: str | None, reference: str | None) -> str | None:
         return plain
     if reference:
         try:
-            value = _fetch_secret(reference, settings().secrets_max_age_seconds)
+            value = fetch_secret(reference, settings().secrets_max_age_seconds)
         except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
             logger.warning(
                 "secret unavailable",
@@ -2463,7 +2520,7 @@ def _is_rollback_update(event: dict[str, Any]) -> bool:
     return new.isdigit() and old.isdigit() and int(new) < int(old)
 
 
-def _cfn_reply(event: dict[str, Any], status: str, reason: str, data: dict[str, str]) -> bytes:
+def cfn_reply(event: dict[str, Any], status: str, reason: str, data: dict[str, str]) -> bytes:
     """The reply, under CloudFormation's limit (it rejects 4 KiB and more): the reason
     (whose head names the error or the files) and the data values are cut in turns, in
     four steps at most, whatever the size of the error text."""
@@ -2670,7 +2727,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
     except BaseException as error:
         logger.exception("migration failed")
         status, reason = "FAILED", f"migration failed: {_migration_error_text(error)}"
-    body = _cfn_reply(event, status, reason, data)
+    body = cfn_reply(event, status, reason, data)
     if event.get("ResponseURL"):
         _send_cfn_reply(event["ResponseURL"], body)
     return json.loads(body)
@@ -2750,7 +2807,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         result = {
             "command": command,
             "applied": event.get("apply") is True,
-            "apps": [appid for appid, _ in selected],
+            "apps": [row["appid"] for row in selected],
         }
         logger.info("queue refetch", extra={"queue_refetch": result})
         return result
@@ -2864,8 +2921,7 @@ def _local_database(apply: bool) -> None:
         return
     os.environ["DATABASE_URL"] = start_embedded_postgres(LOCAL_DATA_DIR)
     print("embedded PostgreSQL:", os.environ["DATABASE_URL"], file=sys.stderr)
-    settings.cache_clear()
-    reset_database()
+    use_runtime(None)
     if apply:
         applied = apply_ledger()
         print(f"migrations applied: {', '.join(applied) or 'none pending'}", file=sys.stderr)
@@ -2889,8 +2945,7 @@ def _local_defaults() -> None:
         if not configured:
             os.environ[name] = local_value
             print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
-    settings.cache_clear()
-    reset_database()
+    use_runtime(None)
 
 
 def _cli_serve(args: argparse.Namespace) -> int:
@@ -3005,8 +3060,8 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         args.limit,
         args.apply,
     )
-    for appid, state in selected:
-        print(f"  {appid} ({state})")
+    for row in selected:
+        print(f"  {row['appid']} ({row['status']})")
     if args.apply:
         print(f"Queued {len(selected)} apps for refetch.")
     else:

@@ -147,8 +147,7 @@ class Bench:
         for name in ("CURRENT_ANALYSIS_VERSION", "STALE_ANALYSIS_DAYS"):
             os.environ.pop(name, None)
         os.environ.update(extra)
-        self.handler.settings.cache_clear()
-        self.handler.reset_database()
+        self.handler.use_runtime(None)
 
     @property
     def policy(self):
@@ -735,7 +734,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         bench.drop_snapshot()
         handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
         bench.sql.run("VACUUM ANALYZE apps")
-        handler.reset_database()
+        handler.use_runtime(None)
         bench.sql.close()
     return result
 

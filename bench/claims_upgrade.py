@@ -218,8 +218,7 @@ def measure_upgrade(
         ["BEGIN", "INSERT INTO apps (appid) VALUES ('com.bench.probe.insert')", "ROLLBACK"],
         stop,
     )
-    handler.settings.cache_clear()
-    handler.reset_database()
+    handler.use_runtime(None)
     files = {path.name: path.read_text() for path in sorted(sql_dir.glob("*.sql"))}
     monitor = Monitor(url, files, stop)
     threads = [reader, updater, inserter, monitor]
@@ -237,7 +236,7 @@ def measure_upgrade(
         stop.set()
         for thread in threads:
             thread.join(60)
-        handler.reset_database()
+        handler.use_runtime(None)
 
     def longest(probes: list[Probe], name: str | None = None) -> float:
         return max(

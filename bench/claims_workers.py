@@ -105,8 +105,7 @@ class ServiceClaimer:
 
     def configure(self, extra_env: dict[str, str] | None = None) -> None:
         _service_env(os.environ["DATABASE_URL"], extra_env)
-        self.handler.settings.cache_clear()
-        self.handler.reset_database()
+        self.handler.use_runtime(None)
 
     def get(self, path: str) -> dict:
         return self.handler.api(api_gateway_v2_event(path), self.context)

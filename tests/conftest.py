@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -117,7 +118,7 @@ def empty_database(server_url):
     name = f"t_{uuid.uuid4().hex[:12]}"
     url = create_database(server_url, name)
     yield url
-    handler.reset_database()
+    handler.use_runtime(None)
     drop_database(server_url, name)
 
 
@@ -128,12 +129,26 @@ def database_url(server_url, template_url, monkeypatch):
     url = create_database(server_url, name, template=TEMPLATE_DB)
     configure_service(monkeypatch, url)
     yield url
-    handler.reset_database()
-    handler.settings.cache_clear()
+    handler.use_runtime(None)
     drop_database(server_url, name)
 
 
-def configure_service(monkeypatch, url: str, **extra: str) -> None:
+class SteppingClock:
+    """The promoter's clock in tests: real time, plus whatever time_passes() added."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+def configure_service(monkeypatch, url: str, **extra: str) -> handler.Runtime:
+    """The service's environment for a test, and a new Runtime (a new process, as far as
+    the service can tell) built from it."""
     monkeypatch.setenv("DATABASE_URL", url)
     monkeypatch.setenv("UPLOAD_PASSWORD", UPLOAD_PASSWORD)
     monkeypatch.setenv("ADMIN_TOKEN", ADMIN_TOKEN)
@@ -141,8 +156,17 @@ def configure_service(monkeypatch, url: str, **extra: str) -> None:
         monkeypatch.delenv(name, raising=False)
     for name, value in extra.items():
         monkeypatch.setenv(name, value)
-    handler.settings.cache_clear()
-    handler.reset_database()
+    try:
+        settings = handler.load_settings()
+    except handler.ConfigError:
+        return handler.use_runtime(None)  # the service meets the error at its first use
+    return handler.use_runtime(handler.Runtime(settings, clock=SteppingClock()))
+
+
+def time_passes() -> None:
+    """As far as the promoter can tell, PROMOTE_EVERY_SECONDS have passed: its next call
+    runs again (in production the clock does this)."""
+    handler.runtime().clock.advance(handler.PROMOTE_EVERY_SECONDS)
 
 
 @pytest.fixture

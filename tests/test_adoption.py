@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 import handler
 import legacy
-from conftest import ANALYSER, configure_service, connect
+from conftest import ANALYSER, configure_service, connect, time_passes
 from helpers import app_row, history
 
 CHECK = "apps_processing_claim_token_check"
@@ -223,7 +223,7 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
             "UPDATE apps SET processing_started = now() - interval '3 hours'"
             " WHERE appid = 'old.failed'"
         )
-        handler._promotions.clear()
+        time_passes()
         again, second = claim(client, "old.failed")
         assert again == "old.failed" and second != first
         cycle.check("re-claim after the lease expired")
@@ -234,7 +234,7 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
         # --- refetch, then a claim without a token (the deployed analysers) ---------------
         db = handler.database()
         assert handler.queue_refetch(db, ["old.done"], False, False, None, True) == [
-            ("old.done", "analysed")
+            {"appid": "old.done", "status": "analysed"}
         ]
         assert app_row(sql, "old.done")["status"] == "queued"
         cycle.check("refetch")

@@ -583,8 +583,7 @@ def test_database_down_is_503_without_a_stack_trace(client, monkeypatch):
     import handler
 
     monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:9/nothing")
-    handler.settings.cache_clear()
-    handler.reset_database()
+    handler.use_runtime(None)
     for path in ("/queue", "/ping", "/healthz"):
         answer = client.get(path, headers=ANALYSER)
         assert answer.status_code == 503

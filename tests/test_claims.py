@@ -16,14 +16,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 import handler
-from conftest import ANALYSER, configure_service
+from conftest import ANALYSER, configure_service, time_passes
 from helpers import app_row, days_ago, insert_app, minutes_ago, oracle_order
 
 POLICY = handler.QueuePolicy()
-
-
-def time_passes():
-    handler._promotions.clear()
 
 
 def claim(client, appid=None):
@@ -371,7 +367,7 @@ def test_claims_follow_the_oracle_while_promotion_is_partial(client, sql, monkey
     left = run_claims(lowered, 6)
     assert left[0] > 0  # the claims above ran while promotion was partial
     assert left == sorted(left, reverse=True)
-    handler.reset_database()  # a new process: what was flagged stays flagged
+    handler.runtime().close()  # a new process: what was flagged stays flagged
     ((after_restart,),) = sql.run(UNFLAGGED_STALE, days=20)
     assert after_restart == left[-1]
     # Each claim runs at least one batch of 7 (more when the machine is fast): clearing

@@ -111,10 +111,9 @@ def test_lambda_api_names_a_missing_ca_bundle_in_the_log(database_url, monkeypat
         "DB_SSLROOTCERT": "/opt/certs/missing-bundle.pem",
     }.items():
         monkeypatch.setenv(variable, value)
-    handler.settings.cache_clear()
-    handler.reset_database()
+    handler.use_runtime(None)
     monkeypatch.setattr(
-        handler, "_fetch_secret", lambda *_, **__: {"username": "u", "password": "p-7f3e"}
+        handler, "fetch_secret", lambda *_, **__: {"username": "u", "password": "p-7f3e"}
     )
     answer = handler.api(load_event("healthz.json"), LambdaContext())
     assert answer["statusCode"] == 503

@@ -113,8 +113,7 @@ def rotating(password_server, secrets_manager, monkeypatch):
         "DB_SSLMODE": "disable",
     }.items():
         monkeypatch.setenv(variable, value)
-    handler.settings.cache_clear()
-    handler.reset_database()
+    handler.use_runtime(None)
 
     def rotate(password: str) -> None:
         # Both together, as one change seen from outside: the new password takes
@@ -133,7 +132,7 @@ def rotating(password_server, secrets_manager, monkeypatch):
             connection.run("COMMIT")
 
     yield {"rotate": rotate, "role": role, "owner": owner}
-    handler.reset_database()
+    handler.use_runtime(None)
     owner_db.discard()
     admin.run(f"DROP DATABASE {name} WITH (FORCE)")  # and the role's grants in it
     admin.run(f"DROP ROLE {pg8000.native.identifier(role)}")
@@ -142,14 +141,14 @@ def rotating(password_server, secrets_manager, monkeypatch):
 
 def test_password_rotation_under_load_fails_no_request(rotating, monkeypatch):
     fetches = {"fresh": 0}
-    real_fetch = handler._fetch_secret
+    real_fetch = handler.fetch_secret
 
     def counting_fetch(*args, **kwargs):
         if kwargs.get("fresh"):
             fetches["fresh"] += 1
         return real_fetch(*args, **kwargs)
 
-    monkeypatch.setattr(handler, "_fetch_secret", counting_fetch)
+    monkeypatch.setattr(handler, "fetch_secret", counting_fetch)
     assert api_call("add-app.json", ADMIN)["statusCode"] == 201
 
     clients, per_client, rotations = 4, 60, 3
@@ -240,7 +239,7 @@ def queue_role(database_url, server_url, monkeypatch):
     url = re.sub(r"//[^@/]*@", f"//{role}:pw-app-1@", database_url, count=1)
     configure_service(monkeypatch, url)
     yield {"role": role, "url": url, "owner": owner}
-    handler.reset_database()
+    handler.use_runtime(None)
     drop_role(owner, role)
     owner.close()
 
@@ -341,7 +340,7 @@ def test_migration_secret_is_used_for_migrations_only(monkeypatch):
         "secretsmanager:queue/app": {"username": "queue_app", "password": "a"},
         "secretsmanager:queue/owner": {"username": "queue_owner", "password": "o"},
     }
-    monkeypatch.setattr(handler, "_fetch_secret", lambda reference, *_, **__: secrets[reference])
+    monkeypatch.setattr(handler, "fetch_secret", lambda reference, *_, **__: secrets[reference])
     env = {
         "DB_HOST": "db.example.internal",
         "DB_SECRET_ID": "queue/app",
@@ -357,14 +356,13 @@ def test_migration_secret_is_used_for_migrations_only(monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("DATABASE_URL", raising=False)
-    handler.settings.cache_clear()
+    handler.use_runtime(None)
     try:
         runner = handler.migration_database()
-        assert runner._arguments()["user"] == "queue_owner"
+        assert runner.arguments()["user"] == "queue_owner"
         assert runner.fresh_arguments()["user"] == "queue_owner"
-        handler.reset_database()
+        handler.runtime().close()
         api_db = handler.database()
-        assert api_db._arguments()["user"] == "queue_app"
+        assert api_db.arguments()["user"] == "queue_app"
     finally:
-        handler.reset_database()
-        handler.settings.cache_clear()
+        handler.use_runtime(None)

@@ -14,7 +14,7 @@ import pytest
 
 import handler
 import legacy
-from conftest import configure_service, connect
+from conftest import configure_service, connect, time_passes
 from helpers import app_row
 
 # The previous release's statements (before the state-machine change), verbatim in shape.
@@ -140,10 +140,10 @@ def test_old_upload_on_a_new_claim_self_heals_when_the_lease_expires(client, sql
     assert client.get("/queue", headers=ANALYSER).text == "com.example.app"
     sql.run(OLD_UPDATE_ANALYSIS, appid="com.example.app", analysis='{"success": true}', version=4)
     assert app_row(sql, "com.example.app")["status"] == "processing"
-    handler._promotions.clear()
+    time_passes()
     assert client.get("/queue", headers=ANALYSER).text == ""  # lease still live
     sql.run("UPDATE apps SET processing_started = now() - interval '3 hours'")
-    handler._promotions.clear()
+    time_passes()
     assert client.get("/queue", headers=ANALYSER).text == "com.example.app"
     client.post(
         "/uploadAnalysis?appId=com.example.app&analysisVersion=4",

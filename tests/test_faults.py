@@ -163,7 +163,7 @@ def own_postgres(monkeypatch):
             configure_service(monkeypatch, url)
             yield server, url
         finally:
-            handler.reset_database()
+            handler.use_runtime(None)
             server.cleanup()
     finally:
         shutil.rmtree(base, ignore_errors=True)

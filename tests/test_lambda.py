@@ -82,7 +82,7 @@ def configure_function(monkeypatch, function: str, url: str, **extra: str) -> No
     for name in ("UPLOAD_PASSWORD", "ADMIN_TOKEN"):
         if name not in variables and name not in extra:
             monkeypatch.delenv(name, raising=False)
-    handler.settings.cache_clear()
+    handler.use_runtime(None)
 
 
 @pytest.fixture(autouse=True)
@@ -93,8 +93,7 @@ def _isolated():
     parameters.clear_caches()
     yield
     parameters.clear_caches()
-    handler.reset_database()
-    handler.settings.cache_clear()
+    handler.use_runtime(None)
 
 
 @pytest.fixture
@@ -651,7 +650,7 @@ def test_custom_resource_reply_names_many_applied_files_under_4096_bytes(
 )
 def test_cfn_reply_is_always_under_4096_bytes(reason, applied, physical_id):
     event = {**load_event("cfn-update.json"), "PhysicalResourceId": physical_id}
-    body = handler._cfn_reply(event, "FAILED", reason, {"Applied": applied})
+    body = handler.cfn_reply(event, "FAILED", reason, {"Applied": applied})
     assert len(body) < 4096
     reply = json.loads(body)
     assert reply["PhysicalResourceId"] == (physical_id or "analysis-queue-migrations")
@@ -1197,7 +1196,7 @@ def test_secrets_are_cached_for_max_age(secret_api, aws):
 
 def test_secrets_are_read_again_after_max_age(secret_api, aws, monkeypatch):
     monkeypatch.setenv("SECRETS_MAX_AGE_SECONDS", "0")
-    handler.settings.cache_clear()
+    handler.use_runtime(None)
     assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
     aws.client("secretsmanager").put_secret_value(
         SecretId="queue/upload", SecretString="rotated-upload"
@@ -1306,13 +1305,11 @@ def check_database_credentials(aws, database_url, monkeypatch, stack):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    handler.settings.cache_clear()
-    handler.reset_database()
+    handler.use_runtime(None)
     healthz = handler.api(load_event("healthz.json"), LambdaContext())
     assert (healthz["statusCode"], healthz["body"]) == (200, '{"status":"ok"}')
     monkeypatch.setenv("DB_SECRET_ID", "queue/db-other")
-    handler.settings.cache_clear()
-    handler.reset_database()
+    handler.use_runtime(None)
     denied = handler.api(load_event("healthz.json"), LambdaContext())
     assert denied["statusCode"] == 503
     assert "pw-0x5f" not in denied["body"]
@@ -1331,7 +1328,7 @@ seen = {"status": answer["statusCode"], "body": answer["body"],
 # Now the token comes from Secrets Manager (a closed loopback port: the read fails).
 os.environ.pop("UPLOAD_PASSWORD")
 os.environ["UPLOAD_PASSWORD_SECRET"] = "secretsmanager:queue/upload"
-handler.settings.cache_clear()
+handler.use_runtime(None)
 answer = handler.api(event, handler.LocalContext(60, "probe"))
 seen.update(after_status=answer["statusCode"], after_boto3="boto3" in sys.modules)
 print(json.dumps(seen))

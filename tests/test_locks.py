@@ -68,7 +68,7 @@ def test_rows_locked_elsewhere_do_not_stop_claims_of_other_apps(
     finally:
         operator.run("ROLLBACK")
         operator.close()
-    handler.reset_database()  # a new process: promotion runs again
+    handler.runtime().close()  # a new process: promotion runs again
     assert [claim(client) for _ in range(3)] == ["locked.queued", "locked.lease", "locked.stale"]
 
 
@@ -149,7 +149,7 @@ def test_healthz_fails_while_the_database_is_read_only(client, sql, database_url
     database = handler.connection_arguments(settings)["database"]
     try:
         admin.run(f"ALTER DATABASE {database} SET default_transaction_read_only = on")
-        handler.reset_database()
+        handler.runtime().close()
         answer = client.get("/healthz")
         assert answer.status_code == 503
         assert "read-only" in answer.json()["detail"]
@@ -157,7 +157,7 @@ def test_healthz_fails_while_the_database_is_read_only(client, sql, database_url
     finally:
         admin.run(f"ALTER DATABASE {database} RESET default_transaction_read_only")
         admin.close()
-    handler.reset_database()
+    handler.runtime().close()
     assert client.get("/healthz").status_code == 200
 
 
@@ -213,7 +213,7 @@ def test_an_exception_while_reading_a_reply_discards_the_connection(client, sql,
     """The decoder raises in the middle of a row; what the server sent after it (the rest
     of the reply) must not be taken by the next statement as its own answer."""
     monkeypatch.setitem(pg8000.converters.PG_TYPES, pg8000.converters.TEXT, exploding_text)
-    handler.reset_database()  # the service's next connection decodes text with it
+    handler.runtime().close()  # the service's next connection decodes text with it
     insert_app(sql, "boom.app", reviews=10)
     sql.run(
         """UPDATE apps SET details = details || '{"note": "explode"}' WHERE appid = 'boom.app'"""

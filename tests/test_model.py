@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 )
 
 import handler
-from conftest import ADMIN, ANALYSER, configure_service
+from conftest import ADMIN, ANALYSER, configure_service, time_passes
 
 ANALYSERS = ("pi-1", "pi-2", "pi-3")
 
@@ -100,7 +100,7 @@ class QueueModel(RuleBasedStateMachine):
 
     @rule(analyser=st.sampled_from(ANALYSERS))
     def claim(self, analyser):
-        handler._promotions.clear()  # the clock may have moved since the last promotion
+        time_passes()  # the clock may have moved since the last promotion
         now = self.now()
         ready = [a for a in self.apps.values() if candidate(a, self.policy, now)]
         ready.sort(key=lambda a: (-a.reviews, a.added, a.appid))
@@ -207,7 +207,7 @@ class QueueModel(RuleBasedStateMachine):
         selected = handler.queue_refetch(
             handler.database(), [appid.upper()], False, False, None, True
         )
-        assert selected == [(appid, self.apps[appid].status)]
+        assert selected == [{"appid": appid, "status": self.apps[appid].status}]
         app = self.apps[appid]
         if app.analysed is not None:
             self.history.add((appid, app.analysed))

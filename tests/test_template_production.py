@@ -311,15 +311,14 @@ def test_failed_migration_alarm_counts_the_handlers_log_record(transformed, monk
         r'\{ \$\.(\w+) = "([^"]+)" \}', metric_filter["FilterPattern"]
     ).groups()
     monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:9/unreachable")
-    handler.settings.cache_clear()
-    handler.reset_database()
+    handler.use_runtime(None)
     from test_lambda import LambdaContext, load_event
 
     failed = handler.migrate(load_event("cfn-create.json") | {"ResponseURL": ""}, LambdaContext())
     assert failed["Status"] == "FAILED"
     passed = handler.migrate(load_event("cfn-delete.json") | {"ResponseURL": ""}, LambdaContext())
     assert passed["Status"] == "SUCCESS"
-    handler.settings.cache_clear()
+    handler.use_runtime(None)
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
     matching = [r for r in records if r.get(field) == expected]
     assert len(matching) == 1
