@@ -69,7 +69,7 @@ class ConfigError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class QueuePolicy:
-    """When an app is handed out again (design note): the three knobs of the rule."""
+    """When an app is handed out again (README, "The queue"): the three knobs of the rule."""
 
     analysis_version: int = 4
     stale_days: int = 180
@@ -242,8 +242,8 @@ CUSTOM_RESOURCE_ID = "analysis-queue-migrations"
 # SQL: every statement the service runs, named. Parameters are :name (pg8000.native).
 # ---------------------------------------------------------------------------------------
 
-# The design note's candidate rule, written once. It is the oracle the claim is tested
-# against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
+# The queue's candidate rule (README, "The queue"), written once. It is the oracle the
+# claim is tested against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
 CANDIDATE = """(
     status = 'queued'
     OR (status = 'processing'
