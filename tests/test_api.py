@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD
+from conftest import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 from helpers import app_row, history, insert_app, table_digest
 
 EXAMPLE_ANALYSIS = {
@@ -632,9 +632,12 @@ def test_the_readme_walkthrough_answers_as_the_readme_shows(database_url, monkey
     import handler
     from live import LiveServer
 
-    monkeypatch.setenv("UPLOAD_PASSWORD", "local-upload-password")
-    monkeypatch.setenv("ADMIN_TOKEN", "local-admin-token")
-    handler.settings.cache_clear()
+    configure_service(
+        monkeypatch,
+        database_url,
+        UPLOAD_PASSWORD="local-upload-password",
+        ADMIN_TOKEN="local-admin-token",
+    )
     steps = readme_walkthrough()
     assert len(steps) >= 7
     assert any("X-Analysis-Claim-Token: $TOKEN" in command for command, _ in steps)
