@@ -68,7 +68,7 @@ class ConfigError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class QueuePolicy:
-    """When an app is handed out again (design note): the three knobs of the rule."""
+    """When an app is handed out again (README, "The queue"): the three knobs of the rule."""
 
     analysis_version: int = 4
     stale_days: int = 180
@@ -235,8 +235,8 @@ CUSTOM_RESOURCE_ID = "analysis-queue-migrations"
 # SQL: every statement the service runs, named. Parameters are :name (pg8000.native).
 # ---------------------------------------------------------------------------------------
 
-# The design note's candidate rule, written once. It is the oracle the claim is tested
-# against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
+# The queue's candidate rule (README, "The queue"), written once. It is the oracle the
+# claim is tested against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
 CANDIDATE = """(
     status = 'queued'
     OR (status = 'processing'
@@ -2262,11 +2262,30 @@ async def ping(request: Request) -> PlainTextResponse:
     return PlainTextResponse("online")
 
 
-def _documented(query: dict[str, bool], body: tuple[str, dict] | None = None) -> dict:
+CLAIM_ISSUED_DOC = (
+    "The claim: a random UUID, fresh with each app handed out (absent when there is no "
+    "work). Sending it back in the X-Analysis-Claim-Token header of the upload or failure "
+    "report fences the result: it is accepted only while this is the app's current claim, "
+    "and for one result."
+)
+CLAIM_RETURNED_DOC = (
+    "The X-Analysis-Claim-Token the GET /queue answer carried. When given, the result is "
+    "accepted only while it is the app's current claim: a stale token (spent on a result, "
+    "or the lease handed out again) gets 409 and nothing is written. Optional: without it "
+    "the result is accepted, as the deployed analysers send none."
+)
+
+
+def _documented(
+    query: dict[str, bool],
+    body: tuple[str, dict] | None = None,
+    claim: str | None = None,
+) -> dict:
     """OpenAPI for what a route reads itself: its query parameters (name -> required) and
-    body. The routes parse these by hand, for the contract's exact 400s; declaring them as
-    FastAPI parameters (path parameters too) would also load pydantic.v1 at cold start,
-    about 35 ms."""
+    body; and the claim token, which the route has either "issued" (a header of its 200) or
+    "returned" to it (an optional request header). The routes parse these by hand, for the
+    contract's exact 400s; declaring them as FastAPI parameters (path parameters too) would
+    also load pydantic.v1 at cold start, about 35 ms."""
     extra: dict[str, Any] = {
         "parameters": [
             {"name": name, "in": "query", "required": required, "schema": {"type": "string"}}
@@ -2276,6 +2295,29 @@ def _documented(query: dict[str, bool], body: tuple[str, dict] | None = None) ->
     if body is not None:
         media_type, schema = body
         extra["requestBody"] = {"required": True, "content": {media_type: {"schema": schema}}}
+    if claim == "issued":
+        extra["responses"] = {
+            "200": {
+                "headers": {
+                    CLAIM_TOKEN_HEADER: {
+                        "description": CLAIM_ISSUED_DOC,
+                        "schema": {"type": "string", "format": "uuid"},
+                    }
+                }
+            }
+        }
+    elif claim == "returned":
+        extra["parameters"].append(
+            {
+                "name": CLAIM_TOKEN_HEADER,
+                "in": "header",
+                "required": False,
+                "description": CLAIM_RETURNED_DOC,
+                "schema": {"type": "string"},
+            }
+        )
+    elif claim is not None:
+        raise ValueError(f"claim is 'issued', 'returned' or None, not {claim!r}")
     return extra
 
 
@@ -2286,7 +2328,7 @@ RESULT_QUERY = {"appId": True, "analysisVersion": True}
     "/queue",
     response_class=PlainTextResponse,
     dependencies=[Depends(require_analyser)],
-    openapi_extra=_documented({"appId": False}),
+    openapi_extra=_documented({"appId": False}, claim="issued"),
 )
 async def next_app(request: Request) -> PlainTextResponse:
     """The next bundle ID as the whole body, or an empty body when there is no work."""
@@ -2305,7 +2347,9 @@ async def next_app(request: Request) -> PlainTextResponse:
 @app.post(
     "/uploadAnalysis",
     dependencies=[Depends(require_analyser)],
-    openapi_extra=_documented(RESULT_QUERY, ("application/json", {"type": "object"})),
+    openapi_extra=_documented(
+        RESULT_QUERY, ("application/json", {"type": "object"}), claim="returned"
+    ),
 )
 async def upload_analysis(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)
@@ -2319,7 +2363,7 @@ async def upload_analysis(request: Request) -> JSONResponse:
 @app.post(
     "/reportAnalysisFailure",
     dependencies=[Depends(require_analyser)],
-    openapi_extra=_documented(RESULT_QUERY, ("text/plain", {"type": "string"})),
+    openapi_extra=_documented(RESULT_QUERY, ("text/plain", {"type": "string"}), claim="returned"),
 )
 async def report_analysis_failure(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)

@@ -154,8 +154,8 @@ class Bench:
         return self.handler.settings().policy
 
     def oracle(self, policy) -> tuple[str | None, int]:
-        """The first candidate in claim order by the design note's rule, evaluated
-        plainly (a scan), and how many candidates there are."""
+        """The first candidate in claim order by the queue's rule (README, "The queue"),
+        evaluated plainly (a scan), and how many candidates there are."""
         rows = self.sql.run(
             f"SELECT appid, count(*) OVER () FROM apps WHERE {self.handler.CANDIDATE}"
             f" ORDER BY {self.handler.CLAIM_ORDER} LIMIT 1",

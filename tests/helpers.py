@@ -103,8 +103,8 @@ def table_digest(sql) -> list:
 
 
 # --- the oracle ----------------------------------------------------------------------
-# The design note's candidate rule written out in Python, evaluated on the rows
-# themselves; whatever /queue hands out must be the first candidate in its order.
+# The queue's candidate rule (README, "The queue") written out in Python, evaluated on
+# the rows themselves; whatever /queue hands out must be the first candidate in its order.
 
 
 def popularity(details) -> int:

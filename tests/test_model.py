@@ -4,8 +4,9 @@ Hypothesis drives adds, claims, uploads (with and without claim tokens), failure
 late uploads from analysers whose lease was taken over, lease expiry and ageing (the
 clock moved by rewriting the timestamps), refetches and version bumps, across several
 analysers, against the real database through the ASGI app. A small pure-Python model of
-the design note's rules predicts every answer and every row. The only things the model
-reads back from the database are clock readings (the times a row was claimed or stored).
+the queue's rules (README, "The queue") predicts every answer and every row. The only
+things the model reads back from the database are clock readings (the times a row was
+claimed or stored).
 """
 
 from __future__ import annotations

@@ -42,3 +42,28 @@ def test_every_route_is_in_the_schema():
         "/healthz",
         "/healthz/analyser",
     }
+
+
+def test_the_claim_token_is_in_the_schema():
+    """GET /queue answers with the token; both result routes take it back, optionally."""
+    paths = handler.app.openapi()["paths"]
+    issued = paths["/queue"]["get"]["responses"]["200"]["headers"]["X-Analysis-Claim-Token"]
+    assert issued["schema"] == {"type": "string", "format": "uuid"}
+    assert "UUID" in issued["description"]
+    for path in ("/uploadAnalysis", "/reportAnalysisFailure"):
+        (returned,) = [
+            p for p in paths[path]["post"]["parameters"] if p["name"] == "X-Analysis-Claim-Token"
+        ]
+        assert returned["in"] == "header"
+        assert returned["required"] is False
+        assert "409" in returned["description"]
+        assert "without it" in returned["description"]
+    # The header is documented where it is used, and nowhere else.
+    elsewhere = [
+        (path, method)
+        for path, operations in paths.items()
+        for method, operation in operations.items()
+        if path not in ("/uploadAnalysis", "/reportAnalysisFailure")
+        and any(p["name"] == "X-Analysis-Claim-Token" for p in operation.get("parameters", []))
+    ]
+    assert elsewhere == []

@@ -405,3 +405,14 @@ def test_readme_points_nowhere_outside_the_repository():
     assert "../" not in readme
     for path in set(re.findall(r"`((?:tests|bench)/[\w./-]+\.py)`", readme)):
         assert (handler.HERE / path).is_file(), path
+    # The team's design note is not in the repository: the README states its rules.
+    for text in (readme, (handler.HERE / "handler.py").read_text()):
+        assert "design note" not in text.lower()
+        assert "shared/reference" not in text
+    # Links within the README land on one of its headings.
+    headings = {
+        re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        for title in re.findall(r"^#+ (.+)$", readme, flags=re.MULTILINE)
+    }
+    for anchor in re.findall(r"\]\(#([^)]+)\)", readme):
+        assert anchor in headings, anchor
