@@ -5,9 +5,28 @@ analyse the app and POST the result or a failure log. PostgreSQL keeps the queue
 app is queued, which is being processed (a lease that expires), which is analysed, which
 failed and whether retrying is worth it, and when an analysis is stale.
 
-One file, read top to bottom:
-  configuration -> SQL -> database access -> queue logic -> queue operations ->
-  migrations -> HTTP routes -> Lambda entry points -> CLI
+One file, read top to bottom. Each section opens with a one-line banner `# == <name> ==`
+(`grep -n '^# == ' handler.py` lists them) and uses only what comes before it:
+
+  Configuration              settings from the environment (only here), logs, metrics
+  SQL: the queue's rule      which apps are candidates, and in which order
+  SQL: the claim             GET /queue: the best of a few index heads
+  SQL: promotion             flagging rows due by time into the claim's index
+  SQL: an app's state        GET /apps/{appId}, with its queue position
+  SQL: results and new apps  uploads, their history, POST /apps
+  SQL: analysers' pings      GET /ping
+  SQL: reports               queue-status and priority-report
+  SQL: refetch               queue-refetch
+  SQL: the ledger            the migration runner's bookkeeping
+  SQL: health and sessions   /healthz, ending a migration's session
+  Database access            Session, Database (one connection), Runtime (per process)
+  Queue logic                pure functions: input checks, failure classes, JSON answers
+  Report formatting          the queue-status report as text
+  Queue operations           the queue logic applied to the database
+  Migrations                 the sorted SQL ledger in sql/
+  HTTP routes                the analysers' frozen contract, the website's routes
+  Lambda entry points        api, migrate, report
+  CLI                        serve, migrate, queue-status, ..., invoke
 
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
@@ -53,13 +72,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from mangum import Mangum
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# == Configuration ======================================================================
+# Every environment variable is read here, and only here.
+
 HERE = Path(__file__).resolve().parent
 SQL_DIR = HERE / "sql"
-
-
-# ---------------------------------------------------------------------------------------
-# Configuration: every environment variable is read here, and only here.
-# ---------------------------------------------------------------------------------------
 
 
 class ConfigError(Exception):
@@ -221,19 +238,10 @@ metrics = Metrics(
     namespace=os.environ.get("POWERTOOLS_METRICS_NAMESPACE") or "AnalysisQueue",
 )
 
-# Promotion (promote_due_apps, "Queue operations") runs at most this often per process
-# once it has caught up, and flags what falls due within the horizon, so the claim
-# normally finds due rows in one index. It commits every PROMOTION_BATCH rows.
-PROMOTE_EVERY_SECONDS = 15
-PROMOTION_BATCH = 2000
-PROMOTION_HORIZON_SECONDS = 60
-MIGRATIONS_LOCK_KEY = 7_311_020_260  # pg_advisory_lock key serialising ledger runners
-CUSTOM_RESOURCE_ID = "analysis-queue-migrations"
 
-
-# ---------------------------------------------------------------------------------------
-# SQL: every statement the service runs, named. Parameters are :name (pg8000.native).
-# ---------------------------------------------------------------------------------------
+# == SQL: the queue's rule ==============================================================
+# Every statement the service runs is a named constant in the SQL sections, grouped by
+# operation. Parameters are :name (pg8000.native).
 
 # The queue's candidate rule (README, "The queue"), written once. It is the oracle the
 # claim is tested against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
@@ -256,7 +264,7 @@ CANDIDATE_REASON = """CASE
 END"""
 RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryable))"
 
-# --- SQL: the claim -----------------------------------------------------------------
+# == SQL: the claim =====================================================================
 #
 # The claim hands out the best of a few index heads, each read with FOR UPDATE SKIP
 # LOCKED (concurrent claimers pass each other's rows; the locks on heads not chosen end
@@ -348,7 +356,7 @@ WHERE appid = (
 RETURNING appid
 """
 
-# --- SQL: promotion ------------------------------------------------------------------
+# == SQL: promotion =====================================================================
 #
 # Flag the non-queued rows that are (or within the horizon will be) due by time, expired
 # leases and stale analyses, so that they join apps_claim_order. Each statement flags
@@ -421,7 +429,7 @@ SELECT (SELECT count(*) FROM examined) AS examined, (SELECT max(appid) FROM exam
        (SELECT count(*) FROM cleared) AS cleared
 """
 
-# --- SQL: an app's state ---------------------------------------------------------------
+# == SQL: an app's state ================================================================
 #
 # JSON columns are read as text and spliced into responses as they are: the service never
 # parses a stored document, so no stored value (however deep, however large) can fail to
@@ -479,6 +487,8 @@ SELECT
     {UNFLAGGED_STALE_EXIST}
 """
 
+# == SQL: results and new apps ==========================================================
+
 STORE_RESULT = f"""
 UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
                 analysed = now(), status = :status, failure_reason = :failure_reason,
@@ -505,6 +515,8 @@ ON CONFLICT DO NOTHING
 RETURNING appid
 """
 
+# == SQL: analysers' pings ==============================================================
+
 RECORD_PING = """
 INSERT INTO analyser_heartbeats (analyser_id, last_seen, source_address, user_agent)
 VALUES (:analyser_id, now(), :source_address, :user_agent)
@@ -517,6 +529,8 @@ SELECT max(last_seen) AS last_seen,
        count(*) FILTER (WHERE last_seen > now() - interval '1 hour') AS analysers_last_hour
 FROM analyser_heartbeats
 """
+
+# == SQL: reports =======================================================================
 
 COUNT_BY_STATUS = """
 SELECT status, count(*) AS apps, count(*) FILTER (WHERE failure_retryable) AS retryable
@@ -550,6 +564,8 @@ ORDER BY {CLAIM_ORDER}
 LIMIT :limit
 """
 
+# == SQL: refetch =======================================================================
+
 REFETCH_SELECT_BY_ID = """
 SELECT appid, status FROM apps WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
 ORDER BY app_popularity(details) DESC, added, appid
@@ -571,6 +587,8 @@ UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = N
                 failure_retryable = NULL, analysis_claim_token = NULL, due = false
 WHERE appid = ANY(CAST(:appids AS text[]))
 """
+
+# == SQL: the ledger ====================================================================
 
 LEDGER_CREATE = """
 CREATE TABLE IF NOT EXISTS schema_migrations (
@@ -601,6 +619,9 @@ WHERE NOT i.indisvalid
 """
 LEDGER_DROP_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"  # quoted identifiers
 VACUUM_APPS = "VACUUM (ANALYZE) apps"
+
+# == SQL: health and sessions ===========================================================
+
 # Healthy means a claim could run now: the server takes writes, and the lock a claim
 # takes on apps (ROW EXCLUSIVE, which an index build's SHARE lock or a migration's ACCESS
 # EXCLUSIVE blocks) is granted within the API's lock_timeout. The probe changes nothing.
@@ -612,10 +633,9 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 
 
-# ---------------------------------------------------------------------------------------
-# Database access: one connection per process (one per Lambda container), opened on
-# first use, reopened when PostgreSQL dropped it.
-# ---------------------------------------------------------------------------------------
+# == Database access ====================================================================
+# One connection per process (one per Lambda container), opened on first use, reopened
+# when PostgreSQL dropped it; the process's Runtime holds it.
 
 
 class DatabaseUnavailable(Exception):
@@ -817,13 +837,6 @@ class Session:
         self.connection.close()
 
 
-# The API's socket timeout is the statement timeout plus this: a dead network path (no
-# reply, no reset) fails the read instead of hanging until Lambda's timeout. A request
-# that finds its connection dead tries once more on a new one, so the worst case on a
-# dead path is two socket timeouts; template.yaml's ApiFunction Timeout is above that.
-API_SOCKET_MARGIN_SECONDS = 2
-
-
 @dataclasses.dataclass
 class PromoterMemo:
     """What this process's promoter (promote_due_apps) did to one database: when it last
@@ -969,6 +982,13 @@ class Database:
                 raise
 
 
+# The API's socket timeout is the statement timeout plus this: a dead network path (no
+# reply, no reset) fails the read instead of hanging until Lambda's timeout. A request
+# that finds its connection dead tries once more on a new one, so the worst case on a
+# dead path is two socket timeouts; template.yaml's ApiFunction Timeout is above that.
+API_SOCKET_MARGIN_SECONDS = 2
+
+
 class Runtime:
     """What one process keeps between requests: its settings, the API's connection to the
     queue database (a Database, with the promoter's memo of what this process did there),
@@ -1069,16 +1089,15 @@ def migration_database() -> Database:
     return runtime().migration_database()
 
 
-# ---------------------------------------------------------------------------------------
-# Queue logic: pure functions, no I/O.
-# ---------------------------------------------------------------------------------------
+# == Queue logic ========================================================================
+# Pure functions, no I/O.
 
 BUNDLE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
 VERSION_TEXT = re.compile(r"[0-9]{1,9}")
 ANALYSER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 ANALYSIS_FAILED = "analysis_failed"
-# (reason, retryable, phrases), first match wins (analyser contract, "Failure classification").
+# (reason, retryable, phrases), first match wins (README, "Failures: retry or not").
 FAILURE_CLASSES = (
     ("app_not_found", False, ("app not found",)),
     (
@@ -1272,15 +1291,6 @@ def eta_hours(backlog: int, finished_last_24h: int) -> float | None:
     return round(backlog / (finished_last_24h / 24.0), 1)
 
 
-REASON_TEXT = {
-    "queued": "queued",
-    "lease_expired": "processing lease expired",
-    "outdated_version": "analysis version outdated",
-    "stale": "analysis older than the staleness cutoff",
-    "retry_failed": "retryable failure, outdated or stale",
-}
-
-
 def _plain(value: Any) -> Any:
     """JSON-friendly form of database values."""
     if isinstance(value, datetime):
@@ -1319,6 +1329,18 @@ def json_text(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ",".join(json_text(v) for v in value) + "]"
     return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+# == Report formatting ==================================================================
+# The queue-status report as text, for the CLI (the scheduled report logs it as data).
+
+REASON_TEXT = {
+    "queued": "queued",
+    "lease_expired": "processing lease expired",
+    "outdated_version": "analysis version outdated",
+    "stale": "analysis older than the staleness cutoff",
+    "retry_failed": "retryable failure, outdated or stale",
+}
 
 
 def format_queue_status(status: dict[str, Any]) -> str:
@@ -1370,8 +1392,8 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-# ---------------------------------------------------------------------------------------
-# Queue operations: the queue logic applied to the database.
+# == Queue operations ===================================================================
+# The queue logic applied to the database.
 #
 # How /queue stays an index read at any size (sql/010-017): filtering CANDIDATE and
 # sorting grows with the table, so the claim reads index heads instead ("SQL: the claim"
@@ -1379,7 +1401,13 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # bounded batches; until it has, the claim finds them through the heads of the unflagged
 # rows. So the result is always the first candidate of the rule, however far behind the
 # promoter is, and no request does work that grows with the table.
-# ---------------------------------------------------------------------------------------
+
+# The promoter (promote_due_apps, below) runs at most this often per process once it has
+# caught up, and flags what falls due within the horizon, so the claim normally finds due
+# rows in one index. It commits every PROMOTION_BATCH rows.
+PROMOTE_EVERY_SECONDS = 15
+PROMOTION_BATCH = 2000
+PROMOTION_HORIZON_SECONDS = 60
 
 
 @dataclasses.dataclass
@@ -1774,10 +1802,11 @@ def queue_refetch(
     return db.transaction(work)
 
 
-# ---------------------------------------------------------------------------------------
-# Migrations: the sorted SQL ledger in sql/, each file and its ledger row in one
-# transaction, serialised across runners by an advisory lock.
-# ---------------------------------------------------------------------------------------
+# == Migrations =========================================================================
+# The sorted SQL ledger in sql/: each file and its ledger row in one transaction,
+# serialised across runners by an advisory lock.
+
+MIGRATIONS_LOCK_KEY = 7_311_020_260  # pg_advisory_lock key serialising ledger runners
 
 
 # The old server's later releases (after 009) applied these files. Their effects are that
@@ -2010,9 +2039,8 @@ def apply_ledger(dry_run: bool = False) -> list[str]:
         db.discard()
 
 
-# ---------------------------------------------------------------------------------------
-# HTTP routes: the analysers' frozen contract, plus the operators' and website's routes.
-# ---------------------------------------------------------------------------------------
+# == HTTP routes ========================================================================
+# The analysers' frozen contract, plus the operators' and website's routes.
 
 # The routes are `async def` and call the database directly. A Lambda container serves one
 # request at a time, and a hop to a worker thread (which FastAPI makes for `def` routes
@@ -2511,9 +2539,8 @@ async def _unexpected(request: Request, error: Exception) -> Response:
     return JSONResponse({"detail": "internal error"}, status_code=500)
 
 
-# ---------------------------------------------------------------------------------------
-# Lambda entry points.
-# ---------------------------------------------------------------------------------------
+# == Lambda entry points ================================================================
+# api (API Gateway), migrate (CloudFormation custom resource), report (EventBridge).
 
 _mangum = Mangum(app, lifespan="off")
 
@@ -2545,6 +2572,7 @@ def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
     return _mangum(event, context)
 
 
+CUSTOM_RESOURCE_ID = "analysis-queue-migrations"
 CFN_REPLY_LIMIT = 4096
 # What migrate keeps back from Lambda's remaining time, and its worst case: ending a
 # timed-out runner (CFN_END_SESSION_SECONDS), then every reply attempt running to its
@@ -2874,10 +2902,9 @@ api = logger.inject_lambda_context(
 )
 
 
-# ---------------------------------------------------------------------------------------
-# CLI: python handler.py serve | migrate | queue-status | priority-report | queue-refetch
-# ---------------------------------------------------------------------------------------
-
+# == CLI ================================================================================
+# python handler.py serve | migrate | queue-status | priority-report | queue-refetch |
+# invoke: a developer's and an operator's commands.
 
 # With nothing configured (no DATABASE_URL, no DB_HOST), every command uses the embedded
 # PostgreSQL of this checkout, in .local/pgdata: one server per checkout, shared by the
@@ -2953,7 +2980,8 @@ def embedded_postgres_server(data_dir: Path) -> Any:
 
 
 def start_embedded_postgres(data_dir: Path) -> str:
-    """The URL (a Unix socket) of the embedded PostgreSQL in data_dir; see above."""
+    """The URL (a Unix socket) of the embedded PostgreSQL in data_dir (see
+    embedded_postgres_server)."""
     return embedded_postgres_server(data_dir).get_uri()
 
 
