@@ -144,7 +144,11 @@ class Bench:
     def configure_service(self, **extra: str) -> None:
         os.environ["DATABASE_URL"] = self.url
         os.environ["UPLOAD_PASSWORD"] = claims_workers.UPLOAD_PASSWORD
-        for name in ("CURRENT_ANALYSIS_VERSION", "STALE_ANALYSIS_DAYS"):
+        for name in (
+            "CURRENT_ANALYSIS_VERSION",
+            "STALE_ANALYSIS_DAYS",
+            "PROCESSING_TIMEOUT_MINUTES",
+        ):
             os.environ.pop(name, None)
         os.environ.update(extra)
         self.handler.use_runtime(None)
@@ -227,32 +231,35 @@ class Bench:
 
     # --- EXPLAIN -----------------------------------------------------------------------
 
-    def generic_plan(self, statement: str) -> bool:
-        """Whether the service runs this statement with a generic plan: its API connection
-        uses them (plan_cache_mode), except for the promotion, which handler plans with its
-        values (PLAN_WITH_VALUES) where it has that setting."""
-        if not self.handler.database().generic_plans:
-            return False
-        promote = statement in (
-            self.handler.PROMOTE_STALE_BATCH,
+    def promoter_statement(self, statement: str) -> bool:
+        """Whether the promoter runs this statement: in its batch's transaction, after
+        handler.PLAN_WITH_VALUES (planned with the cutoffs' values)."""
+        return statement in (
             self.handler.PROMOTE_EXPIRED_LEASES,
+            self.handler.PROMOTE_STALE_BATCH,
+            self.handler.CLEAR_STALE_DUE_FLAGS,
         )
-        return not (promote and hasattr(self.handler, "PLAN_WITH_VALUES"))
 
     def explain(
         self, statement: str, analyze: bool = True, service: bool = True, **params
     ) -> list[str]:
-        """The plan of a statement as the service runs it (a generic plan when its API
-        connection uses them; service=False: as a bare connection runs it), executed with
-        ANALYZE inside a rolled-back transaction."""
+        """The plan of a statement as the service runs it, executed with ANALYZE inside a
+        rolled-back transaction. The service prepares its statements on its API
+        connection, which plans them generically (handler.Runtime sets plan_cache_mode;
+        tests/test_plans.py checks it), except the promoter's, planned with their values.
+        service=False: as a bare connection runs it."""
         options = "(ANALYZE, BUFFERS) " if analyze else ""
         self.sql.run("BEGIN")
         try:
-            if not (service and self.generic_plan(statement)):
+            if not service:
                 return [r[0] for r in self.sql.run(f"EXPLAIN {options}{statement}", **params)]
             text, make_values = pg8000.native.to_statement(statement)
             values = ", ".join(pg8000.native.literal(v) for v in make_values(params))
-            self.sql.run("SET LOCAL plan_cache_mode = force_generic_plan")
+            self.sql.run(
+                self.handler.PLAN_WITH_VALUES
+                if self.promoter_statement(statement)
+                else "SET LOCAL plan_cache_mode = force_generic_plan"
+            )
             self.sql.run(f"PREPARE bench_plan AS {text}")
             execute = f"EXECUTE bench_plan({values})" if values else "EXECUTE bench_plan"
             return [r[0] for r in self.sql.run(f"EXPLAIN {options}{execute}")]
@@ -263,8 +270,12 @@ class Bench:
     def print_explain(
         self, title: str, statement: str, lines: list[str], result: SizeResult, service=True
     ) -> None:
-        generic = service and self.generic_plan(statement)
-        kind = " (generic plan, as the API connection runs it)" if generic else ""
+        if not service:
+            kind = ""
+        elif self.promoter_statement(statement):
+            kind = " (planned with its values, as the promoter runs it)"
+        else:
+            kind = " (generic plan, as the API connection runs it)"
         say(f"   EXPLAIN (ANALYZE, BUFFERS) {title}{kind}:")
         for line in lines:
             say("      " + line)
@@ -436,7 +447,7 @@ def build_and_upgrade(bench: Bench, n: int, result: SizeResult) -> None:
         f" a write-blocking mode at most {held_w:.2f} s)"
     )
     # The migration function's Timeout (template.yaml) less what migrate keeps back.
-    deadline = 600 - getattr(bench.handler, "CFN_REPLY_MARGIN_SECONDS", 15)
+    deadline = claims_upgrade.MIGRATION_TIMEOUT_SECONDS - bench.handler.CFN_REPLY_MARGIN_SECONDS
     if upgrade.total_s > deadline:
         say(f"   !! longer than the migration function's {deadline} s for the ledger")
     for error in upgrade.probe_errors:
@@ -890,7 +901,7 @@ def _seq_scan_check(bench: Bench, policy) -> list[str]:
     promotion (plain EXPLAIN: the planner's current choice, nothing runs)."""
     found = []
     for title, statement, params in (
-        ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": str(uuid.UUID(int=0))}),
+        ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": EXPLAIN_TOKEN}),
         (
             "PROMOTE_EXPIRED_LEASES",
             bench.handler.PROMOTE_EXPIRED_LEASES,

@@ -24,6 +24,7 @@ from claims_db import connect
 PROBE_INTERVAL = 0.005
 MONITOR_INTERVAL = 0.02
 STALL = 0.05  # a probe slower than this was blocked
+MIGRATION_TIMEOUT_SECONDS = 600  # the migration function's Timeout (template.yaml)
 LOCK_ORDER = (
     "AccessShareLock",
     "RowShareLock",
@@ -192,7 +193,7 @@ def run_ledger(handler) -> tuple[str, list[str]]:
         "LogicalResourceId": "MigrationResource",
         "ResourceProperties": {"FunctionVersion": "1"},
     }
-    reply = handler.migrate(event, handler.LocalContext(600))  # the function's Timeout
+    reply = handler.migrate(event, handler.LocalContext(MIGRATION_TIMEOUT_SECONDS))
     if reply.get("Status") != "SUCCESS":
         raise RuntimeError(f"handler.migrate answered {reply.get('Status')}: {reply.get('Reason')}")
     applied = reply.get("Data", {}).get("Applied", "none")

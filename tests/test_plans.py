@@ -1,0 +1,337 @@
+"""The invariants bench/claims.py checks while it measures, as tests at test size.
+
+The benchmark builds 10k to 1M apps and, besides its timings, checks that no statement
+of the queue reads apps by a sequential scan, that claims are the oracle's, and that
+concurrent claimers never share an app. Those checks are here, on a few thousand rows
+made by one INSERT ... SELECT over generate_series, in every state the claim reads:
+queued, live and expired leases (one without a start time), fresh and stale analyses,
+old, current and newer analysis versions, retryable and final failures.
+
+What else the benchmark checks is tested elsewhere: claims against the oracle on random
+small states and while promotion is partial (test_claims.py: test_oracle_on_random_states,
+test_claims_follow_the_oracle_while_promotion_is_partial), 32 claimers on a plain
+connection (test_claims.py: test_32_concurrent_claimers_never_share_an_app), queue
+positions (test_claims.py: test_queue_positions_match_the_oracle), the first claim after
+upgrading a previous release's database (test_adoption.py), and no boto3 on the API path
+(test_lambda.py: test_boto3_is_imported_only_when_a_secret_is_read). Its timings and
+targets are measurements, not tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+
+import pg8000.native
+import pytest
+
+import handler
+from conftest import ANALYSER, configure_service
+from helpers import oracle_order
+
+ROWS = 5000
+# The benchmark's phases: the service as deployed, restarted with the analysers' version
+# bumped, and restarted with STALE_ANALYSIS_DAYS lowered over most analyses at once (with
+# a 1 ms promotion budget each claim runs one batch of the promoter, so claims go on
+# while promotion is partial, as they do at a million apps with the default budget).
+PHASES = {
+    "as deployed": {},
+    "version bump": {"CURRENT_ANALYSIS_VERSION": "5"},
+    "mass promotion": {"STALE_ANALYSIS_DAYS": "30", "PROMOTION_BUDGET_MS": "1"},
+}
+CANDIDATE_CLASSES = {"queued", "lease_expired", "outdated_version", "stale", "retry_failed"}
+
+# One row in a hundred of each state (k = i % 100). Analysis ages are whole days and a
+# half, so no row is within hours of a staleness cutoff (30 or 180 days), and leases are
+# 5 or 300 minutes old (the timeout is 120): the oracle's now() and the claim's agree.
+# Popularity takes 211 values (JSON strings and numbers; missing and non-numeric count
+# as 0) and `added` 7 days, so the claim order's ties on popularity, then on popularity
+# and age, are common, within a source and between sources. Bundle IDs are zero-padded:
+# they sort the same in any collation and in Python (the oracle).
+POPULATE = """
+INSERT INTO apps (appid, details, analysis, analysisversion, analysed, added, status,
+                  processing_started, failure_reason, failure_retryable)
+SELECT id.appid,
+       jsonb_strip_nulls(jsonb_build_object(
+           'appId', id.appid, 'title', 'App ' || i,
+           'reviews', CASE WHEN i % 19 = 0 THEN NULL
+                           WHEN i % 17 = 0 THEN to_jsonb(text 'n/a')
+                           WHEN i % 3 = 0 THEN to_jsonb(i * 7919 % 211)
+                           ELSE to_jsonb((i * 7919 % 211)::text) END)),
+       CASE WHEN s.status IN ('analysed', 'failed') THEN jsonb_build_object(
+           'success', s.status = 'analysed', 'bundleID', id.appid) END,
+       s.version,
+       now() - (s.age_days + 0.5) * interval '1 day',
+       date_trunc('day', now()) - interval '1000 days' + i % 7 * interval '1 day',
+       s.status,
+       now() - s.lease_minutes * interval '1 minute',
+       CASE WHEN s.status = 'failed' THEN 'analysis_failed' END,
+       CASE WHEN s.status = 'failed' THEN s.k NOT IN (95, 96) END
+FROM generate_series(1, :rows) AS i
+CROSS JOIN LATERAL (SELECT format('com.plan.app%s', lpad(i::text, 6, '0')) AS appid) id
+CROSS JOIN LATERAL (SELECT i % 100 AS k, (i / 100) * 7 % 170 + 1 AS spread) m
+CROSS JOIN LATERAL (SELECT
+    m.k,
+    CASE WHEN m.k < 25 THEN 'queued'              -- 0-24
+         WHEN m.k < 29 THEN 'processing'          -- 25-26 live, 27 expired, 28 no start
+         WHEN m.k BETWEEN 92 AND 96 THEN 'failed' -- 92-94 retryable, 95-96 final
+         ELSE 'analysed' END AS status,
+    CASE WHEN m.k BETWEEN 86 AND 91 THEN (ARRAY[NULL, -1, 0, 1, 2, 3])[m.k - 85]
+         WHEN m.k IN (92, 95) THEN 3
+         WHEN m.k >= 97 THEN 5                    -- newer than the current version
+         WHEN m.k >= 29 THEN 4 END AS version,
+    CASE WHEN m.k < 29 THEN NULL
+         WHEN m.k BETWEEN 80 AND 85 OR m.k = 93 THEN 190 + m.spread  -- stale
+         ELSE m.spread END AS age_days,
+    CASE WHEN m.k IN (25, 26) THEN 5 WHEN m.k = 27 THEN 300 END AS lease_minutes
+) s
+"""
+
+UNFLAGGED_STALE = """
+SELECT count(*) FROM apps
+WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+  AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :days)
+"""
+
+
+def populate(sql) -> None:
+    sql.run(POPULATE, rows=ROWS)
+
+
+def candidate_classes(sql, policy: handler.QueuePolicy) -> dict[str, str]:
+    """Each candidate's class by the service's own words (handler.CANDIDATE_REASON)."""
+    rows = sql.run(
+        f"SELECT appid, {handler.CANDIDATE_REASON} FROM apps WHERE {handler.CANDIDATE}",
+        **policy.sql_params(),
+    )
+    return dict(rows)
+
+
+def claim(client) -> str:
+    answer = client.get("/queue", headers=ANALYSER)
+    assert answer.status_code == 200, answer.text
+    return answer.text
+
+
+# --- plans ------------------------------------------------------------------------------
+
+
+def service_plan(statement: str, params: dict, promoter: bool) -> list[str]:
+    """EXPLAIN (nothing runs) of a statement planned the way the service plans it, on the
+    service's own API connection (handler.database(), with the settings it opens with):
+    the API's statements are prepared once per connection and run with generic plans
+    (plan_cache_mode = force_generic_plan, handler.Runtime); the promoter's run inside
+    their batch's transaction after handler.PLAN_WITH_VALUES (custom plans, with the
+    cutoffs' values). pg8000 prepares without parameter types, as PREPARE does here, so
+    the server infers the same types. pg_prepared_statements tells which kind of plan
+    EXPLAIN EXECUTE produced."""
+    text, make_values = pg8000.native.to_statement(statement)
+    values = ", ".join(pg8000.native.literal(value) for value in make_values(params))
+    with handler.database().session() as connection:
+        assert connection.run("SHOW plan_cache_mode") == [["force_generic_plan"]]
+        connection.run("BEGIN")
+        try:
+            if promoter:
+                connection.run(handler.PLAN_WITH_VALUES)
+            connection.run(f"PREPARE plan_probe AS {text}")
+            try:
+                lines = [row[0] for row in connection.run(f"EXPLAIN EXECUTE plan_probe({values})")]
+                ((generic, custom),) = connection.run(
+                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                    " WHERE name = 'plan_probe'"
+                )
+            finally:
+                connection.run("DEALLOCATE plan_probe")  # not ALL: the service's are there too
+        finally:
+            connection.run("ROLLBACK")
+    assert (generic, custom) == ((0, 1) if promoter else (1, 0)), statement
+    return lines
+
+
+def queue_statements(sql, policy: handler.QueuePolicy) -> dict[str, tuple[str, dict, bool]]:
+    """(statement, parameters, planned with values?) of everything GET /queue and
+    GET /apps/{appId} may run that reads apps by more than its primary key. The queue
+    position is asked for the app at the end of the queue, where it counts the most."""
+    ((appid, popularity, added),) = sql.run(
+        "SELECT appid, app_popularity(details), added FROM apps WHERE status = 'queued'"
+        " ORDER BY app_popularity(details), added DESC, appid DESC LIMIT 1"
+    )
+    token = str(uuid.UUID(int=0))  # EXPLAIN runs nothing; the column is uuid
+    policy_params = policy.sql_params()
+    promotion = {
+        **policy_params,
+        "horizon_seconds": handler.PROMOTION_HORIZON_SECONDS,
+        "batch": handler.PROMOTION_BATCH,
+    }
+    return {
+        "CLAIM_NEXT_APP": (handler.CLAIM_NEXT_APP, {**policy_params, "token": token}, False),
+        "CLAIM_NAMED_APP": (
+            handler.CLAIM_NAMED_APP,
+            {**policy_params, "token": token, "appid": appid.upper()},
+            False,
+        ),
+        "FIND_APP": (
+            handler.FIND_APP,
+            {"appid": appid, "document_limit": handler.LAMBDA_PAYLOAD_LIMIT_BYTES},
+            False,
+        ),
+        "QUEUE_POSITION": (
+            handler.QUEUE_POSITION,
+            {
+                **policy_params,
+                "popularity": popularity,
+                "added": added,
+                "appid": appid,
+                "limit": handler.QUEUE_POSITION_BOUND + 1,
+            },
+            False,
+        ),
+        "PROMOTE_EXPIRED_LEASES": (handler.PROMOTE_EXPIRED_LEASES, promotion, True),
+        "PROMOTE_STALE_BATCH": (handler.PROMOTE_STALE_BATCH, promotion, True),
+        "CLEAR_STALE_DUE_FLAGS": (
+            handler.CLEAR_STALE_DUE_FLAGS,
+            {**policy_params, "batch": handler.PROMOTION_BATCH, "after": ""},
+            True,
+        ),
+    }
+
+
+@pytest.mark.parametrize("analyzed", [True, False], ids=["analyzed", "no statistics"])
+@pytest.mark.parametrize("phase", ["as deployed", "version bump"])
+def test_no_statement_of_the_queue_scans_apps(
+    client, sql, database_url, monkeypatch, phase, analyzed
+):
+    """No Seq Scan on apps in the plans of the claim (next and named), the promoter's
+    three statements, the app lookup and the queue position, after the phase's first
+    claim (which promotes and, on a policy change, clears flags), in the two phases where
+    bench/claims.py checks plans at 10k to 1M apps.
+
+    The table is large enough that an index read is the planner's honest choice:
+    with these rows at 1,000 apps (the benchmark's smallest size), the promoter's
+    statements planned before any ANALYZE read the whole (then 40-page) table; from about
+    1,250 apps no plan does, and ROWS is four times that. Like the benchmark, nothing is
+    forced: enable_seqscan stays on. "analyzed" plans after ANALYZE (the benchmark's
+    plans); "no statistics" before any ANALYZE, the planner knowing the table only by its
+    size (the benchmark checks the claim and promotion before its ANALYZE too, on the
+    statistics the upgrade left). Where autovacuum runs (the embedded server) it may have
+    analysed the table first: then both cases are the analysed one.
+
+    Not after the mass promotion (nor does the benchmark check plans there): at this size
+    it flags over 40 % of the table, and the flag-clearing pass's first batch of
+    PROMOTION_BATCH rows is then nearly every flagged row, which a sequential scan of
+    5,000 rows reads more cheaply than the index; at a million apps it is not.
+    """
+    populate(sql)
+    configure_service(monkeypatch, database_url, **PHASES[phase])
+    claim(client)
+    if analyzed:
+        sql.run("ANALYZE apps")
+    policy = handler.settings().policy
+    scans = {}
+    for title, (statement, params, promoter) in queue_statements(sql, policy).items():
+        lines = service_plan(statement, params, promoter)
+        found = [line.strip() for line in lines if "Seq Scan on apps" in line]
+        if found:
+            scans[title] = found
+    assert scans == {}
+
+
+# --- claims in a row ----------------------------------------------------------------------
+
+CLAIMS_IN_A_ROW = 120
+# The promoter's batch scaled down with the table (2,000 at 10k to 1M apps), so that the
+# mass promotion takes a few dozen claims here, as it takes many at a million apps.
+SCALED_BATCH = 100
+
+
+def test_claims_in_a_row_are_the_oracles_order(client, sql, database_url, monkeypatch):
+    """Through each of the benchmark's phases in turn, each a restart of the service,
+    GET /queue hands out the oracle's candidates in the oracle's order, claim after
+    claim (the benchmark checks the first claim of each series, and the first ten and
+    every tenth while promotion is partial). The claims reach every class of candidate.
+    In the mass promotion the first claims clear the flags the old policy set and then
+    flag the newly stale rows one batch per claim, and each of those claims is right,
+    reading the unflagged stale rows itself; promotion is done within CLAIMS_IN_A_ROW."""
+    monkeypatch.setattr(handler, "PROMOTION_BATCH", SCALED_BATCH)
+    populate(sql)
+    sql.run("ANALYZE apps")
+    reached = set()
+    for phase, env in PHASES.items():
+        configure_service(monkeypatch, database_url, **env)
+        policy = handler.settings().policy
+        expected = oracle_order(sql, policy)
+        classes = candidate_classes(sql, policy)
+        assert len(expected) > CLAIMS_IN_A_ROW
+        got, unflagged = [], []
+        for _ in range(CLAIMS_IN_A_ROW):
+            got.append(claim(client))
+            unflagged += sql.run(UNFLAGGED_STALE, days=policy.stale_days)[0]
+        assert got == expected[: len(got)], phase
+        reached |= {classes[appid] for appid in got}
+        if phase == "mass promotion":
+            partial = [left for left in unflagged if left > 0]
+            assert len(partial) > 10 and partial[0] > 10 * SCALED_BATCH
+            assert unflagged[-1] == 0
+    assert reached == CANDIDATE_CLASSES
+
+
+# --- concurrent claimers ------------------------------------------------------------------
+
+CLAIMERS = 16  # the benchmark's largest number of concurrent clients
+
+
+def test_concurrent_claimers_share_no_app_and_miss_none(database_url, sql):
+    """CLAIMERS claimers, each a container of its own (a handler.Runtime from the
+    service's settings: its own connection, generic plans, timeouts, promoter memo),
+    claim until the queue is empty, all at once from the first claim (which runs each
+    one's promoter, as a container's first claim does). No app is handed out twice, the
+    apps handed out are exactly the oracle's candidates, and each row is processing under
+    the token its claimer got, as the benchmark checks after its throughput windows."""
+    populate(sql)
+    sql.run("ANALYZE apps")
+    policy = handler.settings().policy
+    candidates = set(oracle_order(sql, policy))
+    start = threading.Barrier(CLAIMERS)
+    claimed: list[list[tuple[str, str]]] = [[] for _ in range(CLAIMERS)]
+    errors: list[BaseException] = []
+
+    def claimer(mine: list[tuple[str, str]]) -> None:
+        runtime = handler.Runtime(handler.load_settings())
+        config = runtime.settings
+        try:
+            db = runtime.database()
+            db.run("SELECT 1")  # connected, as a warm container is
+            start.wait(timeout=60)
+            while True:
+                got = handler.claim_next_app(
+                    db, config.policy, promotion_budget_seconds=config.promotion_budget_ms / 1000
+                )
+                if got is None:
+                    return
+                mine.append(got)
+        except BaseException as error:  # asserted in the test's own thread
+            errors.append(error)
+        finally:
+            runtime.close()
+
+    threads = [threading.Thread(target=claimer, args=(mine,)) for mine in claimed]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    tokens = dict(pair for mine in claimed for pair in mine)
+    appids = [appid for mine in claimed for appid, _ in mine]
+    assert [appid for appid, n in Counter(appids).items() if n > 1] == []
+    assert set(appids) == candidates
+    assert sum(1 for mine in claimed if mine) > 1  # the work was shared
+    rows = sql.run(
+        "SELECT appid, status, CAST(analysis_claim_token AS text) FROM apps"
+        " WHERE appid = ANY(CAST(:ids AS text[]))",
+        ids=appids,
+    )
+    assert {appid: (status, token) for appid, status, token in rows} == {
+        appid: ("processing", token) for appid, token in tokens.items()
+    }
