@@ -307,6 +307,26 @@ def test_rows_falling_due_while_the_service_runs_are_claimed_without_a_new_promo
     assert got == {"stale.soon", "lease.soon"}
 
 
+def test_rows_due_that_the_promoter_has_not_flagged_are_claimed(client, sql):
+    """Between two runs of the promoter, a row can be due without its flag: an expired
+    lease or a stale analysis written by someone else (the old release, an operator). The
+    claim reads the unflagged heads too (lease_heads, stale_heads), in claim order."""
+    assert claim(client) == ""  # the promoter has just run; its memo says so
+    insert_app(
+        sql, "lease.unflagged", status="processing", reviews=5, processing_started=minutes_ago(300)
+    )
+    insert_app(
+        sql, "stale.unflagged", status="analysed", version=4, reviews=9, analysed=days_ago(400)
+    )
+    insert_app(sql, "queued.less", reviews=1)
+    flags = sql.run("SELECT appid, due FROM apps ORDER BY appid")
+    assert flags == [["lease.unflagged", False], ["queued.less", False], ["stale.unflagged", False]]
+    # No time_passes(): these claims run without a promotion.
+    got = [client.get("/queue", headers=ANALYSER).text for _ in range(4)]
+    assert got == ["stale.unflagged", "lease.unflagged", "queued.less", ""]
+    assert sql.run("SELECT count(*) FROM apps WHERE due") == [[0]]
+
+
 # --- promotion behind: after a policy change, flagging takes many requests ------------
 
 UNFLAGGED_STALE = """
