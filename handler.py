@@ -1282,6 +1282,13 @@ def failure_record(log_bytes: bytes) -> dict[str, Any]:
     return {"success": False, "logs": text, "reason": reason, "retryable": retryable}
 
 
+def unknown_app_ids(named: list[str], selected: list[dict[str, str]]) -> list[str]:
+    """The bundle IDs a refetch named that it did not select (any letter case matches),
+    when it selected fewer than it was given."""
+    found = {row["appid"].lower() for row in selected}
+    return [app_id for app_id in named if app_id.lower() not in found]
+
+
 def eta_hours(backlog: int, finished_last_24h: int) -> float | None:
     """Hours to drain the backlog at the last day's pace; None when nothing finished."""
     if backlog == 0:
@@ -1347,9 +1354,9 @@ def format_queue_status(status: dict[str, Any]) -> str:
     counts, backlog = status["counts"], status["backlog"]
     lines = ["Apps by state"]
     for state in ("queued", "processing", "analysed", "failed"):
-        lines.append(f"  {state:<12}{counts.get(state, 0):>10}")
-    lines.append(f"  {'retryable failures':<22}{status['failed_retryable']:>0}")
-    lines.append(f"  {'total':<12}{status['total']:>10}")
+        lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
+    lines.append(f"  {'  of which retryable':<20}{status['failed_retryable']:>10}")
+    lines.append(f"  {'total':<20}{status['total']:>10}")
     lines += ["", "Backlog under the current policy " + status["policy_text"]]
     for reason, text in REASON_TEXT.items():
         lines.append(f"  {text:<42}{backlog.get(reason, 0):>10}")
@@ -2276,7 +2283,37 @@ def _store(app_id: str, version: int, payload: dict, token: str | None) -> Respo
     return _json_answer({"rowCount": len(rows), "rows": fitted})
 
 
-@app.get("/ping", response_class=PlainTextResponse, dependencies=[Depends(require_analyser)])
+# Every answer but the success a route documents: {"detail": "..."} saying why.
+ERROR_ANSWERS = {
+    400: "Bad input, named in `detail`; nothing was written.",
+    401: "A wrong or missing bearer token.",
+    404: "No such app (bundle IDs match in any letter case); nothing was written.",
+    409: "X-Analysis-Claim-Token is not the app's current claim; nothing was written.",
+    413: "The body is larger than MAX_BODY_BYTES.",
+    415: "The Content-Type is not one the route takes.",
+    503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"
+    " after Retry-After seconds.",
+}
+DETAIL_SCHEMA = {"type": "object", "properties": {"detail": {"type": "string"}}}
+
+
+def _errors(*codes: int) -> dict[str, dict]:
+    """The OpenAPI responses of the error answers `codes`."""
+    return {
+        str(code): {
+            "description": ERROR_ANSWERS[code],
+            "content": {"application/json": {"schema": DETAIL_SCHEMA}},
+        }
+        for code in codes
+    }
+
+
+@app.get(
+    "/ping",
+    response_class=PlainTextResponse,
+    dependencies=[Depends(require_analyser)],
+    openapi_extra={"responses": _errors(400, 401, 503)},
+)
 async def ping(request: Request) -> PlainTextResponse:
     """Heartbeat. The analyser is known by X-Analyser-Id, else address and User-Agent."""
     source = request.client.host if request.client else "unknown"
@@ -2308,29 +2345,29 @@ def _documented(
     query: dict[str, bool],
     body: tuple[str, dict] | None = None,
     claim: str | None = None,
+    errors: tuple[int, ...] = (),
 ) -> dict:
     """OpenAPI for what a route reads itself: its query parameters (name -> required) and
     body; and the claim token, which the route has either "issued" (a header of its 200) or
     "returned" to it (an optional request header). The routes parse these by hand, for the
     contract's exact 400s; declaring them as FastAPI parameters (path parameters too) would
-    also load pydantic.v1 at cold start, about 35 ms."""
+    also load pydantic.v1 at cold start, about 35 ms. `errors`: the error answers it gives."""
     extra: dict[str, Any] = {
         "parameters": [
             {"name": name, "in": "query", "required": required, "schema": {"type": "string"}}
             for name, required in query.items()
-        ]
+        ],
+        "responses": _errors(*errors),
     }
     if body is not None:
         media_type, schema = body
         extra["requestBody"] = {"required": True, "content": {media_type: {"schema": schema}}}
     if claim == "issued":
-        extra["responses"] = {
-            "200": {
-                "headers": {
-                    CLAIM_TOKEN_HEADER: {
-                        "description": CLAIM_ISSUED_DOC,
-                        "schema": {"type": "string", "format": "uuid"},
-                    }
+        extra["responses"]["200"] = {
+            "headers": {
+                CLAIM_TOKEN_HEADER: {
+                    "description": CLAIM_ISSUED_DOC,
+                    "schema": {"type": "string", "format": "uuid"},
                 }
             }
         }
@@ -2350,13 +2387,14 @@ def _documented(
 
 
 RESULT_QUERY = {"appId": True, "analysisVersion": True}
+RESULT_ERRORS = (400, 401, 404, 409, 413, 415, 503)
 
 
 @app.get(
     "/queue",
     response_class=PlainTextResponse,
     dependencies=[Depends(require_analyser)],
-    openapi_extra=_documented({"appId": False}, claim="issued"),
+    openapi_extra=_documented({"appId": False}, claim="issued", errors=(400, 401, 503)),
 )
 async def next_app(request: Request) -> PlainTextResponse:
     """The next bundle ID as the whole body, or an empty body when there is no work."""
@@ -2376,7 +2414,10 @@ async def next_app(request: Request) -> PlainTextResponse:
     "/uploadAnalysis",
     dependencies=[Depends(require_analyser)],
     openapi_extra=_documented(
-        RESULT_QUERY, ("application/json", {"type": "object"}), claim="returned"
+        RESULT_QUERY,
+        ("application/json", {"type": "object"}),
+        claim="returned",
+        errors=RESULT_ERRORS,
     ),
 )
 async def upload_analysis(request: Request) -> JSONResponse:
@@ -2391,7 +2432,9 @@ async def upload_analysis(request: Request) -> JSONResponse:
 @app.post(
     "/reportAnalysisFailure",
     dependencies=[Depends(require_analyser)],
-    openapi_extra=_documented(RESULT_QUERY, ("text/plain", {"type": "string"}), claim="returned"),
+    openapi_extra=_documented(
+        RESULT_QUERY, ("text/plain", {"type": "string"}), claim="returned", errors=RESULT_ERRORS
+    ),
 )
 async def report_analysis_failure(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)
@@ -2405,13 +2448,17 @@ NEW_APP_SCHEMA = {
     "required": ["appId"],
     "properties": {"appId": {"type": "string"}, "details": {"type": "object"}},
 }
+NEW_APP_DOC = _documented(
+    {}, ("application/json", NEW_APP_SCHEMA), errors=(400, 401, 413, 415, 503)
+)
+NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any letter case)."}
 
 
 @app.post(
     "/apps",
     status_code=201,
     dependencies=[Depends(require_admin)],
-    openapi_extra=_documented({}, ("application/json", NEW_APP_SCHEMA)),
+    openapi_extra=NEW_APP_DOC,
 )
 async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
@@ -2431,7 +2478,8 @@ async def create_app(request: Request) -> JSONResponse:
 
 
 APP_ID_PATH = {
-    "parameters": [{"name": "appId", "in": "path", "required": True, "schema": {"type": "string"}}]
+    "parameters": [{"name": "appId", "in": "path", "required": True, "schema": {"type": "string"}}],
+    "responses": _errors(400, 404, 503),
 }
 
 
@@ -2445,7 +2493,10 @@ async def get_app(request: Request) -> JSONResponse:
     return _json_answer(view, droppable=("analysis", "details"))
 
 
-@app.get("/healthz")
+HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` says why."}}
+
+
+@app.get("/healthz", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz() -> JSONResponse:
     """ok when a claim could run now (see claim_readiness), else 503."""
     problem = claim_readiness(database())
@@ -2456,7 +2507,7 @@ async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@app.get("/healthz/analyser")
+@app.get("/healthz/analyser", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz_analyser() -> JSONResponse:
     minutes = minutes_since_last_ping(database())
     online = minutes is not None and minutes < 60
@@ -3072,7 +3123,14 @@ def _cli_invoke(args: argparse.Namespace) -> int:
     """Run an entry point on an event file, as `sam local invoke` would, without Docker.
     Exits 1 when the entry point reports failure: a FAILED custom-resource reply, a 5xx
     from the API (an exception, as from `report`, ends the process with 1 as well)."""
-    event = json.loads(Path(args.event).read_text())
+    try:
+        event = json.loads(Path(args.event).read_text())
+    except (OSError, ValueError) as error:
+        print(f"cannot read the event {args.event}: {error}", file=sys.stderr)
+        return 2
+    if not isinstance(event, dict):
+        print(f"the event {args.event} is not a JSON object", file=sys.stderr)
+        return 2
     if args.function == "migrate":
         _local_database(apply=False)  # the function applies the ledger itself
     else:
@@ -3138,7 +3196,10 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         print(f"Queued {len(selected)} apps for refetch.")
     else:
         print(f"Would queue {len(selected)} apps for refetch (dry run; add --apply).")
-    return 0
+    unknown = unknown_app_ids(args.appid, selected) if args.limit is None else []
+    for app_id in unknown:
+        print(f"unknown app: {app_id}", file=sys.stderr)
+    return 1 if unknown else 0
 
 
 def _positive_int(text: str) -> int:
@@ -3160,23 +3221,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="handler.py", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the API locally (uvicorn)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=3000)
+    serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    serve.add_argument("--port", type=int, default=3000, help="default: %(default)s")
     serve.set_defaults(run=_cli_serve)
     migrate_cmd = commands.add_parser("migrate", help="apply the SQL ledger in sql/")
     migrate_cmd.add_argument("--dry-run", action="store_true", help="list pending files only")
     migrate_cmd.set_defaults(run=_cli_migrate)
     status = commands.add_parser("queue-status", help="counts, backlog, throughput, ETA")
-    status.add_argument("--top", type=_positive_int, default=10)
+    status.add_argument(
+        "--top", type=_positive_int, default=10, help="backlog apps listed (default: %(default)s)"
+    )
     status.set_defaults(run=_cli_queue_status)
     priority = commands.add_parser("priority-report", help="the backlog in claim order")
-    priority.add_argument("--limit", type=_positive_int, default=50)
+    priority.add_argument(
+        "--limit", type=_positive_int, default=50, help="apps listed (default: %(default)s)"
+    )
     priority.set_defaults(run=_cli_priority_report)
     refetch = commands.add_parser("queue-refetch", help="queue apps for a new analysis")
     refetch.add_argument("--appid", action="append", default=[], help="bundle ID (repeatable)")
     refetch.add_argument("--failed", action="store_true", help="failed apps (retryable)")
     refetch.add_argument("--include-non-retryable", action="store_true")
-    refetch.add_argument("--limit", type=_positive_int, default=None)
+    refetch.add_argument(
+        "--limit", type=_positive_int, default=None, help="at most this many (default: no limit)"
+    )
     refetch.add_argument("--apply", action="store_true", help="without it: a dry run")
     refetch.set_defaults(run=_cli_queue_refetch)
     invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")

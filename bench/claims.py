@@ -1,4 +1,4 @@
-"""Benchmark of the index-head claim at 10k, 100k and 1M apps (issue 4).
+"""Benchmark of the index-head claim at 10k, 100k and 1M apps.
 
     python bench/claims.py --apps 1000000 [--database-url URL] [--seed 1]
     python bench/claims.py --apps 10000 --apps 100000 --apps 1000000

@@ -11,8 +11,8 @@ the runtime's Python (3.12), one process per run, in three trees:
   does with /var/task and /opt: nothing compiled at a cold start is kept);
 * warm: a writable copy without the shipped bytecode, imported once first so Python
   writes its own (the best case: every later process starts warm);
-* no_bytecode: a read-only copy without any bytecode (the layer before issue 10: every
-  cold start compiles fastapi, pydantic and the rest).
+* no_bytecode: a read-only copy without any bytecode (as layers were built before
+  bytecode was shipped: every cold start compiles fastapi, pydantic and the rest).
 
 Runs alternate between the trees; medians are reported, then `name=value` lines:
 cold_import_vs_warm (shipped / warm, target <= 1.15) and no_bytecode_vs_shipped.
@@ -31,7 +31,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+# The build helpers of tests/test_template.py, which imports handler from the checkout.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 PROBE = """
 import importlib.machinery, json, sys, time

@@ -232,3 +232,39 @@ def test_serve_and_invoke_never_migrate_a_configured_database(empty_database):
         assert sql.run("SELECT to_regclass('schema_migrations')") == [[None]]
     finally:
         sql.close()
+
+
+def test_queue_refetch_names_an_unknown_app_and_exits_1(database_url, sql):
+    """The analyser hosts' exact-app mode waits for "Queued 1 apps": a bundle ID that is
+    not in the queue says so, and the exit code says so too."""
+
+    insert_app(sql, "com.example.known", status="analysed", version=4)
+    done = cli(
+        database_url,
+        "queue-refetch",
+        "--appid=COM.example.known",
+        "--appid=com.example.nope",
+        "--apply",
+    )
+    assert done.returncode == 1
+    assert "Queued 1 apps for refetch." in done.stdout.splitlines()
+    assert done.stderr.splitlines()[-1] == "unknown app: com.example.nope"
+    known = cli(database_url, "queue-refetch", "--appid=com.example.known")
+    assert known.returncode == 0 and "unknown app" not in known.stderr
+
+
+def test_invoke_with_an_unreadable_event_says_so_in_one_line(database_url, tmp_path):
+    missing = cli(database_url, "invoke", "api", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2
+    assert (
+        missing.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"cannot read the event {tmp_path / 'nope.json'}:")
+    )
+    assert "Traceback" not in missing.stderr
+    (tmp_path / "list.json").write_text("[]")
+    listed = cli(database_url, "invoke", "api", str(tmp_path / "list.json"))
+    assert (listed.returncode, listed.stderr.strip()) == (
+        2,
+        f"the event {tmp_path / 'list.json'} is not a JSON object",
+    )

@@ -1,9 +1,11 @@
-"""Schemathesis over the app's own OpenAPI schema: no generated request gets a 5xx."""
+"""Schemathesis over the app's own OpenAPI schema: no generated request gets a 5xx, and
+every answer is one the schema documents."""
 
 from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from schemathesis.specs.openapi.checks import status_code_conformance
 
 import handler
 from conftest import ADMIN, ANALYSER
@@ -28,6 +30,8 @@ def test_no_server_errors(case, database_url, sql):
     auth = ADMIN if case.path == "/apps" else ANALYSER
     response = case.call(headers={**(case.headers or {}), **auth})
     assert response.status_code < 500, (case.method, case.path, response.text)
+    # Every answer it gets is one the schema documents for that route.
+    case.validate_response(response, checks=[status_code_conformance])
 
 
 def test_every_route_is_in_the_schema():
@@ -67,3 +71,26 @@ def test_the_claim_token_is_in_the_schema():
         and any(p["name"] == "X-Analysis-Claim-Token" for p in operation.get("parameters", []))
     ]
     assert elsewhere == []
+
+
+def test_the_error_answers_are_in_the_schema():
+    """The answers the README's "The API" lists, route by route, with their meaning."""
+    paths = handler.app.openapi()["paths"]
+    documented = {
+        (method.upper(), path): sorted(operation["responses"])
+        for path, operations in paths.items()
+        for method, operation in operations.items()
+    }
+    results = ["200", "400", "401", "404", "409", "413", "415", "503"]
+    assert documented == {
+        ("GET", "/ping"): ["200", "400", "401", "503"],
+        ("GET", "/queue"): ["200", "400", "401", "503"],
+        ("POST", "/uploadAnalysis"): results,
+        ("POST", "/reportAnalysisFailure"): results,
+        ("POST", "/apps"): ["200", "201", "400", "401", "413", "415", "503"],
+        ("GET", "/apps/{appId}"): ["200", "400", "404", "503"],
+        ("GET", "/healthz"): ["200", "503"],
+        ("GET", "/healthz/analyser"): ["200", "503"],
+    }
+    conflict = paths["/uploadAnalysis"]["post"]["responses"]["409"]["description"]
+    assert "current claim" in conflict
