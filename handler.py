@@ -76,7 +76,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 # Every environment variable is read here, and only here.
 
 HERE = Path(__file__).resolve().parent
-SQL_DIR = HERE / "sql"
 
 
 class ConfigError(Exception):
@@ -1093,8 +1092,6 @@ def migration_database() -> Database:
 # Pure functions, no I/O.
 
 BUNDLE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
-VERSION_TEXT = re.compile(r"[0-9]{1,9}")
-ANALYSER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 ANALYSIS_FAILED = "analysis_failed"
 # (reason, retryable, phrases), first match wins (README, "Failures: retry or not").
@@ -1863,6 +1860,9 @@ class MigrationFile:
         return not self.sql.startswith(NO_TRANSACTION_MARKER)
 
 
+SQL_DIR = HERE / "sql"
+
+
 def migration_files(directory: Path | None = None) -> list[MigrationFile]:
     """The ledger files, hashed with LF line endings (CRLF -> LF first), so a checkout
     that converted them (Windows, core.autocrlf) has the same checksums."""
@@ -2139,6 +2139,9 @@ def _bundle_id(value: str | None) -> str:
     return value
 
 
+VERSION_TEXT = re.compile(r"[0-9]{1,9}")
+
+
 def _analysis_version(request: Request) -> int:
     value = _single_query_value(request, "analysisVersion")
     if value is None or not VERSION_TEXT.fullmatch(value):
@@ -2157,6 +2160,7 @@ def _require_content_type(request: Request, accepted: tuple[str, ...]) -> None:
 # hold some of it.
 PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
 DIGITS = re.compile(r"[0-9]{1,15}")
+ANALYSER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 
 def _header(request: Request, name: str, max_length: int) -> str | None:
