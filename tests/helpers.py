@@ -1,15 +1,80 @@
-"""Arranging queue rows directly in the database, for tests and benchmarks."""
+"""The tests' kit: connections and the ledger, queue rows arranged directly in the
+database, the Lambda entry points' events and contexts, the custom resource's ResponseURL,
+log records, and the CLI. (Fixtures, and the databases themselves, are in conftest.py.)"""
 
 from __future__ import annotations
 
 import base64
+import http.server
 import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pg8000.native
 
 import handler
+
+EVENTS = handler.HERE / "events"
+UNREACHABLE_DATABASE = "postgresql://postgres@127.0.0.1:9/unreachable"
+
+
+# --- connections and the ledger -------------------------------------------------------
+
+
+def with_database(url: str, name: str) -> str:
+    """url, naming database `name` instead."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + name))
+
+
+def connect(url: str, application_name: str | None = None) -> pg8000.native.Connection:
+    """A plain autocommit connection to url, for arranging and checking rows (the tests'
+    only way to open one)."""
+    config = handler.load_settings({"DATABASE_URL": url})
+    return pg8000.native.Connection(
+        **handler.connection_arguments(config), application_name=application_name
+    )
+
+
+def database_at(url: str) -> handler.Database:
+    """handler's own Database on url (no timeouts): what the ledger runner, or a process
+    of the service, uses."""
+    return handler.Database(
+        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
+    )
+
+
+def migrate(url: str, directory: Path | None = None) -> list[str]:
+    """The ledger's files (sql/, or `directory`) applied to url; the files applied."""
+    db = database_at(url)
+    try:
+        return handler.apply_migrations(db, directory=directory)
+    finally:
+        db.discard()
+
+
+def ledger(database: str | pg8000.native.Connection) -> list:
+    """The ledger's rows, [filename, checksum, applied_at], in filename order; `database`
+    is a URL or an open connection."""
+    query = "SELECT filename, checksum, applied_at FROM schema_migrations ORDER BY filename"
+    if not isinstance(database, str):
+        return database.run(query)
+    connection = connect(database)
+    try:
+        return connection.run(query)
+    finally:
+        connection.close()
+
+
+def record_in_ledger(sql, name: str) -> None:
+    """A ledger row as the previous server wrote it: the file name alone, no checksum."""
+    sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
 
 
 def days_ago(days: float) -> datetime:
@@ -153,7 +218,38 @@ def oracle_order(sql, policy: handler.QueuePolicy) -> list[str]:
     return [r["appid"] for r in candidates]
 
 
-# --- API Gateway events --------------------------------------------------------------
+# --- the Lambda entry points: events, contexts, answers --------------------------------
+
+
+def load_event(name: str) -> dict:
+    """An event file of events/, parsed."""
+    return json.loads((EVENTS / name).read_text())
+
+
+def env_json(function: str) -> dict[str, str]:
+    """events/env.json's variables for `function` (as `sam local --env-vars` reads them)."""
+    return load_event("env.json")[function]
+
+
+def LambdaContext(
+    name: str = "analysis-queue-Function", remaining_ms: int = 600_000
+) -> handler.LocalContext:
+    """A Lambda context for function `name` with remaining_ms left."""
+    return handler.LocalContext(remaining_ms / 1000, function_name=name)
+
+
+def call_api(event: dict, function_name: str = "analysis-queue-ApiFunction") -> dict:
+    """handler.api(event) as the ApiFunction's Lambda runtime calls it."""
+    return handler.api(event, LambdaContext(function_name))
+
+
+def invoke_api(name: str, headers: dict[str, str | None] | None = None) -> dict:
+    """handler.api on the event file `name`, its headers updated with `headers` (a None
+    value removes that header)."""
+    event = load_event(name)
+    merged = {**event["headers"], **(headers or {})}
+    event["headers"] = {key: value for key, value in merged.items() if value is not None}
+    return call_api(event)
 
 
 def gateway_event(
@@ -186,6 +282,122 @@ def gateway_event(
         "body": body,
         "isBase64Encoded": base64_body,
     }
+
+
+def json_answer(answer: dict) -> object:
+    """The body of an API answer that must be JSON, parsed."""
+    assert answer["headers"]["content-type"] == "application/json"
+    assert answer["isBase64Encoded"] is False
+    assert int(answer["headers"]["content-length"]) == len(answer["body"].encode())
+    return json.loads(answer["body"])
+
+
+def text_answer(answer: dict) -> str:
+    """The body of an API answer that must be plain text."""
+    assert answer["headers"]["content-type"] == "text/plain; charset=utf-8"
+    assert answer["isBase64Encoded"] is False
+    return answer["body"]
+
+
+# --- the custom resource: a stand-in for CloudFormation's ResponseURL ------------------
+
+
+class ResponseURL:
+    """A local HTTP server standing in for CloudFormation's pre-signed S3 URL: records
+    each PUT (path, Content-Type, body). Answers 503 to the first `fail_first` PUTs. It
+    serves on 127.0.0.1 only and stops by itself after `lifetime` seconds."""
+
+    def __init__(self, fail_first: int = 0, lifetime: float = 60.0):
+        self.replies: list[tuple[str, str | None, bytes]] = []
+        self.attempts = 0
+        self._arrived = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.attempts += 1
+                if outer.attempts <= fail_first:
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                outer.replies.append((self.path, self.headers.get("Content-Type"), body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                outer._arrived.set()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self._server.timeout = 0.05
+        self._stop = threading.Event()
+        deadline = time.monotonic() + lifetime
+
+        def serve() -> None:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                self._server.handle_request()
+            self._server.server_close()
+
+        self._thread = threading.Thread(target=serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/cfn-response/stack?X-Amz-Signature=abc123"
+
+    def reply(self) -> dict:
+        """The one reply received (JSON), checked for what CloudFormation requires."""
+        assert self._arrived.wait(5), "no reply arrived"
+        assert len(self.replies) == 1, self.replies
+        path, content_type, body = self.replies[0]
+        assert path == "/cfn-response/stack?X-Amz-Signature=abc123"
+        assert content_type == ""  # a pre-signed S3 PUT is signed without one
+        assert len(body) < 4096
+        return json.loads(body)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def cfn_event(name: str, response: ResponseURL, **changes) -> dict:
+    """The custom resource's event file `name`, answering `response`, with `changes`."""
+    event = load_event(name)
+    event["ResponseURL"] = response.url
+    event.update(changes)
+    return event
+
+
+def invoke_migrate(event: dict, remaining_ms: int = 600_000) -> dict:
+    """handler.migrate(event) as the MigrationFunction's Lambda runtime calls it."""
+    return handler.migrate(event, LambdaContext("analysis-queue-MigrationFunction", remaining_ms))
+
+
+# --- log records ---------------------------------------------------------------------
+
+
+def json_lines(text: str, *, skip_other_lines: bool = False) -> list[dict]:
+    """The JSON documents of `text`, one a line (log records on stderr, EMF documents on
+    stdout). Every non-empty line must be one, unless skip_other_lines: then only lines
+    opening with `{` are read."""
+    if skip_other_lines:
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+def output_records(captured) -> tuple[list[dict], list[dict]]:
+    """(log records from stderr, EMF documents from stdout) of capsys' `captured`."""
+    return json_lines(captured.err), json_lines(captured.out)
+
+
+def one_record(records: list[dict], message: str) -> dict:
+    """The one record whose message is `message`."""
+    found = [record for record in records if record.get("message") == message]
+    assert len(found) == 1, records
+    return found[0]
 
 
 # --- the CLI ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 import handler
-from conftest import connect
+from helpers import connect, migrate, record_in_ledger
 from test_ledger import build_production_database
 
 LEGACY_SQL_DIR = Path(__file__).resolve().parent / "legacy_sql"
@@ -126,14 +126,9 @@ def details(appid: str) -> str:
     return json.dumps({"appId": appid, "title": appid, "reviews": str(LEGACY_APPS[appid])})
 
 
-def record(sql, name: str) -> None:
-    """A ledger row as the old server wrote it: no checksum column."""
-    sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
-
-
 def run_old_server_file(sql, name: str) -> None:
     sql.execute_simple((LEGACY_SQL_DIR / name).read_text())
-    record(sql, name)
+    record_in_ledger(sql, name)  # as the old server recorded it: no checksum
 
 
 def old_server_complete(sql, appid: str, token: uuid.UUID, payload: dict, history: str) -> list:
@@ -169,7 +164,7 @@ def build(url: str, state: str) -> dict[str, str | None]:
             return _legacy_rows_at_previous_release(sql)
         for name in STATE_MACHINE_FILES:
             sql.execute_simple((handler.SQL_DIR / name).read_text())
-            record(sql, name)
+            record_in_ledger(sql, name)
         if state == "009":
             return _legacy_rows_at_009(sql)
         stage = OLD_STATES.index(state)
@@ -314,13 +309,3 @@ def _our_files_up_to(last: str) -> Path:
 
 
 _SCRATCH_DIRECTORIES: list[tempfile.TemporaryDirectory] = []
-
-
-def migrate(url: str, directory: Path | None = None) -> list[str]:
-    db = handler.Database(
-        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
-    )
-    try:
-        return handler.apply_migrations(db, directory=directory)
-    finally:
-        db.discard()

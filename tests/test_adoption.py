@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 import handler
 import legacy
 from conftest import ANALYSER, configure_service, connect, time_passes
-from helpers import app_row, history
+from helpers import app_row, history, ledger, migrate
 
 CHECK = "apps_processing_claim_token_check"
 OURS_AFTER_009 = [name for name in legacy.ALL_OUR_FILES if name >= "010"]
@@ -126,12 +126,12 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
         "009": OURS_AFTER_009,
         "head": [n for n in legacy.ALL_OUR_FILES if n >= "013"],
     }.get(state, OURS_AFTER_009)
-    assert legacy.migrate(url) == expected
-    assert legacy.migrate(url) == []
-    ledger = dict(sql.run("SELECT filename, checksum FROM schema_migrations"))
-    foreign = [name for name in legacy.OLD_SERVER_FILES if name in ledger]
+    assert migrate(url) == expected
+    assert migrate(url) == []
+    checksums = {filename: checksum for filename, checksum, _ in ledger(sql)}
+    foreign = [name for name in legacy.OLD_SERVER_FILES if name in checksums]
     assert len(foreign) == (legacy.OLD_STATES.index(state) + 1 if state.startswith("old") else 0)
-    assert all(ledger[name] is None for name in foreign)  # not ours: not adopted
+    assert all(checksums[name] is None for name in foreign)  # not ours: not adopted
     cycle.check("migrate")
 
     # Every legacy row is in the state it was in, and a lease keeps its holder's token

@@ -17,7 +17,7 @@ import pytest
 
 import handler
 from conftest import ANALYSER, configure_service, time_passes
-from helpers import app_row, days_ago, insert_app, minutes_ago, oracle_order
+from helpers import app_row, database_at, days_ago, insert_app, minutes_ago, oracle_order
 
 POLICY = handler.QueuePolicy()
 
@@ -189,11 +189,7 @@ def test_32_concurrent_claimers_never_share_an_app(database_url, sql):
     start = threading.Barrier(32)
 
     def analyser():
-        db = handler.Database(
-            lambda: handler.connection_arguments(
-                handler.load_settings({"DATABASE_URL": database_url})
-            )
-        )
+        db = database_at(database_url)
         start.wait()
         try:
             while True:

@@ -12,11 +12,10 @@ import json
 import os
 
 import pytest
-from test_lambda import LambdaContext, ResponseURL, cfn_event, load_event, output_records
 
 import handler
 from conftest import configure_service
-from helpers import run_cli
+from helpers import LambdaContext, ResponseURL, cfn_event, load_event, output_records, run_cli
 from live import free_port
 
 # (variable, bad value, what the message must say)

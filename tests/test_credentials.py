@@ -22,11 +22,10 @@ from urllib.parse import urlsplit
 import pg8000.native
 import pytest
 from pg_password import PasswordServer
-from test_lambda import LambdaContext, load_event
 
 import handler
-from conftest import ADMIN, ANALYSER, configure_service, connect
-from helpers import app_row
+from conftest import ADMIN, ANALYSER, Databases, configure_service, connect
+from helpers import LambdaContext, app_row, database_at, invoke_api, load_event, migrate
 
 README = handler.HERE / "README.md"
 
@@ -70,12 +69,6 @@ def drop_role(admin: pg8000.native.Connection, role: str) -> None:
     admin.run(f"DROP ROLE {pg8000.native.identifier(role)}")
 
 
-def api_call(event_name: str, headers: dict[str, str] | None = None) -> dict:
-    event = load_event(event_name)
-    event["headers"] = {**event["headers"], **(headers or {})}
-    return handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
-
-
 # ---------------------------------------------------------------------------------------
 # Rotation
 # ---------------------------------------------------------------------------------------
@@ -85,16 +78,12 @@ def api_call(event_name: str, headers: dict[str, str] | None = None) -> dict:
 def rotating(password_server, secrets_manager, monkeypatch):
     """A migrated database on the password server, a role `queue_app_*` with the README's
     grants, its secret in moto, and the service configured as on AWS (DB_*)."""
-    name = f"rot_{uuid.uuid4().hex[:10]}"
     role = f"queue_app_{uuid.uuid4().hex[:8]}"
-    admin = connect(password_server.admin_url())
-    admin.run(f"CREATE DATABASE {name}")
-    owner_db = handler.Database(
-        lambda: handler.connection_arguments(
-            handler.load_settings({"DATABASE_URL": password_server.admin_url(name)})
-        )
-    )
-    handler.apply_migrations(owner_db)
+    databases = Databases(password_server.admin_url())
+    url = databases.create(migrated=False, prefix="rot")
+    name = urlsplit(url).path.lstrip("/")
+    migrate(url)
+    owner_db = database_at(url)
     owner = owner_db.session
     with owner() as connection:
         grant_role(connection, role, "pw-initial-0", name)
@@ -134,9 +123,12 @@ def rotating(password_server, secrets_manager, monkeypatch):
     yield {"rotate": rotate, "role": role, "owner": owner}
     handler.use_runtime(None)
     owner_db.discard()
-    admin.run(f"DROP DATABASE {name} WITH (FORCE)")  # and the role's grants in it
-    admin.run(f"DROP ROLE {pg8000.native.identifier(role)}")
-    admin.close()
+    databases.drop_all()  # and the role's grants in it
+    admin = connect(password_server.admin_url())
+    try:
+        admin.run(f"DROP ROLE {pg8000.native.identifier(role)}")
+    finally:
+        admin.close()
 
 
 def test_password_rotation_under_load_fails_no_request(rotating, monkeypatch):
@@ -149,7 +141,7 @@ def test_password_rotation_under_load_fails_no_request(rotating, monkeypatch):
         return real_fetch(*args, **kwargs)
 
     monkeypatch.setattr(handler, "fetch_secret", counting_fetch)
-    assert api_call("add-app.json", ADMIN)["statusCode"] == 201
+    assert invoke_api("add-app.json", ADMIN)["statusCode"] == 201
 
     clients, per_client, rotations = 4, 60, 3
     statuses: list[tuple[str, int]] = []
@@ -171,7 +163,7 @@ def test_password_rotation_under_load_fails_no_request(rotating, monkeypatch):
                     # whatever password the secret cache holds.
                     handler.database().discard()
                 name, headers = events[(index + call) % len(events)]
-                statuses.append((name, api_call(name, headers)["statusCode"]))
+                statuses.append((name, invoke_api(name, headers)["statusCode"]))
                 progress.release()
         except BaseException as error:  # asserted in the main thread
             errors.append(error)
@@ -200,14 +192,14 @@ def test_password_rotation_under_load_fails_no_request(rotating, monkeypatch):
 def test_without_the_reread_a_rotation_fails_new_connections(rotating):
     """The scenario above is a real test: the cached password is refused after a
     rotation, and only the fresh read gets a connection."""
-    assert api_call("healthz.json")["statusCode"] == 200
+    assert invoke_api("healthz.json")["statusCode"] == 200
     rotating["rotate"]("pw-rotated-x")
     handler.database().discard()
     stale = handler.Database(lambda: handler.connection_arguments(handler.settings()))
     with pytest.raises(handler.DatabaseUnavailable) as caught:
         stale.run("SELECT 1")
     assert handler.sqlstate(caught.value.__cause__) == "28P01"
-    assert api_call("healthz.json")["statusCode"] == 200  # the service re-reads
+    assert invoke_api("healthz.json")["statusCode"] == 200  # the service re-reads
 
 
 def test_a_wrong_password_still_fails_after_one_reread(rotating, secrets_manager, capsys):
@@ -216,7 +208,7 @@ def test_a_wrong_password_still_fails_after_one_reread(rotating, secrets_manager
         SecretId="queue/db",
         SecretString=json.dumps({"username": rotating["role"], "password": "pw-wrong-31"}),
     )
-    answer = api_call("healthz.json")
+    answer = invoke_api("healthz.json")
     assert answer["statusCode"] == 503
     logged = capsys.readouterr().err
     assert logged.count("database authentication failed; reading the secret again") == 1
@@ -245,11 +237,11 @@ def queue_role(database_url, server_url, monkeypatch):
 
 
 def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
-    assert api_call("healthz.json")["statusCode"] == 200
+    assert invoke_api("healthz.json")["statusCode"] == 200
     whoami = handler.database().run("SELECT current_user")[0][0]
     assert whoami == queue_role["role"]
     answers = {
-        name: api_call(name, headers)
+        name: invoke_api(name, headers)
         for name, headers in (
             ("ping.json", ANALYSER),
             ("add-app.json", ADMIN),
@@ -321,11 +313,7 @@ def test_migrations_as_the_queue_role_fail_and_as_the_owner_succeed(
     assert handler.sqlstate(refused.value) == "42501"
     as_app.discard()
     # The owner (the tests' superuser, who created the tables) applies the new file.
-    owner = handler.Database(
-        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": database_url}))
-    )
-    assert handler.apply_migrations(owner) == ["900_new_table.sql"]
-    owner.discard()
+    assert migrate(database_url) == ["900_new_table.sql"]
     # Default privileges: queue_app uses the new table and its sequence at once.
     app = connect(queue_role["url"])
     try:

@@ -16,10 +16,10 @@ import time
 import pg8000.native
 import pytest
 from pg_password import PasswordServer
-from test_lambda import LambdaContext, ResponseURL, cfn_event, load_event
 
 import handler
 from conftest import configure_service, connect
+from helpers import LambdaContext, ResponseURL, cfn_event, load_event
 
 SECRET_PASSWORD = "pw-do-not-show-5d1c"
 

@@ -15,7 +15,7 @@ import pytest
 import handler
 import legacy
 from conftest import configure_service, connect, time_passes
-from helpers import app_row
+from helpers import app_row, migrate
 
 # The previous release's statements (before the state-machine change), verbatim in shape.
 OLD_ADD_APP = (
@@ -56,11 +56,7 @@ def migrate_to(url: str, tmp_path, stage: str) -> None:
     for path in sorted(handler.SQL_DIR.glob("*.sql")):
         if path.name[:3] <= stage:
             shutil.copy(path, directory / path.name)
-    db = handler.Database(
-        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
-    )
-    handler.apply_migrations(db, directory=directory)
-    db.discard()
+    migrate(url, directory)
 
 
 def old_release_cycle(sql, appid: str) -> list:
@@ -161,7 +157,7 @@ def adopted(url: str, state: str, monkeypatch):
     from fastapi.testclient import TestClient
 
     legacy.build(url, state)
-    legacy.migrate(url)
+    migrate(url)
     configure_service(monkeypatch, url)
     return TestClient(handler.app, raise_server_exceptions=False)
 

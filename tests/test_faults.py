@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import handler
-from conftest import ANALYSER, configure_service, connect, create_database
+from conftest import ANALYSER, Databases, configure_service, connect
 from helpers import app_row, history, insert_app
 from live import LiveServer
 
@@ -152,14 +152,7 @@ def own_postgres(monkeypatch):
     try:
         server = handler.embedded_postgres_server(base / "pgdata")
         try:
-            url = create_database(server.get_uri(), "restart_test")
-            handler.apply_migrations(
-                handler.Database(
-                    lambda: handler.connection_arguments(
-                        handler.load_settings({"DATABASE_URL": url})
-                    )
-                )
-            )
+            url = Databases(server.get_uri()).create(name="restart_test")  # migrated
             configure_service(monkeypatch, url)
             yield server, url
         finally:

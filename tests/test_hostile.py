@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import handler
 from conftest import ADMIN_TOKEN, UPLOAD_PASSWORD, connect
-from helpers import app_row, gateway_event, insert_app, oracle_order, table_digest
+from helpers import app_row, call_api, gateway_event, insert_app, oracle_order, table_digest
 from live import LiveServer
 
 POLICY = handler.QueuePolicy()
@@ -34,10 +34,6 @@ PERSISTENT_DATABASE = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     deadline=None,
 )
-
-
-def call(event: dict) -> dict:
-    return handler.api(event, handler.LocalContext(60, function_name="ApiFunction"))
 
 
 # --- strategies ----------------------------------------------------------------------
@@ -255,7 +251,7 @@ def claim_matches_oracle(sql) -> None:
     """A /queue from the same process returns the oracle's first candidate; the claimed
     app is put back as it was, so the supply lasts."""
     expected = oracle_order(sql, POLICY)
-    answer = call(gateway_event("GET", "/queue", headers=ANALYSER))
+    answer = call_api(gateway_event("GET", "/queue", headers=ANALYSER))
     assert answer["statusCode"] == 200, answer
     assert answer["body"] == (expected[0] if expected else "")
     if answer["body"]:
@@ -272,7 +268,7 @@ def test_generated_requests_never_get_a_500_and_a_4xx_changes_nothing(database_u
     if not sql.run("SELECT 1 FROM apps LIMIT 1"):
         seed_queue(sql)
     before = table_digest(sql)
-    answer = call(event)
+    answer = call_api(event)
     assert answer["statusCode"] < 500, (event, answer)
     if 400 <= answer["statusCode"] < 500:
         assert table_digest(sql) == before, (event, answer)
@@ -301,7 +297,7 @@ def test_anything_accepted_can_be_claimed_and_finished(
     database_url, sql, app_id, details, analysis, log
 ):
     app_id = f"{app_id}.n{next(serial)}"
-    added = call(
+    added = call_api(
         gateway_event(
             "POST",
             "/apps",
@@ -313,11 +309,11 @@ def test_anything_accepted_can_be_claimed_and_finished(
     if added["statusCode"] == 400:
         assert app_row(sql, app_id) is None
         return
-    claimed = call(gateway_event("GET", "/queue", f"appId={app_id}", headers=ANALYSER))
+    claimed = call_api(gateway_event("GET", "/queue", f"appId={app_id}", headers=ANALYSER))
     assert (claimed["statusCode"], claimed["body"]) == (200, app_id)
     token = claimed["headers"][handler.CLAIM_TOKEN_HEADER.lower()]
     target = f"appId={app_id}&analysisVersion=4"
-    uploaded = call(
+    uploaded = call_api(
         gateway_event(
             "POST",
             "/uploadAnalysis",
@@ -335,7 +331,7 @@ def test_anything_accepted_can_be_claimed_and_finished(
         assert app_row(sql, app_id)["status"] in ("analysed", "failed")
     else:
         assert app_row(sql, app_id)["status"] == "processing"
-    failed = call(
+    failed = call_api(
         gateway_event(
             "POST",
             "/reportAnalysisFailure",
@@ -347,7 +343,7 @@ def test_anything_accepted_can_be_claimed_and_finished(
     )
     assert failed["statusCode"] == 200, failed
     assert app_row(sql, app_id)["status"] == "failed"
-    shown = call(gateway_event("GET", f"/apps/{app_id}"))
+    shown = call_api(gateway_event("GET", f"/apps/{app_id}"))
     assert shown["statusCode"] == 200
     assert json.loads(shown["body"])["status"] == "failed"
 
@@ -422,7 +418,7 @@ def test_the_written_out_form_of_a_number_is_what_postgresql_writes(server_url, 
 def test_numbers_that_would_be_stored_far_larger_are_refused(database_url, sql, body, named):
     insert_app(sql, "top.app", status="processing")
     before = table_digest(sql)
-    answer = call(
+    answer = call_api(
         gateway_event(
             "POST",
             "/uploadAnalysis",
@@ -438,7 +434,7 @@ def test_numbers_that_would_be_stored_far_larger_are_refused(database_url, sql, 
 
 @pytest.mark.parametrize("reviews", [1e20, 1e300, "1" * 21, 10**21])
 def test_a_review_count_is_bounded_as_postgresql_writes_it(database_url, sql, reviews):
-    answer = call(
+    answer = call_api(
         gateway_event(
             "POST",
             "/apps",
@@ -455,7 +451,7 @@ def test_a_review_count_is_bounded_as_postgresql_writes_it(database_url, sql, re
 def test_an_event_api_gateway_never_sends_gets_a_400(database_url, sql, parent, field, value):
     event = gateway_event("GET", "/ping", headers=ANALYSER)
     (event[parent] if parent else event)[field] = value
-    answer = call(event)
+    answer = call_api(event)
     assert answer["statusCode"] == 400, answer
     assert sql.run("SELECT count(*) FROM analyser_heartbeats") == [[0]]
 
@@ -464,7 +460,7 @@ def test_an_event_api_gateway_never_sends_gets_a_400(database_url, sql, parent, 
 def test_a_source_address_that_is_not_text_gets_a_400(database_url, sql, source):
     event = gateway_event("GET", "/ping", headers=ANALYSER)
     event["requestContext"]["http"]["sourceIp"] = source
-    answer = call(event)
+    answer = call_api(event)
     assert answer["statusCode"] == 400
     assert "source address" in json.loads(answer["body"])["detail"]
     assert sql.run("SELECT count(*) FROM analyser_heartbeats") == [[0]]
@@ -477,7 +473,7 @@ def test_a_source_address_that_is_not_text_gets_a_400(database_url, sql, source)
 def test_a_misspelt_parameter_of_queue_does_not_hand_out_another_app(database_url, sql, query):
     insert_app(sql, "top.app", reviews=1)
     insert_app(sql, "other.app", reviews=9)
-    answer = call(gateway_event("GET", "/queue", query, headers=ANALYSER))
+    answer = call_api(gateway_event("GET", "/queue", query, headers=ANALYSER))
     assert answer["statusCode"] == 400
     assert "unknown query parameter" in json.loads(answer["body"])["detail"]
     assert app_row(sql, "other.app")["status"] == "queued"

@@ -12,20 +12,10 @@ import pg8000.native
 import pytest
 
 import handler
-from conftest import connect
+from helpers import connect, database_at, ledger, record_in_ledger
 
 ALL_FILES = [path.name for path in sorted(handler.SQL_DIR.glob("*.sql"))]
 PRODUCTION_FILES = [name for name in ALL_FILES if name < "007"]
-
-
-def runner(url: str) -> handler.Database:
-    return handler.Database(
-        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
-    )
-
-
-def ledger(sql) -> list:
-    return sql.run("SELECT filename, checksum FROM schema_migrations ORDER BY filename")
 
 
 def copy_ledger(tmp_path, names):
@@ -56,7 +46,7 @@ def test_production_file_names_are_kept():
 
 
 def test_ledger_on_an_empty_database(empty_database):
-    db = runner(empty_database)
+    db = database_at(empty_database)
     assert handler.apply_migrations(db, dry_run=True) == ALL_FILES
     assert handler.apply_migrations(db) == ALL_FILES
     assert handler.apply_migrations(db) == []
@@ -84,7 +74,7 @@ def build_production_database(url: str, with_rows: bool = False) -> None:
         if with_rows and name.startswith("002"):
             insert_legacy_history(sql)
         sql.execute_simple((handler.SQL_DIR / name).read_text())
-        sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
+        record_in_ledger(sql, name)
     if with_rows:
         # Written by the previous server after 006: a log with a NUL byte, as json.
         nul_log = '{"success": false, "logs": "bad\\u0000byte"}'
@@ -223,7 +213,7 @@ def insert_legacy_history(sql) -> None:
 
 def test_upgrade_of_a_production_database_at_006(empty_database):
     build_production_database(empty_database, with_rows=True)
-    db = runner(empty_database)
+    db = database_at(empty_database)
     assert handler.apply_migrations(db) == [n for n in ALL_FILES if n >= "007"]
     db.discard()
     sql = connect(empty_database)
@@ -304,7 +294,7 @@ def test_history_count_after_merge(empty_database):
     build_production_database(empty_database, with_rows=True)
     sql = connect(empty_database)
     ((before,),) = sql.run("SELECT count(*) FROM app_analyses")
-    db = runner(empty_database)
+    db = database_at(empty_database)
     handler.apply_migrations(db)
     db.discard()
     ((after,),) = sql.run("SELECT count(*) FROM app_analyses")
@@ -321,8 +311,8 @@ def test_a_database_already_at_009_is_adopted(empty_database, tmp_path):
         "009_case_insensitive_appids.sql",
     ):
         sql.execute_simple((handler.SQL_DIR / name).read_text())
-        sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
-    db = runner(empty_database)
+        record_in_ledger(sql, name)
+    db = database_at(empty_database)
     assert handler.apply_migrations(db) == [n for n in ALL_FILES if n >= "010"]
     db.discard()
     assert len(ledger(sql)) == len(ALL_FILES)
@@ -331,7 +321,7 @@ def test_a_database_already_at_009_is_adopted(empty_database, tmp_path):
 
 def test_edited_file_is_refused(empty_database, tmp_path):
     directory = copy_ledger(tmp_path, ALL_FILES)
-    db = runner(empty_database)
+    db = database_at(empty_database)
     handler.apply_migrations(db, directory=directory)
     edited = directory / "003_reject_invalid_app_ids.sql"
     edited.write_text(edited.read_text() + "\n-- a harmless edit is still an edit\n")
@@ -344,7 +334,7 @@ def test_edited_file_is_refused(empty_database, tmp_path):
 
 def test_out_of_order_file_is_refused(empty_database, tmp_path):
     directory = copy_ledger(tmp_path, ALL_FILES)
-    db = runner(empty_database)
+    db = database_at(empty_database)
     handler.apply_migrations(db, directory=directory)
     (directory / "005a_late_arrival.sql").write_text("-- late\nSELECT 1;\n")
     with pytest.raises(handler.MigrationRefused, match=r"005a_late_arrival\.sql"):
@@ -361,7 +351,7 @@ def test_failing_file_rolls_back_with_the_ledger_unchanged(empty_database, tmp_p
         "-- broken\nCREATE TABLE half_done (x int);\nINSERT INTO half_done VALUES (1);\n"
         "SELECT 1 / 0;\n"
     )
-    db = runner(empty_database)
+    db = database_at(empty_database)
     with pytest.raises(handler.MigrationFailed, match=r"^099_broken\.sql: 22012: division by zero"):
         handler.apply_migrations(db, directory=directory)
     sql = connect(empty_database)
@@ -378,7 +368,7 @@ def test_two_runners_at_once_apply_each_file_once(empty_database):
     barrier = threading.Barrier(2)
 
     def run():
-        db = runner(empty_database)
+        db = database_at(empty_database)
         barrier.wait()
         try:
             results.append(handler.apply_migrations(db))
@@ -402,7 +392,7 @@ def test_two_runners_at_once_apply_each_file_once(empty_database):
 
 def test_lock_timeout_stops_a_runner_stuck_behind_a_long_query(empty_database, tmp_path):
     directory = copy_ledger(tmp_path, ALL_FILES)
-    db = runner(empty_database)
+    db = database_at(empty_database)
     handler.apply_migrations(db, directory=directory)
     (directory / "050_needs_apps.sql").write_text("-- x\nALTER TABLE apps ADD COLUMN x int;\n")
     blocker = connect(empty_database)
@@ -453,10 +443,10 @@ def test_old_server_files_are_history_that_is_not_ours():
 
 def test_an_unknown_ledger_file_is_refused_with_what_to_do(empty_database, tmp_path):
     directory = copy_ledger(tmp_path, ALL_FILES)
-    db = runner(empty_database)
+    db = database_at(empty_database)
     handler.apply_migrations(db, directory=directory)
     sql = connect(empty_database)
-    sql.run("INSERT INTO schema_migrations (filename) VALUES ('013_mystery.sql')")
+    record_in_ledger(sql, "013_mystery.sql")
     (directory / "099_next.sql").write_text("-- next\nCREATE TABLE next_one (x int);\n")
     with pytest.raises(handler.MigrationRefused) as refusal:
         handler.apply_migrations(db, directory=directory)
@@ -502,7 +492,7 @@ def test_marker_declares_a_file_outside_a_transaction():
 
 def test_no_transaction_file_is_recorded_only_after_it_succeeds(empty_database, tmp_path):
     directory = copy_ledger(tmp_path, ALL_FILES)
-    db = runner(empty_database)
+    db = database_at(empty_database)
     handler.apply_migrations(db, directory=directory)
     sql = connect(empty_database)
     add_titled_apps(sql, "Same", "Same", "Other")
@@ -532,7 +522,7 @@ def test_an_invalid_index_an_earlier_build_left_is_rebuilt(empty_database, tmp_p
     """A build killed half-way (the Lambda timed out, the connection dropped) leaves an
     INVALID index and no ledger row: the next run drops it and builds it again."""
     directory = copy_ledger(tmp_path, ALL_FILES)
-    db = runner(empty_database)
+    db = database_at(empty_database)
     handler.apply_migrations(db, directory=directory)
     sql = connect(empty_database)
     add_titled_apps(sql, "Same", "Same")

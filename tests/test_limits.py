@@ -16,15 +16,11 @@ import pytest
 
 import handler
 from conftest import ADMIN_TOKEN, UPLOAD_PASSWORD
-from helpers import app_row, gateway_event, insert_app
+from helpers import app_row, call_api, gateway_event, insert_app
 
 LIMIT = handler.LAMBDA_PAYLOAD_LIMIT_BYTES
 ANALYSER = {"authorization": f"Bearer {UPLOAD_PASSWORD}"}
 MAX_BODY = handler.DEFAULT_MAX_BODY_BYTES
-
-
-def call(event: dict) -> dict:
-    return handler.api(event, handler.LocalContext(60))
 
 
 def invocation_bytes(response: dict) -> int:
@@ -52,7 +48,7 @@ def worst_text(size: int) -> str:
 )
 def test_the_largest_failure_log_gives_an_answer_that_fits(database_url, sql, log):
     insert_app(sql, "big.app", status="processing")
-    stored = call(
+    stored = call_api(
         gateway_event(
             "POST",
             "/reportAnalysisFailure",
@@ -64,7 +60,7 @@ def test_the_largest_failure_log_gives_an_answer_that_fits(database_url, sql, lo
     )
     assert stored["statusCode"] == 200
     assert invocation_bytes(stored) < LIMIT
-    answer = call(gateway_event("GET", "/apps/big.app"))
+    answer = call_api(gateway_event("GET", "/apps/big.app"))
     assert answer["statusCode"] == 200
     assert invocation_bytes(answer) < LIMIT
     view = json.loads(answer["body"])
@@ -77,7 +73,7 @@ def test_the_largest_failure_log_gives_an_answer_that_fits(database_url, sql, lo
 
 def test_a_large_analysis_and_large_details_are_left_out_in_turn(database_url, sql):
     text = worst_text(MAX_BODY - 100)
-    added = call(
+    added = call_api(
         gateway_event(
             "POST",
             "/apps",
@@ -91,7 +87,7 @@ def test_a_large_analysis_and_large_details_are_left_out_in_turn(database_url, s
     assert added["statusCode"] == 201
     assert invocation_bytes(added) < LIMIT
     sql.run("UPDATE apps SET status = 'processing'")
-    uploaded = call(
+    uploaded = call_api(
         gateway_event(
             "POST",
             "/uploadAnalysis",
@@ -103,7 +99,7 @@ def test_a_large_analysis_and_large_details_are_left_out_in_turn(database_url, s
     )
     assert uploaded["statusCode"] == 200
     assert invocation_bytes(uploaded) < LIMIT
-    answer = call(gateway_event("GET", "/apps/big.app"))
+    answer = call_api(gateway_event("GET", "/apps/big.app"))
     assert invocation_bytes(answer) < LIMIT
     view = json.loads(answer["body"])
     assert view["analysis"] is None and view["details"] is None
@@ -114,7 +110,7 @@ def test_a_small_document_is_answered_whole(database_url, sql):
     insert_app(
         sql, "small.app", status="analysed", version=4, analysis={"success": True, "q": '"' * 1000}
     )
-    view = json.loads(call(gateway_event("GET", "/apps/small.app"))["body"])
+    view = json.loads(call_api(gateway_event("GET", "/apps/small.app"))["body"])
     assert view["analysis"] == {"success": True, "q": '"' * 1000}
     assert "analysisOmitted" not in view
 
@@ -143,7 +139,7 @@ def test_the_largest_body_fits_the_invocation_limit_in_base64(size):
 
 def test_one_byte_over_the_limit_is_refused(database_url, sql):
     insert_app(sql, "big.app", status="processing")
-    answer = call(
+    answer = call_api(
         gateway_event(
             "POST",
             "/reportAnalysisFailure",
@@ -166,7 +162,7 @@ def test_a_legacy_document_too_large_to_answer_is_not_even_read(database_url, sq
                repeat('x', :n)) WHERE appid = 'legacy.app'""",
         n=LIMIT + 1000,
     )
-    answer = call(gateway_event("GET", "/apps/legacy.app"))
+    answer = call_api(gateway_event("GET", "/apps/legacy.app"))
     assert answer["statusCode"] == 200
     assert invocation_bytes(answer) < LIMIT
     view = json.loads(answer["body"])

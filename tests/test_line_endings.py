@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 import handler
+from helpers import database_at
 
 LEDGER_FILES = sorted(path.name for path in handler.SQL_DIR.glob("*.sql"))
 
@@ -25,12 +26,6 @@ def copy_ledger(tmp_path, crlf: bool):
         for path in directory.glob("*.sql"):
             path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
     return directory
-
-
-def owner_db(url: str) -> handler.Database:
-    return handler.Database(
-        lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
-    )
 
 
 def test_sql_files_are_lf_in_the_repository_and_kept_so_by_gitattributes():
@@ -60,7 +55,7 @@ def test_checksums_do_not_depend_on_line_endings(tmp_path):
 
 
 def test_a_crlf_checkout_migrates_a_database_the_lf_one_migrated(empty_database, tmp_path):
-    db = owner_db(empty_database)
+    db = database_at(empty_database)
     try:
         assert handler.apply_migrations(db, copy_ledger(tmp_path, crlf=False)) == LEDGER_FILES
         assert handler.apply_migrations(db, copy_ledger(tmp_path, crlf=True)) == []
@@ -70,7 +65,7 @@ def test_a_crlf_checkout_migrates_a_database_the_lf_one_migrated(empty_database,
 
 def test_checksums_recorded_over_crlf_bytes_stay_valid(empty_database, tmp_path):
     crlf = copy_ledger(tmp_path, crlf=True)
-    db = owner_db(empty_database)
+    db = database_at(empty_database)
     try:
         handler.apply_migrations(db, crlf)
         # What a runner that hashed raw bytes would have recorded for that checkout.
@@ -88,7 +83,7 @@ def test_checksums_recorded_over_crlf_bytes_stay_valid(empty_database, tmp_path)
 
 
 def test_an_edit_is_still_refused_whatever_the_line_endings(empty_database, tmp_path):
-    db = owner_db(empty_database)
+    db = database_at(empty_database)
     try:
         handler.apply_migrations(db, copy_ledger(tmp_path, crlf=False))
         edited = copy_ledger(tmp_path, crlf=True)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import handler
+from helpers import json_lines
 
 PROBE = """
 import json, sys
@@ -46,7 +47,7 @@ def test_every_api_log_line_carries_request_id_and_cold_start():
     )
     assert probe.returncode == 0, probe.stderr
     assert [json.loads(line)["status"] for line in probe.stdout.splitlines()] == [503, 503]
-    records = [json.loads(line) for line in probe.stderr.splitlines() if line.startswith("{")]
+    records = json_lines(probe.stderr, skip_other_lines=True)
     warnings = [r for r in records if r["message"] == "database unavailable"]
     assert len(warnings) == 2, records
     for n, record in enumerate(warnings, start=1):

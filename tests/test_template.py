@@ -30,6 +30,7 @@ from samtranslator.parser import parser as sam_parser
 from samtranslator.translator.translator import Translator
 
 import handler
+from helpers import load_event
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "template.yaml"
@@ -606,10 +607,6 @@ def test_layer_build_fails_without_ca_bundle(source_copy, tmp_path, fake_pip, mo
 
 
 # --------------------------------------------------------------------------- events
-
-
-def load_event(name: str) -> dict:
-    return json.loads((EVENTS / name).read_text())
 
 
 def test_every_event_file_parses():

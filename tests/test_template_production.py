@@ -16,6 +16,7 @@ import pytest
 from test_template import REQUIRED_PARAMETERS, load_template, resources_of_type, translate
 
 import handler
+from helpers import LambdaContext, json_lines, load_event
 
 FUNCTIONS = ("ApiFunction", "MigrationFunction", "ReportFunction")
 NO_VALUE = object()
@@ -312,14 +313,12 @@ def test_failed_migration_alarm_counts_the_handlers_log_record(transformed, monk
     ).groups()
     monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:9/unreachable")
     handler.use_runtime(None)
-    from test_lambda import LambdaContext, load_event
-
     failed = handler.migrate(load_event("cfn-create.json") | {"ResponseURL": ""}, LambdaContext())
     assert failed["Status"] == "FAILED"
     passed = handler.migrate(load_event("cfn-delete.json") | {"ResponseURL": ""}, LambdaContext())
     assert passed["Status"] == "SUCCESS"
     handler.use_runtime(None)
-    records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+    records = json_lines(capsys.readouterr().err)
     matching = [r for r in records if r.get(field) == expected]
     assert len(matching) == 1
     assert matching[0]["level"] == "ERROR"

@@ -1,0 +1,266 @@
+"""Secrets, as the Lambda entry points read them: the API's tokens from Secrets Manager and
+SSM through Powertools Parameters (moto), cached for SECRETS_MAX_AGE_SECONDS, never logged
+by any entry point; the database's credentials from Secrets Manager; boto3 imported only
+when a secret is read."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import handler
+from conftest import configure_function
+from helpers import (
+    EVENTS,
+    LambdaContext,
+    app_row,
+    cfn_event,
+    insert_app,
+    invoke_api,
+    invoke_migrate,
+    json_answer,
+    json_lines,
+    load_event,
+    one_record,
+)
+from live import TcpProxy
+
+pytestmark = pytest.mark.usefixtures("lambda_container")
+
+
+UPLOAD_SECRET = "sm-upload-8f3a1c9e77d2"
+
+
+ADMIN_SECRET = "ssm-admin-5b60e4d21a9f"
+
+
+@pytest.fixture
+def secret_api(aws, database_url, monkeypatch):
+    """The API with UPLOAD_PASSWORD in Secrets Manager and ADMIN_TOKEN in SSM."""
+    aws.client("secretsmanager").create_secret(Name="queue/upload", SecretString=UPLOAD_SECRET)
+    aws.client("ssm").put_parameter(Name="/queue/admin", Value=ADMIN_SECRET, Type="SecureString")
+    configure_function(
+        monkeypatch,
+        "ApiFunction",
+        database_url,
+        UPLOAD_PASSWORD="",
+        ADMIN_TOKEN="",
+        UPLOAD_PASSWORD_SECRET="secretsmanager:queue/upload",
+        ADMIN_TOKEN_SECRET="ssm:/queue/admin",
+    )
+
+    def invoke(name: str, token: str | None) -> dict:
+        return invoke_api(name, {"authorization": None if token is None else f"Bearer {token}"})
+
+    return invoke
+
+
+def test_tokens_from_secrets_manager_and_ssm(secret_api, sql):
+    assert handler.settings().upload_password is None
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("ping.json", "local-upload-password")["statusCode"] == 401
+    assert secret_api("ping.json", ADMIN_SECRET)["statusCode"] == 401
+    assert secret_api("ping.json", None)["statusCode"] == 401
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
+    assert secret_api("add-app.json", UPLOAD_SECRET)["statusCode"] == 401
+    assert secret_api("queue.json", UPLOAD_SECRET)["body"] == "com.example.app"
+    assert app_row(sql, "com.example.app")["status"] == "processing"
+
+
+def test_secrets_are_cached_for_max_age(secret_api, aws):
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
+    # Rotated, then deleted: within SECRETS_MAX_AGE_SECONDS (300) the cached values
+    # still answer, without asking AWS.
+    aws.client("secretsmanager").put_secret_value(
+        SecretId="queue/upload", SecretString="rotated-upload"
+    )
+    aws.client("ssm").put_parameter(
+        Name="/queue/admin", Value="rotated-admin", Type="SecureString", Overwrite=True
+    )
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 401
+    aws.client("secretsmanager").delete_secret(
+        SecretId="queue/upload", ForceDeleteWithoutRecovery=True
+    )
+    aws.client("ssm").delete_parameter(Name="/queue/admin")
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 200
+
+
+def test_secrets_are_read_again_after_max_age(secret_api, aws, monkeypatch):
+    monkeypatch.setenv("SECRETS_MAX_AGE_SECONDS", "0")
+    handler.use_runtime(None)
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    aws.client("secretsmanager").put_secret_value(
+        SecretId="queue/upload", SecretString="rotated-upload"
+    )
+    aws.client("ssm").put_parameter(
+        Name="/queue/admin", Value="rotated-admin", Type="SecureString", Overwrite=True
+    )
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 401
+    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 401
+    assert secret_api("add-app.json", "rotated-admin")["statusCode"] == 201
+
+
+def test_unreadable_secret_answers_503(secret_api, aws, capsys):
+    aws.client("secretsmanager").delete_secret(
+        SecretId="queue/upload", ForceDeleteWithoutRecovery=True
+    )
+    answer = secret_api("ping.json", UPLOAD_SECRET)
+    assert answer["statusCode"] == 503
+    assert json_answer(answer) == {"detail": "the server cannot read its token for this route"}
+    # The admin route's token (SSM) is still there.
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
+    logs = json_lines(capsys.readouterr().err)
+    record = one_record(logs, "secret unavailable")
+    assert record["secret"] == "secretsmanager:queue/upload"
+    assert record["level"] == "WARNING"
+
+
+def test_binary_secret_is_not_a_token(secret_api, aws):
+    aws.client("secretsmanager").put_secret_value(SecretId="queue/upload", SecretBinary=b"x")
+    answer = secret_api("ping.json", "x")
+    assert answer["statusCode"] == 503
+    assert json_answer(answer) == {"detail": "the server has no token configured for this route"}
+
+
+def test_secret_values_are_never_logged(secret_api, database_url, caplog, capsys, response_url):
+    caplog.set_level(logging.DEBUG)
+    answers = [
+        secret_api("ping.json", UPLOAD_SECRET),
+        secret_api("ping.json", UPLOAD_SECRET + "x"),
+        secret_api("ping.json", ADMIN_SECRET),
+        secret_api("queue.json", "wrong"),
+        secret_api("queue.json", None),
+        secret_api("add-app.json", UPLOAD_SECRET),
+        secret_api("add-app.json", ADMIN_SECRET),
+        secret_api("upload-analysis.json", ADMIN_SECRET),
+        secret_api("report-failure.json", UPLOAD_SECRET),
+        secret_api("get-app.json", UPLOAD_SECRET),
+    ]
+    assert [a["statusCode"] for a in answers] == [200, 401, 401, 401, 401, 401, 201, 401, 200, 200]
+    invoke_migrate(cfn_event("cfn-update.json", response_url))
+    assert response_url.reply()["Status"] == "SUCCESS"
+    handler.report(load_event("schedule.json"), LambdaContext())
+
+    captured = capsys.readouterr()
+    logged = captured.out + captured.err + caplog.text
+    assert "queue status" in captured.err  # the capture works
+    for record in caplog.records:
+        logged += " ".join(str(arg) for arg in (record.args or ()))
+    for secret in (UPLOAD_SECRET, ADMIN_SECRET):
+        assert secret not in logged
+        for answer in answers:
+            assert secret not in answer["body"]
+            assert secret not in json.dumps(answer["headers"])
+
+
+def test_database_credentials_from_secrets_manager(aws, database_url, monkeypatch):
+    with contextlib.ExitStack() as stack:
+        check_database_credentials(aws, database_url, monkeypatch, stack)
+
+
+def check_database_credentials(aws, database_url, monkeypatch, stack):
+    aws.client("secretsmanager").create_secret(
+        Name="queue/db", SecretString=json.dumps({"username": "postgres", "password": "pw-0x5e"})
+    )
+    aws.client("secretsmanager").create_secret(
+        Name="queue/db-other",
+        SecretString=json.dumps({"username": "no_such_role_7e2", "password": "pw-0x5f"}),
+    )
+    target = handler.connection_arguments(handler.load_settings({"DATABASE_URL": database_url}))
+    # DB_HOST is a TCP address: a proxy gives the socket-only embedded server one.
+    proxy = stack.enter_context(TcpProxy(target))
+    env = {
+        "DB_HOST": "127.0.0.1",
+        "DB_PORT": str(proxy.port),
+        "DB_NAME": target["database"],
+        "DB_SECRET_ID": "queue/db",
+        "DB_SSLMODE": "disable",
+    }
+    arguments = handler.connection_arguments(handler.load_settings(env))
+    assert arguments == {
+        "user": "postgres",
+        "password": "pw-0x5e",
+        "host": env["DB_HOST"],
+        "port": int(env["DB_PORT"]),
+        "database": env["DB_NAME"],
+        "ssl_context": None,
+    }
+    missing = {k: v for k, v in env.items() if k != "DB_SECRET_ID"}
+    with pytest.raises(handler.ConfigError, match="DB_SECRET_ID"):
+        handler.connection_arguments(handler.load_settings(missing))
+
+    # Over TCP, the service connects with the secret's user (trust auth ignores the
+    # password): postgres works, a user that does not exist gets 503.
+    for name in ("DATABASE_URL", "UPLOAD_PASSWORD", "ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    handler.use_runtime(None)
+    healthz = handler.api(load_event("healthz.json"), LambdaContext())
+    assert (healthz["statusCode"], healthz["body"]) == (200, '{"status":"ok"}')
+    monkeypatch.setenv("DB_SECRET_ID", "queue/db-other")
+    handler.use_runtime(None)
+    denied = handler.api(load_event("healthz.json"), LambdaContext())
+    assert denied["statusCode"] == 503
+    assert "pw-0x5f" not in denied["body"]
+
+
+IMPORT_PROBE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+event = json.load(open(sys.argv[2]))
+
+import handler
+answer = handler.api(event, handler.LocalContext(60, "probe"))
+seen = {"status": answer["statusCode"], "body": answer["body"],
+        "boto3": "boto3" in sys.modules,
+        "parameters": "aws_lambda_powertools.utilities.parameters" in sys.modules}
+# Now the token comes from Secrets Manager (a closed loopback port: the read fails).
+os.environ.pop("UPLOAD_PASSWORD")
+os.environ["UPLOAD_PASSWORD_SECRET"] = "secretsmanager:queue/upload"
+handler.use_runtime(None)
+answer = handler.api(event, handler.LocalContext(60, "probe"))
+seen.update(after_status=answer["statusCode"], after_boto3="boto3" in sys.modules)
+print(json.dumps(seen))
+"""
+
+
+def test_boto3_is_imported_only_when_a_secret_is_read(database_url, sql):
+    insert_app(sql, "com.example.app")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+        "DATABASE_URL": database_url,
+        "UPLOAD_PASSWORD": "local-upload-password",
+        "ADMIN_TOKEN": "local-admin-token",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_MAX_ATTEMPTS": "1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    probe = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, str(handler.HERE), str(EVENTS / "queue.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert probe.returncode == 0, probe.stderr
+    seen = json.loads(probe.stdout.splitlines()[-1])
+    assert (seen["status"], seen["body"]) == (200, "com.example.app")
+    assert seen["boto3"] is False
+    assert seen["parameters"] is False
+    assert seen["after_status"] == 503
+    assert seen["after_boto3"] is True
