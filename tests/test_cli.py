@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 import handler
 from conftest import connect
 from helpers import app_row, days_ago, history, insert_app, minutes_ago, run_cli
@@ -192,6 +194,7 @@ def test_invoke_exits_1_when_the_custom_resource_reply_is_failed(database_url, t
     assert "unknown RequestType" in answer["Reason"]
 
 
+@pytest.mark.private_database  # a trigger refuses updates of apps
 def test_invoke_exits_1_on_a_server_error_from_the_api(database_url, sql, tmp_path):
     ok = cli(database_url, "invoke", "api", "events/healthz.json")
     assert ok.returncode == 0, ok.stderr

@@ -236,6 +236,7 @@ def queue_role(database_url, server_url, monkeypatch):
     owner.close()
 
 
+@pytest.mark.private_database  # queue_role grants on its schema and tables
 def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
     assert invoke_api("healthz.json")["statusCode"] == 200
     whoami = handler.database().run("SELECT current_user")[0][0]
@@ -274,6 +275,7 @@ def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
     assert handler.report({"command": "priority-report"}, LambdaContext())["apps"]
 
 
+@pytest.mark.private_database  # queue_role grants on its schema and tables
 @pytest.mark.parametrize(
     "ddl",
     [
@@ -295,6 +297,7 @@ def test_the_queue_role_cannot_change_the_schema(queue_role, ddl):
         app.close()
 
 
+@pytest.mark.private_database  # queue_role grants on its schema and tables
 def test_migrations_as_the_queue_role_fail_and_as_the_owner_succeed(
     queue_role, database_url, monkeypatch, tmp_path
 ):

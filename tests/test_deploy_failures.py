@@ -136,6 +136,7 @@ def test_authentication_failed(password_server, database_url, monkeypatch):
     )
 
 
+@pytest.mark.private_database  # migrates, with a file that alters apps
 def test_lock_timeout_names_the_file(database_url, sql, monkeypatch, tmp_path):
     directory = tmp_path / "sql"
     directory.mkdir()

@@ -84,6 +84,7 @@ def test_connection_killed_between_requests(live, sql):
     assert live.get("/healthz").status_code == 200
 
 
+@pytest.mark.private_database  # slow_down() adds a trigger
 def test_connection_killed_in_the_middle_of_a_claim(live, sql, database_url):
     insert_app(sql, "app.first", reviews="10")
     insert_app(sql, "app.second", reviews="1")
@@ -106,6 +107,7 @@ def test_connection_killed_in_the_middle_of_a_claim(live, sql, database_url):
     assert rows == [[0]]
 
 
+@pytest.mark.private_database  # slow_down() adds a trigger
 def test_connection_killed_in_the_middle_of_every_upload_attempt(live, sql, database_url):
     insert_app(sql, "com.example.app")
     assert live.get("/queue", headers=ANALYSER).text == "com.example.app"
@@ -127,6 +129,7 @@ def test_connection_killed_in_the_middle_of_every_upload_attempt(live, sql, data
     assert history(sql, "com.example.app") == []
 
 
+@pytest.mark.private_database  # slow_down() adds a trigger
 def test_connection_killed_once_in_the_middle_of_an_upload(live, sql, database_url):
     insert_app(sql, "com.example.app")
     token = live.get("/queue", headers=ANALYSER).headers["x-analysis-claim-token"]

@@ -143,6 +143,7 @@ def test_a_table_lock_answers_503_after_the_lock_timeout(client, sql, database_u
     assert claim(client) == "com.example.app"
 
 
+@pytest.mark.private_database  # ALTER DATABASE ... SET
 def test_healthz_fails_while_the_database_is_read_only(client, sql, database_url):
     admin = connect(database_url)
     settings = handler.load_settings({"DATABASE_URL": database_url})
