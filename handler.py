@@ -2936,6 +2936,8 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             "applied": event.get("apply") is True,
             "apps": [row["appid"] for row in selected],
         }
+        if app_ids and event.get("limit") is None:
+            result["unknown"] = unknown_app_ids(app_ids, selected)
         logger.info("queue refetch", extra={"queue_refetch": result})
         return result
     if command != "queue-status":

@@ -1,4 +1,4 @@
-"""Reproducible builds and cold-start bytecode (issue 10, points 1 and 6).
+"""Reproducible builds and cold-start bytecode.
 
 * requirements.lock pins every transitive dependency of requirements.txt, with hashes.
 * The minimum Python is checked with a clear message.

@@ -1,4 +1,4 @@
-"""Misconfiguration fails loudly and names the variable (issue 10, point 7).
+"""Misconfiguration fails loudly and names the variable.
 
 * `serve` and the CLI refuse to start: exit status 1, the variable on stderr, no server.
 * On Lambda the API answers 503 saying the service is misconfigured; the variable is in

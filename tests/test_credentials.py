@@ -1,4 +1,4 @@
-"""Credentials that rotate, and least privilege (issue 10, point 2).
+"""Credentials that rotate, and least privilege.
 
 * Rotation: on a PostgreSQL that checks passwords (tests/pg_password.py), the database
   secret in Secrets Manager (moto) and the role's password change together while

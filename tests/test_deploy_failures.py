@@ -1,4 +1,4 @@
-"""Deploys that cannot hang, and say why they failed (issue 10, point 3).
+"""Deploys that cannot hang, and say why they failed.
 
 The migration custom resource's FAILED reason, as CloudFormation shows it, carries the
 root cause (connection refused, TLS verification failed, authentication failed, lock

@@ -297,9 +297,15 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
     before = table_digest(sql)
 
     dry = handler.report(
-        {"command": "queue-refetch", "appIds": ["COM.example.DONE"]}, LambdaContext()
+        {"command": "queue-refetch", "appIds": ["COM.example.DONE", "com.example.nope"]},
+        LambdaContext(),
     )
-    assert dry == {"command": "queue-refetch", "applied": False, "apps": ["com.example.done"]}
+    assert dry == {
+        "command": "queue-refetch",
+        "applied": False,
+        "apps": ["com.example.done"],
+        "unknown": ["com.example.nope"],  # named, not in the queue
+    }
     assert table_digest(sql) == before
     with pytest.raises(ValueError, match="apply must be true or false"):
         handler.report(
@@ -313,7 +319,12 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         {"command": "queue-refetch", "appIds": ["com.example.done"], "apply": True},
         LambdaContext(),
     )
-    assert done == {"command": "queue-refetch", "applied": True, "apps": ["com.example.done"]}
+    assert done == {
+        "command": "queue-refetch",
+        "applied": True,
+        "apps": ["com.example.done"],
+        "unknown": [],
+    }
     logs, _ = output_records(capsys.readouterr())
     assert one_record(logs, "queue refetch")["queue_refetch"] == done
     row = app_row(sql, "com.example.done")

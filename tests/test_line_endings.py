@@ -1,4 +1,4 @@
-"""A deploy from a Windows checkout is not refused (issue 10, point 6).
+"""A deploy from a Windows checkout is not refused.
 
 sql/ keeps LF line endings in every checkout (.gitattributes), and the ledger checksum is
 taken over LF line endings, so CRLF copies hash the same; checksums recorded before

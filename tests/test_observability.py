@@ -1,4 +1,4 @@
-"""API log lines carry the request id and the cold-start flag (issue 10, point 4).
+"""API log lines carry the request id and the cold-start flag.
 
 A fresh interpreter (so the first invocation really is the cold one) invokes handler.api
 twice on events/healthz.json against an unreachable database, so the app logs a warning

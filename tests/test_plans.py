@@ -13,7 +13,7 @@ test_claims_follow_the_oracle_while_promotion_is_partial), 32 claimers on a plai
 connection (test_claims.py: test_32_concurrent_claimers_never_share_an_app), queue
 positions (test_claims.py: test_queue_positions_match_the_oracle), the first claim after
 upgrading a previous release's database (test_adoption.py), and no boto3 on the API path
-(test_lambda.py: test_boto3_is_imported_only_when_a_secret_is_read). Its timings and
+(test_entry_secrets.py: test_boto3_is_imported_only_when_a_secret_is_read). Its timings and
 targets are measurements, not tests.
 """
 

@@ -1,4 +1,4 @@
-"""The stack's production settings (issue 10), on the template as SAM translates it.
+"""The stack's production settings, on the template as SAM translates it.
 
 Conditions are evaluated here for given parameter values (CloudFormation does it on
 deploy; neither the SAM translator nor cfn-lint does), so each optional piece is checked
