@@ -1970,7 +1970,10 @@ def apply_migrations(
     with db.session() as connection:
         connection.run("SET lock_timeout = " + pg8000.native.literal(lock_timeout))
         deadline = time.monotonic() + wait_seconds
-        while not connection.run(LEDGER_TRY_LOCK, key=MIGRATIONS_LOCK_KEY)[0][0]:
+        while True:
+            ((locked,),) = connection.run(LEDGER_TRY_LOCK, key=MIGRATIONS_LOCK_KEY)
+            if locked:
+                break
             if time.monotonic() > deadline:
                 raise MigrationRefused("another migration runner held the lock too long")
             time.sleep(0.2)

@@ -140,3 +140,36 @@ def test_the_readme_failure_table_is_the_code():
     for reason, retryable, phrases in expected:
         for phrase in phrases:
             assert handler.classify_analysis_failure(f"x {phrase.upper()} y") == (reason, retryable)
+
+
+def test_rows_are_read_by_name():
+    """No positional reading of a row (`rows[0][3]`, `row[2]`): a multi-column result is
+    read through Session.records, by the names its SQL gives."""
+    positional = re.findall(r".*(?:\]\[\d+\]|\brow\[\d*:?\d*\]).*", SOURCE)
+    assert positional == []
+
+
+def test_no_test_or_benchmark_touches_a_private_name_of_handler():
+    """Tests and benchmarks use handler.py's public names only (a Runtime, time_passes),
+    so its internals can change without them."""
+    touched = []
+    for path in sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id == "handler":
+                    names.append(node.attr)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+                "setattr",
+                "getattr",
+            ):
+                target, *rest = node.args
+                if isinstance(target, ast.Name) and target.id == "handler" and rest:
+                    if isinstance(rest[0], ast.Constant):
+                        names.append(rest[0].value)
+            touched += [
+                f"{path.name}:{node.lineno} {name}"
+                for name in names
+                if name.startswith("_") and not name.startswith("__")
+            ]
+    assert touched == []
