@@ -403,6 +403,18 @@ def one_record(records: list[dict], message: str) -> dict:
 # --- the CLI ---------------------------------------------------------------------------
 
 
+def run_python(code: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS` in a fresh interpreter with env: a cold start, as Lambda's."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`python handler.py ARGS` in its own process with env, as an operator runs it."""
     return subprocess.run(

@@ -9,8 +9,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -28,6 +26,7 @@ from helpers import (
     json_lines,
     load_event,
     one_record,
+    run_python,
 )
 from live import TcpProxy
 
@@ -249,14 +248,7 @@ def test_boto3_is_imported_only_when_a_secret_is_read(database_url, sql):
         "AWS_MAX_ATTEMPTS": "1",
         "AWS_EC2_METADATA_DISABLED": "true",
     }
-    probe = subprocess.run(
-        [sys.executable, "-c", IMPORT_PROBE, str(handler.HERE), str(EVENTS / "queue.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    probe = run_python(IMPORT_PROBE, str(handler.HERE), str(EVENTS / "queue.json"), env=env)
     assert probe.returncode == 0, probe.stderr
     seen = json.loads(probe.stdout.splitlines()[-1])
     assert (seen["status"], seen["body"]) == (200, "com.example.app")

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import handler
-from helpers import json_lines
+from helpers import json_lines, run_python
 
 PROBE = """
 import json, sys
@@ -37,14 +35,7 @@ def test_every_api_log_line_carries_request_id_and_cold_start():
         "UPLOAD_PASSWORD": "x",
         "ADMIN_TOKEN": "y",
     }
-    probe = subprocess.run(
-        [sys.executable, "-c", PROBE, str(handler.HERE), str(handler.HERE / "events/healthz.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    probe = run_python(PROBE, str(handler.HERE), str(handler.HERE / "events/healthz.json"), env=env)
     assert probe.returncode == 0, probe.stderr
     assert [json.loads(line)["status"] for line in probe.stdout.splitlines()] == [503, 503]
     records = json_lines(probe.stderr, skip_other_lines=True)
