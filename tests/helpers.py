@@ -403,6 +403,17 @@ def one_record(records: list[dict], message: str) -> dict:
 # --- the CLI ---------------------------------------------------------------------------
 
 
+def run_together(targets: list, timeout: float) -> None:
+    """Run each callable on its own thread, all at once, and wait for every one; a thread
+    still running after `timeout` seconds is a hang, and fails the test."""
+    threads = [threading.Thread(target=target) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout)
+    assert not any(thread.is_alive() for thread in threads)
+
+
 def run_python(code: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`python -c CODE ARGS` in a fresh interpreter with env: a cold start, as Lambda's."""
     return subprocess.run(

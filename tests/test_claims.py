@@ -17,7 +17,15 @@ import pytest
 
 import handler
 from conftest import ANALYSER, configure_service, time_passes
-from helpers import app_row, database_at, days_ago, insert_app, minutes_ago, oracle_order
+from helpers import (
+    app_row,
+    database_at,
+    days_ago,
+    insert_app,
+    minutes_ago,
+    oracle_order,
+    run_together,
+)
 
 POLICY = handler.QueuePolicy()
 
@@ -203,12 +211,7 @@ def test_32_concurrent_claimers_never_share_an_app(database_url, sql):
         finally:
             db.discard()
 
-    threads = [threading.Thread(target=analyser) for _ in range(32)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads)
+    run_together([analyser] * 32, timeout=60)
     assert errors == []
     assert len(results) == 220
     assert len(set(results)) == 220

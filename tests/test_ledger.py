@@ -12,7 +12,7 @@ import pg8000.native
 import pytest
 
 import handler
-from helpers import connect, database_at, ledger, record_in_ledger
+from helpers import connect, database_at, ledger, record_in_ledger, run_together
 
 ALL_FILES = [path.name for path in sorted(handler.SQL_DIR.glob("*.sql"))]
 PRODUCTION_FILES = [name for name in ALL_FILES if name < "007"]
@@ -377,12 +377,7 @@ def test_two_runners_at_once_apply_each_file_once(empty_database):
         finally:
             db.discard()
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads)
+    run_together([run, run], timeout=120)
     assert errors == []
     assert sorted(results, key=len) == [[], ALL_FILES]
     sql = connect(empty_database)

@@ -19,6 +19,7 @@ targets are measurements, not tests.
 
 from __future__ import annotations
 
+import functools
 import threading
 import uuid
 from collections import Counter
@@ -28,7 +29,7 @@ import pytest
 
 import handler
 from conftest import ANALYSER, configure_service
-from helpers import oracle_order
+from helpers import oracle_order, run_together
 
 ROWS = 5000
 # The benchmark's phases: the service as deployed, restarted with the analysers' version
@@ -315,12 +316,7 @@ def test_concurrent_claimers_share_no_app_and_miss_none(database_url, sql):
         finally:
             runtime.close()
 
-    threads = [threading.Thread(target=claimer, args=(mine,)) for mine in claimed]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads)
+    run_together([functools.partial(claimer, mine) for mine in claimed], timeout=120)
     assert errors == []
     tokens = dict(pair for mine in claimed for pair in mine)
     appids = [appid for mine in claimed for appid, _ in mine]
