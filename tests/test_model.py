@@ -374,6 +374,27 @@ class QueueModel(RuleBasedStateMachine):
         self.counter += 1
         self._send("exact-app", appid, (kind, self.counter), self.policy.analysis_version, None)
 
+    @precondition(lambda self: any(a.status == "processing" for a in self.apps.values()))
+    @rule(data=st.data(), kind=st.sampled_from(("success", "retry")))
+    def stale_tokenless_result(self, data, kind):
+        """A tokenless result for an app another analyser holds now (its sender's lease was
+        taken over): it must not make the holder's token stop working."""
+        processing = sorted(a.appid for a in self.apps.values() if a.status == "processing")
+        appid = data.draw(st.sampled_from(processing))
+        self.counter += 1
+        self._send("stale", appid, (kind, self.counter), self.policy.analysis_version, None)
+
+    @precondition(lambda self: any((a.version or 0) > 1 for a in self.apps.values()))
+    @rule(data=st.data(), use_token=st.booleans())
+    def older_version_result(self, data, use_token):
+        """A result of an older analysisVersion than the one stored (an old analyser)."""
+        app = self.apps[
+            data.draw(st.sampled_from(sorted(a.appid for a in self.apps.values() if a.version)))
+        ]
+        self.counter += 1
+        token = app.token if use_token else None
+        self._send("old", app.appid, ("success", self.counter), app.version - 1, token)
+
     # --- time, operators, policy ------------------------------------------------------
 
     @precondition(lambda self: any(a.status == "processing" for a in self.apps.values()))
