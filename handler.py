@@ -84,17 +84,21 @@ class ConfigError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class QueuePolicy:
-    """When an app is handed out again (README, "The queue"): the three knobs of the rule."""
+    """When an app is handed out again (README, "The queue"): the knobs of the rule."""
 
     analysis_version: int = 4
     stale_days: int = 180
     processing_timeout_minutes: int = 120
+    # Claims in a row whose lease expired without a result, after which the app backs off
+    # (a lease_expired failure) instead of being handed out again at the head forever.
+    max_lease_attempts: int = 3
 
     def sql_params(self) -> dict[str, int]:
         return {
             "analysis_version": self.analysis_version,
             "stale_days": self.stale_days,
             "timeout_minutes": self.processing_timeout_minutes,
+            "max_lease_attempts": self.max_lease_attempts,
         }
 
 
@@ -178,6 +182,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
             processing_timeout_minutes=_int_setting(
                 env, "PROCESSING_TIMEOUT_MINUTES", 120, minimum=1
             ),
+            max_lease_attempts=_int_setting(env, "MAX_LEASE_ATTEMPTS", 3, minimum=1),
         ),
         max_body_bytes=_int_setting(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, minimum=1),
         statement_timeout_ms=statement_timeout_ms,
@@ -248,9 +253,11 @@ CANDIDATE = """(
     status = 'queued'
     OR (status = 'processing'
         AND COALESCE(processing_started, '-infinity')
-            < now() - make_interval(mins => :timeout_minutes))
+            < now() - make_interval(mins => :timeout_minutes)
+        AND lease_attempts < :max_lease_attempts)
     OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
-        AND (COALESCE(analysisversion, 0) < :analysis_version
+        AND ((COALESCE(analysisversion, 0) < :analysis_version
+              AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
              OR COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days)))
 )"""
 CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
@@ -289,6 +296,9 @@ OLD_VERSIONS = f"""old_versions(version) AS (
 )"""
 STALE_CUTOFF = "now() - make_interval(days => :stale_days)"
 LEASE_CUTOFF = "now() - make_interval(mins => :timeout_minutes)"
+# An analysis of an outdated version is due again once it is a lease old: an analyser
+# still on the old version cannot put the same app back at the head in a loop.
+OUTDATED_RESULT_SETTLED = f"COALESCE(analysed, '-infinity') < {LEASE_CUTOFF}"
 UNFLAGGED_STALE_EXIST = f"""(
     SELECT min(COALESCE(analysed, '-infinity')) FROM apps WHERE NOT due AND {RETRY_ELIGIBLE}
 ) < {STALE_CUTOFF}"""
@@ -303,6 +313,11 @@ STALE_DAYS = f"""stale_days(day) AS (
     FROM stale_days d WHERE d.day IS NOT NULL AND d.day < analysis_day({STALE_CUTOFF})
 )"""
 CLAIM_KEYS = "appid, app_popularity(details) AS popularity, added"
+# What a claim writes. lease_attempts counts the claims in a row that took over an
+# expired lease; a refetch asked during a lease is done by the claim that follows it.
+CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
+    analysis_claim_token = :token, refetch_requested = false,
+    lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
 CLAIM_NEXT_APP = f"""
 WITH RECURSIVE {OLD_VERSIONS}, {STALE_DAYS},
 head AS (
@@ -314,6 +329,7 @@ head AS (
     SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
+          AND {OUTDATED_RESULT_SETTLED}
         ORDER BY {CLAIM_ORDER}
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
@@ -321,6 +337,7 @@ head AS (
     SELECT {CLAIM_KEYS} FROM apps
     WHERE status = 'processing' AND NOT due
       AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})
+      AND lease_attempts < :max_lease_attempts
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
@@ -339,20 +356,23 @@ head AS (
     ORDER BY popularity DESC, added, appid
     LIMIT 1
 )
-UPDATE apps SET status = 'processing', processing_started = now(), due = false,
-                analysis_claim_token = :token
+UPDATE apps SET {CLAIM_SET}
 FROM choice WHERE apps.appid = choice.appid
 RETURNING apps.appid
 """
 
 CLAIM_NAMED_APP = f"""
-UPDATE apps SET status = 'processing', processing_started = now(), due = false,
-                analysis_claim_token = :token
+UPDATE apps SET {CLAIM_SET}
 WHERE appid = (
     SELECT appid FROM apps
     WHERE lower(appid) = lower(:appid) AND {CANDIDATE}
     FOR UPDATE SKIP LOCKED)
 RETURNING appid
+"""
+
+# Read through apps_processing_started: only processing rows hold a claim token.
+FIND_OWN_CLAIM = """
+SELECT appid FROM apps WHERE status = 'processing' AND analysis_claim_token = :token
 """
 
 # == SQL: promotion =====================================================================
@@ -373,10 +393,45 @@ WITH flagged AS (
         WHERE status = 'processing' AND NOT due
           AND (processing_started IS NULL
                OR processing_started < {LEASE_CUTOFF} + make_interval(secs => :horizon_seconds))
+          AND lease_attempts < :max_lease_attempts
         LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
 SELECT count(*) AS flagged FROM flagged
+"""
+# An app whose last max_lease_attempts leases in a row expired without a result is not
+# handed out again (CANDIDATE): the promoter records a retryable lease_expired failure on
+# the analysers' behalf, which waits like any retryable failure (a version bump, the
+# staleness window, or an operator's refetch). Its history row says so.
+SERVER_FAILURE_SOURCE = "queue-server"
+ABANDON_EXPIRED_LEASES = f"""
+WITH abandoned AS (
+    UPDATE apps SET status = 'failed', failure_reason = 'lease_expired',
+        failure_retryable = true, analysisversion = :analysis_version, analysed = now(),
+        analysis = jsonb_build_object(
+            'success', false, 'reason', 'lease_expired', 'retryable', true,
+            'analysis_source', '{SERVER_FAILURE_SOURCE}',
+            'logs', format('no result after %s leases in a row of %s minutes each',
+                           lease_attempts, :timeout_minutes)),
+        processing_started = NULL, analysis_claim_token = NULL, due = false,
+        lease_attempts = 0, refetch_requested = false,
+        result_claim_token = NULL, result_claim_verified = false
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps
+        WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
+          AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF}
+        LIMIT :batch FOR UPDATE SKIP LOCKED))
+    RETURNING appid, analysis, analysisversion, analysed, details
+), recorded AS (
+    INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
+                              analysis_source, success)
+    SELECT appid, analysis, analysisversion, analysed, details->>'version',
+           '{SERVER_FAILURE_SOURCE}', false
+    FROM abandoned
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM abandoned
 """
 PROMOTE_STALE_BATCH = f"""
 WITH flagged AS (
@@ -403,6 +458,9 @@ QUEUE_POLICY_APPLIED = """
 SELECT (analysis_version, stale_days, processing_timeout_minutes)
        IS NOT DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
 FROM queue_policy
+"""
+RESTORE_QUEUE_POLICY_ROW = """
+INSERT INTO queue_policy (singleton) VALUES (true) ON CONFLICT DO NOTHING
 """
 RECORD_QUEUE_POLICY = """
 UPDATE queue_policy
@@ -442,8 +500,14 @@ SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
        failure_retryable, analysis_claim_token, app_popularity(details) AS popularity
 FROM apps WHERE lower(appid) = lower(:appid)
 """
-FIND_APP_FOR_UPDATE = """
-SELECT appid, analysis_claim_token FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
+# What judge_result needs of the app a result names, under the row's lock.
+FIND_RESULT_TARGET = f"""
+SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
+       COALESCE(analysis = CAST(:analysis AS jsonb)
+                AND analysisversion IS NOT DISTINCT FROM :version, false) AS same_result,
+       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
+       {DOCUMENT.format("details")}, analysed
+FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
 """
 
 # The public queue position: candidates ahead of the app in claim order, counted from the
@@ -468,9 +532,11 @@ def _rows_ahead(where: str, order: str) -> str:
 
 
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
-OLD_VERSION_ROW = f"NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version"
+OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
+    AND {OUTDATED_RESULT_SETTLED}"""
 UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due
-    AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})"""
+    AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})
+    AND lease_attempts < :max_lease_attempts"""
 QUEUE_POSITION = f"""
 WITH RECURSIVE {OLD_VERSIONS}
 SELECT
@@ -492,7 +558,9 @@ STORE_RESULT = f"""
 UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
                 analysed = now(), status = :status, failure_reason = :failure_reason,
                 failure_retryable = :failure_retryable, processing_started = NULL,
-                analysis_claim_token = NULL, due = false
+                analysis_claim_token = NULL, due = false, lease_attempts = 0,
+                result_claim_token = :result_claim, result_claim_verified = :verified,
+                refetch_requested = false
 WHERE appid = :appid
 RETURNING appid, {DOCUMENT.format("details")}, analysed
 """
@@ -506,6 +574,12 @@ SELECT appid, analysis, analysisversion, analysed,
 FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
   AND analysis IS NOT NULL AND analysed IS NOT NULL
 ON CONFLICT DO NOTHING
+"""
+
+# An operator's refetch asked during the lease this result ended (refetch_requested).
+REQUEUE_AFTER_RESULT = """
+UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false
+WHERE appid = :appid
 """
 
 ADD_APP = """
@@ -523,10 +597,12 @@ ON CONFLICT (analyser_id) DO UPDATE
 SET last_seen = now(), source_address = EXCLUDED.source_address,
     user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
 """
+# Ages come from the database's clock, the one that wrote the times; a time the service
+# cannot have written (infinite, or in the future) is not a ping.
 LAST_PING = """
-SELECT max(last_seen) AS last_seen,
+SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_ping,
        count(*) FILTER (WHERE last_seen > now() - interval '1 hour') AS analysers_last_hour
-FROM analyser_heartbeats
+FROM analyser_heartbeats WHERE isfinite(last_seen) AND last_seen <= now()
 """
 
 # == SQL: reports =======================================================================
@@ -540,6 +616,8 @@ SELECT {CANDIDATE_REASON} AS reason, count(*) AS apps FROM apps WHERE {CANDIDATE
 """
 THROUGHPUT = """
 SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) AS analysed_1h,
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours'
+                        AND COALESCE(analysisversion, 0) < :analysis_version) AS outdated_24h,
        count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND NOT success) AS failed_1h,
        count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND success) AS analysed_24h,
        count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND NOT success)
@@ -549,12 +627,29 @@ SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) 
 FROM app_analyses WHERE analysed > now() - interval '7 days'
 """
 PROCESSING_APPS = """
-SELECT appid, processing_started,
-       extract(epoch FROM now() - processing_started) / 60 AS age_minutes,
-       processing_started < now() - make_interval(mins => :timeout_minutes) AS expired
+SELECT appid, processing_started, lease_attempts, refetch_requested,
+       CASE WHEN isfinite(processing_started)
+            THEN extract(epoch FROM now() - processing_started) / 60 END AS age_minutes,
+       COALESCE(processing_started, '-infinity')
+           < now() - make_interval(mins => :timeout_minutes) AS expired
 FROM apps WHERE status = 'processing'
 ORDER BY processing_started
 LIMIT :limit
+"""
+# Apps the queue holds back: leases that expired max_lease_attempts times in a row (the
+# promoter records them as lease_expired failures), and outdated-version analyses not yet
+# a lease old (an analyser still on an old version made them).
+HELD_BACK = f"""
+SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expired')
+           AS lease_expired_failures,
+       count(*) FILTER (WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
+                        AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF})
+           AS abandoned_leases,
+       count(*) FILTER (WHERE {RETRY_ELIGIBLE}
+                        AND COALESCE(analysisversion, 0) < :analysis_version
+                        AND NOT {OUTDATED_RESULT_SETTLED}) AS outdated_settling,
+       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting
+FROM apps
 """
 TOP_BACKLOG = f"""
 SELECT appid, app_popularity(details) AS popularity, added, {CANDIDATE_REASON} AS reason
@@ -581,10 +676,32 @@ SELECT appid, status FROM apps WHERE status = 'analysed'
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
-REFETCH_APPLY = """
-UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
-                failure_retryable = NULL, analysis_claim_token = NULL, due = false
-WHERE appid = ANY(CAST(:appids AS text[]))
+# A refetch never hands an app out twice: an app under a live lease is re-queued when
+# that lease's result arrives or the lease expires (refetch_requested), unless `force`
+# breaks the lease, which fences its holder (its claim token no longer matches). What
+# happened to each app is the outcome: queued, waiting (for the lease) or lease_broken.
+REFETCH_APPLY = f"""
+WITH chosen AS (
+    SELECT appid, status = 'processing' AS leased,
+           status = 'processing' AND NOT :force
+               AND COALESCE(processing_started, '-infinity') >= {LEASE_CUTOFF} AS waits
+    FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
+    FOR UPDATE
+), requeued AS (
+    UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
+                    failure_retryable = NULL, analysis_claim_token = NULL, due = false,
+                    refetch_requested = false, lease_attempts = 0
+    FROM chosen WHERE apps.appid = chosen.appid AND NOT chosen.waits
+    RETURNING apps.appid, chosen.leased
+), deferred AS (
+    UPDATE apps SET refetch_requested = true
+    FROM chosen WHERE apps.appid = chosen.appid AND chosen.waits
+    RETURNING apps.appid
+)
+SELECT appid, CASE WHEN leased AND :force THEN 'lease_broken' ELSE 'queued' END AS outcome
+FROM requeued
+UNION ALL
+SELECT appid, 'waiting' AS outcome FROM deferred
 """
 
 # == SQL: the ledger ====================================================================
@@ -643,6 +760,11 @@ class DatabaseUnavailable(Exception):
 
 class BadInput(Exception):
     """The request is well-formed HTTP but its data is unusable; the API answers 400."""
+
+
+class PlanChanged(Exception):
+    """A prepared statement's plan was invalidated (0A000) inside a transaction, which
+    the error aborted; Database runs the transaction once more."""
 
 
 # SQLSTATEs that mean "this connection is gone", not "this statement is wrong".
@@ -793,6 +915,7 @@ class Session:
     def __init__(self, connection: pg8000.native.Connection):
         self.connection = connection
         self.in_step = True
+        self.in_transaction = False  # set by Database between its BEGIN and COMMIT
         self._prepared: dict[str, Any] = {}
 
     def _guarded(self, action: Callable[[], Any]) -> Any:
@@ -825,6 +948,9 @@ class Session:
             if sqlstate(error) != "0A000":  # a migration changed a table under the plan
                 raise
             self._prepared.pop(sql, None)
+            if self.in_transaction:
+                # The error aborted the transaction: only a new one can run it again.
+                raise PlanChanged(sql) from error
             rows = self._guarded(lambda: self.connection.run(sql, **params))
             return rows, self.connection.columns
 
@@ -925,8 +1051,10 @@ class Database:
         """work(session), tried once more on a new connection if the connection was
         found dead. Work whose connection died before its COMMIT was answered rolled
         back, so the retry does it once. Only a connection lost during the COMMIT itself
-        leaves it unknown; then a claim may leave one extra app processing until its
-        lease expires, or an upload may add a second history row."""
+        leaves it unknown, so work that writes must find out on its second call what its
+        first did: a claim looks for its own token, a result finds itself stored
+        (claim_next_app, judge_result). A prepared statement whose plan a migration
+        invalidated inside a transaction (PlanChanged) is retried the same way."""
         with self._lock:
             for attempt in (1, 2):
                 session = self._connect()
@@ -934,8 +1062,10 @@ class Database:
                     if not in_transaction:
                         return work(session)
                     session.execute("BEGIN")
+                    session.in_transaction = True
                     result = work(session)
                     session.execute("COMMIT")
+                    session.in_transaction = False
                     return result
                 except BaseException as error:
                     if _is_connection_lost(error):
@@ -948,8 +1078,11 @@ class Database:
                             session.execute("ROLLBACK")
                         except BaseException:  # noqa: BLE001, S110 - the original error matters
                             pass
+                        session.in_transaction = False
                     if not session.in_step:
                         self.discard()
+                    if isinstance(error, PlanChanged) and attempt == 1:
+                        continue
                     raise
         raise AssertionError("unreachable")
 
@@ -959,11 +1092,15 @@ class Database:
 
     def run(self, sql: str, **params: Any) -> list[list[Any]]:
         """One statement, autocommitted (no BEGIN/COMMIT round trips)."""
-        return self._attempt(lambda session: session.run(sql, **params), in_transaction=False)
+        return self.autocommit(lambda session: session.run(sql, **params))
 
     def records(self, sql: str, **params: Any) -> list[dict[str, Any]]:
         """One statement, autocommitted; rows by column name (Session.records)."""
-        return self._attempt(lambda session: session.records(sql, **params), in_transaction=False)
+        return self.autocommit(lambda session: session.records(sql, **params))
+
+    def autocommit(self, work: Callable[[Session], Any]) -> Any:
+        """work(session) without a transaction of its own: each statement commits."""
+        return self._attempt(work, in_transaction=False)
 
     @contextmanager
     def session(self) -> Iterator[pg8000.native.Connection]:
@@ -1279,6 +1416,85 @@ def failure_record(log_bytes: bytes) -> dict[str, Any]:
     return {"success": False, "logs": text, "reason": reason, "retryable": retryable}
 
 
+def tokens_match(given: str | None, stored: uuid.UUID | None) -> bool:
+    """Whether a result's X-Analysis-Claim-Token is the stored claim token. Compared in
+    Python, in constant time, as canonical text (lower-case hyphenated UUID): a header
+    that is not a UUID at all is simply not equal, so the untrusted text never reaches
+    SQL, where casting it to uuid would raise."""
+    if given is None or stored is None:
+        return False
+    return hmac.compare_digest(given.lower().encode("utf-8", "replace"), str(stored).encode())
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultTarget:
+    """What the app's row says when a result arrives for it (read under its row lock)."""
+
+    status: str
+    version: int | None  # the stored result's analysisVersion
+    has_result: bool  # a result (analysis or failure record) is stored
+    same_result: bool  # the stored result is this request's, version and all
+    claim: uuid.UUID | None  # the open claim's token (while processing)
+    result_claim: uuid.UUID | None  # the claim whose result is stored
+    result_verified: bool  # that result came with that claim's token
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """store: write the result as the result of claim `claim` (`verified`: it came with
+    that claim's token). stored: this very result is stored already; answer as the first
+    time, write nothing. Otherwise refused: 409, nothing written, `why` says why."""
+
+    action: str  # "store", "stored" or "refuse"
+    claim: uuid.UUID | None = None
+    verified: bool = False
+    why: str = ""
+
+
+def judge_result(target: ResultTarget, version: int, success: bool, token: str | None) -> Verdict:
+    """Whether a result is stored, already stored, or refused (docs/queue.md, "Results").
+
+    With a claim token, the result is the open claim's, or a retry of the claim whose
+    result is stored; any other token is stale. Without one (the deployed analysers send
+    none) the sender cannot be told apart, so the result is judged by what it would
+    replace: never a result of a newer analysisVersion; never, within one claim, a success
+    by a failure; never, when no claim is open, an acknowledged success. And it never
+    makes the open claim's token stop working: that holder may still replace it."""
+    held = target.status == "processing"
+    finished = target.status in ("analysed", "failed")
+    if target.same_result and finished:
+        return Verdict("stored")
+    newer = target.has_result and target.version is not None and target.version > version
+    refused_as_older = Verdict(
+        "refuse",
+        why=f"a result of analysisVersion {target.version} is stored; this one is {version}",
+    )
+    if token is not None:
+        if held and tokens_match(token, target.claim):
+            return refused_as_older if newer else Verdict("store", target.claim, True)
+        if tokens_match(token, target.result_claim):
+            if target.same_result:
+                return Verdict("stored")
+            replaceable = finished and not target.result_verified
+            if replaceable and (success or target.status == "failed"):
+                return refused_as_older if newer else Verdict("store", target.result_claim, True)
+            return Verdict("refuse", why="this claim's result is stored already")
+        return Verdict("refuse", why="this claim is no longer the app's current claim")
+    if newer:
+        return refused_as_older
+    if held:
+        return Verdict("store", target.claim)
+    if target.status == "queued":
+        return Verdict("store")
+    if target.status == "failed" and success:
+        return Verdict("store", target.result_claim)
+    return Verdict(
+        "refuse",
+        why=f"the app is {target.status} and no claim is open; send the claim token"
+        " to replace its result",
+    )
+
+
 def unknown_app_ids(named: list[str], selected: list[dict[str, str]]) -> list[str]:
     """The bundle IDs a refetch named that it did not select (any letter case matches),
     when it selected fewer than it was given."""
@@ -1380,7 +1596,21 @@ def format_queue_status(status: dict[str, Any]) -> str:
     ]
     for app in status["processing"]:
         flag = "  lease expired" if app["expired"] else ""
-        lines.append(f"  {app['appid']:<50} {app['age_minutes']:>8.1f} min{flag}")
+        if app["refetch_requested"]:
+            flag += "  refetch when the lease ends"
+        age = "?" if app["age_minutes"] is None else f"{app['age_minutes']:.1f}"
+        lines.append(f"  {app['appid']:<50} {age:>8} min  lease {app['lease_attempts']}{flag}")
+    held = status["held_back"]
+    lines += [
+        "",
+        "Held back",
+        f"  {'leases expired too often, failed as lease_expired':<52}"
+        f"{held['lease_expired_failures']:>10}",
+        f"  {'  of which not yet recorded by the promoter':<52}{held['abandoned_leases']:>10}",
+        f"  {'outdated-version results younger than a lease':<52}{held['outdated_settling']:>10}",
+        f"  {'outdated-version results in the last 24 hours':<52}{t['outdated_24h']:>10}",
+        f"  {'refetches waiting for a lease to end':<52}{held['refetch_waiting']:>10}",
+    ]
     lines += ["", "Top of the backlog"]
     lines += _format_backlog_rows(status["top_backlog"])
     return "\n".join(lines)
@@ -1419,89 +1649,117 @@ class Promotion:
     """What one run of the promoter did; `complete` is False when its budget ran out."""
 
     cleared: int = 0
+    abandoned: int = 0
     leases: int = 0
     stale: int = 0
     complete: bool = True
 
 
-def promote_due_apps(
-    db: Database, policy: QueuePolicy, budget_seconds: float | None = None, force: bool = False
-) -> Promotion:
-    """Flag rows due by time (expired leases, stale analyses) into the claim index.
+class PromotionPass:
+    """One run of the promoter over one database, in bounded batches that each commit.
 
-    Runs at most every PROMOTE_EVERY_SECONDS per process once it has caught up, and
-    looks PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run
-    was already flagged then. Rows flagged early are not handed out early: the claim
-    re-checks the candidate rule. Each batch commits on its own; when budget_seconds run
-    out (checked before each batch) the rest waits for the next call. The first run with
-    a new policy clears flags it no longer supports.
+    The promoter has two roles (as River names them): the lease rescuer, which records a
+    lease_expired failure for apps whose leases keep expiring and flags the other expired
+    leases into the claim index, and the staleness scheduler, which flags analyses that
+    fell due by age. Before either, the first pass under a new policy clears the flags the
+    policy no longer supports. Every step is a loop of batches; `budget_seconds` is
+    checked before each batch, so a pass lasts at most its budget and one full batch.
     """
-    memo = db.promoter
-    started = memo.clock()
-    last = memo.caught_up_at.get(policy)
-    if not force and last is not None and started - last < PROMOTE_EVERY_SECONDS:
-        return Promotion()
-    deadline = None if budget_seconds is None else started + budget_seconds
-    params = {
-        **policy.sql_params(),
-        "horizon_seconds": PROMOTION_HORIZON_SECONDS,
-        "batch": PROMOTION_BATCH,
-    }
 
-    def batch(sql: str, **cursor: str) -> dict[str, Any]:
+    def __init__(self, db: Database, policy: QueuePolicy, budget_seconds: float | None):
+        self.db, self.policy, self.memo = db, policy, db.promoter
+        self.started = self.memo.clock()
+        self.deadline = None if budget_seconds is None else self.started + budget_seconds
+        self.params = {
+            **policy.sql_params(),
+            "horizon_seconds": PROMOTION_HORIZON_SECONDS,
+            "batch": PROMOTION_BATCH,
+        }
+        self.full_batches = 0
+
+    def _batch(self, sql: str, **cursor: str) -> dict[str, Any]:
         def work(session: Session) -> dict[str, Any]:
             # Unlike the claim, these range scans must be planned with the real cutoffs: a
             # generic plan cannot tell "few rows are due" from "a third are" and scans apps.
             session.execute(PLAN_WITH_VALUES)
-            (row,) = session.records(sql, **params, **cursor)
+            (row,) = session.records(sql, **self.params, **cursor)
             return row
 
-        return db.transaction(work)
+        return self.db.transaction(work)
 
-    full_batches = 0
+    def _out_of_time(self) -> bool:
+        # Until a full batch has run, every step gets its batch: each call makes progress,
+        # and a step with nothing to do (a short batch) costs next to nothing.
+        return (
+            self.full_batches > 0
+            and self.deadline is not None
+            and self.memo.clock() >= self.deadline
+        )
 
-    def out_of_time() -> bool:
-        # Checked before each batch, so a call lasts at most its budget and one full
-        # batch. Until a full batch has run, every step gets its batch: each call makes
-        # progress, and a step with nothing to do (a short batch) costs next to nothing.
-        return full_batches > 0 and deadline is not None and memo.clock() >= deadline
-
-    def flag(sql: str) -> tuple[int, bool]:
-        nonlocal full_batches
+    def _repeat(self, sql: str) -> tuple[int, bool]:
+        """Run a flagging statement batch after batch: (rows changed, finished)."""
         total = 0
-        while not out_of_time():
-            count = batch(sql)["flagged"]
+        while not self._out_of_time():
+            count = self._batch(sql)["flagged"]
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
-            full_batches += 1
+            self.full_batches += 1
         return total, False
 
-    def clear() -> tuple[int, bool]:
-        nonlocal full_batches
-        total = 0
-        while not out_of_time():
-            step = batch(CLEAR_STALE_DUE_FLAGS, after=memo.clear_cursors.get(policy, ""))
+    def clear_unsupported_flags(self) -> tuple[int, bool]:
+        """Walk apps_due from the memo's cursor, clearing flags the policy does not back."""
+        cursors, policy, total = self.memo.clear_cursors, self.policy, 0
+        while not self._out_of_time():
+            step = self._batch(CLEAR_STALE_DUE_FLAGS, after=cursors.get(policy, ""))
             total += step["cleared"]
             if step["examined"] < PROMOTION_BATCH:
-                memo.clear_cursors.pop(policy, None)
+                cursors.pop(policy, None)
                 return total, True
-            full_batches += 1
-            memo.clear_cursors[policy] = step["last"]
+            self.full_batches += 1
+            cursors[policy] = step["last"]
         return total, False
 
-    done = Promotion()
-    ((applied,),) = db.run(QUEUE_POLICY_APPLIED, **policy.sql_params())
-    if not applied:
-        done.cleared, cleared_all = clear()
-        recorded = cleared_all and bool(db.run(RECORD_QUEUE_POLICY, **policy.sql_params()))
-        done.complete = recorded
-    done.leases, leases_done = flag(PROMOTE_EXPIRED_LEASES)
-    done.stale, stale_done = flag(PROMOTE_STALE_BATCH)
-    done.complete = done.complete and leases_done and stale_done
+    def run(self) -> Promotion:
+        done = Promotion()
+        params = self.policy.sql_params()
+        if not self.db.run(QUEUE_POLICY_APPLIED, **params):
+            # The row is missing (deleted by hand): put it back, so the policy is recorded.
+            self.db.run(RESTORE_QUEUE_POLICY_ROW)
+            logger.warning("queue_policy had no row; it was added again")
+        ((applied,),) = self.db.run(QUEUE_POLICY_APPLIED, **params)
+        if not applied:
+            done.cleared, cleared_all = self.clear_unsupported_flags()
+            done.complete = cleared_all and bool(self.db.run(RECORD_QUEUE_POLICY, **params))
+        # The lease rescuer, then the staleness scheduler.
+        done.abandoned, abandoned_all = self._repeat(ABANDON_EXPIRED_LEASES)
+        done.leases, leases_all = self._repeat(PROMOTE_EXPIRED_LEASES)
+        done.stale, stale_all = self._repeat(PROMOTE_STALE_BATCH)
+        done.complete = done.complete and abandoned_all and leases_all and stale_all
+        return done
+
+
+def promote_due_apps(
+    db: Database, policy: QueuePolicy, budget_seconds: float | None = None, force: bool = False
+) -> Promotion:
+    """Flag rows due by time (expired leases, stale analyses) into the claim index, and
+    back off apps whose leases keep expiring (PromotionPass).
+
+    Runs at most every PROMOTE_EVERY_SECONDS per process once it has caught up, and
+    looks PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run
+    was already flagged then. Rows flagged early are not handed out early: the claim
+    re-checks the candidate rule. When budget_seconds run out the rest waits for the next
+    call.
+    """
+    memo = db.promoter
+    last = memo.caught_up_at.get(policy)
+    if not force and last is not None and memo.clock() - last < PROMOTE_EVERY_SECONDS:
+        return Promotion()
+    promotion = PromotionPass(db, policy, budget_seconds)
+    done = promotion.run()
     if done.complete:
         memo.caught_up_at.clear()
-        memo.caught_up_at[policy] = started
+        memo.caught_up_at[policy] = promotion.started
     return done
 
 
@@ -1524,25 +1782,27 @@ def claim_next_app(
         # to be right (it reads the heads of the unflagged rows too), so it goes on.
         logger.warning("promotion skipped", extra={"error": _error_text(error)})
     token = uuid.uuid4()
-    if app_id is None:
-        rows = db.records(CLAIM_NEXT_APP, token=token, **policy.sql_params())
-    else:
-        rows = db.records(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
+    tries = 0
+
+    def claim(session: Session) -> list[dict[str, Any]]:
+        nonlocal tries
+        tries += 1
+        if tries > 1:
+            # The connection was lost, maybe after the claim committed: a second claim
+            # would leave that app leased to nobody, so first look for this token's app.
+            mine = session.records(FIND_OWN_CLAIM, token=token)
+            if mine:
+                return mine
+        if app_id is None:
+            return session.records(CLAIM_NEXT_APP, token=token, **policy.sql_params())
+        return session.records(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
+
+    rows = db.autocommit(claim)
     return (rows[0]["appid"], str(token)) if rows else None
 
 
-def is_current_claim(given: str, current: uuid.UUID | None) -> bool:
-    """Whether a result's X-Analysis-Claim-Token is the app's current claim. Compared in
-    Python, in constant time, as canonical text (lower-case hyphenated UUID): a header
-    that is not a UUID at all is simply not equal, so it is a stale claim (409) and the
-    untrusted text never reaches SQL, where casting it to uuid would raise."""
-    if current is None:
-        return False
-    return hmac.compare_digest(given.lower().encode("utf-8", "replace"), str(current).encode())
-
-
-class ClaimConflict(Exception):
-    """The request's claim token is not the app's current claim."""
+class ResultRefused(Exception):
+    """judge_result refused the result (409): nothing was written; the message says why."""
 
 
 class UnknownApp(Exception):
@@ -1556,38 +1816,57 @@ def store_result(
     payload: dict[str, Any],
     claim_token: str | None,
 ) -> list[dict[str, Any]]:
-    """Write an analysis or failure record, snapshot it into history, end the lease."""
+    """Write an analysis or failure record, snapshot it into history, end the lease, as
+    judge_result decides; a result that is stored already is answered as the first time
+    (a retry after a lost reply, the service's own or the analyser's)."""
     state = derive_analysis_state(payload)
     document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
     def work(session: Session) -> list[dict[str, Any]]:
-        rows = session.records(FIND_APP_FOR_UPDATE, appid=app_id)
+        rows = session.records(
+            FIND_RESULT_TARGET,
+            appid=app_id,
+            analysis=document,
+            version=version,
+            document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
+        )
         if not rows:
             raise UnknownApp(app_id)
         (found,) = rows
-        appid = found["appid"]
-        if claim_token is not None and not is_current_claim(
-            claim_token, found["analysis_claim_token"]
-        ):
-            raise ClaimConflict(appid)
-        stored = session.records(
-            STORE_RESULT,
-            document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
-            appid=appid,
-            analysis=document,
-            version=version,
-            status=state.status,
-            failure_reason=state.failure_reason,
-            failure_retryable=state.failure_retryable,
+        target = ResultTarget(
+            status=found["status"],
+            version=found["analysisversion"],
+            has_result=found["has_result"],
+            same_result=found["same_result"],
+            claim=found["analysis_claim_token"],
+            result_claim=found["result_claim_token"],
+            result_verified=found["result_claim_verified"],
         )
-        session.run(RECORD_HISTORY, appids=[appid])
+        verdict = judge_result(target, version, state.status == "analysed", claim_token)
+        if verdict.action == "refuse":
+            raise ResultRefused(verdict.why)
+        if verdict.action == "store":
+            (found,) = session.records(
+                STORE_RESULT,
+                document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
+                appid=found["appid"],
+                analysis=document,
+                version=version,
+                status=state.status,
+                failure_reason=state.failure_reason,
+                failure_retryable=state.failure_retryable,
+                result_claim=verdict.claim,
+                verified=verdict.verified,
+            )
+            session.run(RECORD_HISTORY, appids=[found["appid"]])
+            if target.status == "processing" and rows[0]["refetch_requested"]:
+                session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
         return [
             {
-                "appid": row["appid"],
-                **_document("details", row["details"], row["details_bytes"]),
-                "analysed": _plain(row["analysed"]),
+                "appid": found["appid"],
+                **_document("details", found["details"], found["details_bytes"]),
+                "analysed": _plain(found["analysed"]),
             }
-            for row in stored
         ]
 
     return db.transaction(work)
@@ -1706,9 +1985,8 @@ def record_ping(db: Database, analyser_id: str, source_address: str, user_agent:
 
 def minutes_since_last_ping(db: Database) -> float | None:
     (ping,) = db.records(LAST_PING)
-    if ping["last_seen"] is None:
-        return None
-    return (datetime.now(UTC) - ping["last_seen"]).total_seconds() / 60
+    minutes = ping["minutes_since_last_ping"]
+    return None if minutes is None else float(minutes)
 
 
 def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
@@ -1722,14 +2000,17 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
         backlog = {
             row["reason"]: row["apps"] for row in connection.records(BACKLOG_BY_REASON, **params)
         }
-        (throughput,) = connection.records(THROUGHPUT)
+        (throughput,) = connection.records(THROUGHPUT, **params)
         (ping,) = connection.records(LAST_PING)
+        (held_back,) = connection.records(HELD_BACK, **params)
         processing = [
             {
                 "appid": row["appid"],
                 "started": _plain(row["processing_started"]),
-                "age_minutes": float(row["age_minutes"] or 0),
+                "age_minutes": None if row["age_minutes"] is None else float(row["age_minutes"]),
                 "expired": bool(row["expired"]),
+                "lease_attempts": row["lease_attempts"],
+                "refetch_requested": row["refetch_requested"],
             }
             for row in connection.records(
                 PROCESSING_APPS,
@@ -1739,9 +2020,7 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
         ]
         top_rows = [_plain_row(row) for row in connection.records(TOP_BACKLOG, limit=top, **params)]
         backlog_total = sum(backlog.values())
-        minutes = None
-        if ping["last_seen"] is not None:
-            minutes = round((datetime.now(UTC) - ping["last_seen"]).total_seconds() / 60, 1)
+        minutes = ping["minutes_since_last_ping"]
         return {
             "counts": counts,
             "total": sum(counts.values()),
@@ -1753,14 +2032,16 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
             "eta_hours": eta_hours(
                 backlog_total, throughput["analysed_24h"] + throughput["failed_24h"]
             ),
-            "minutes_since_last_ping": minutes,
+            "minutes_since_last_ping": None if minutes is None else round(float(minutes), 1),
             "analysers_last_hour": ping["analysers_last_hour"],
+            "held_back": held_back,
             "processing": processing,
             "top_backlog": top_rows,
             "policy": dataclasses.asdict(policy),
             "policy_text": (
                 f"(version {policy.analysis_version}, stale after {policy.stale_days} days,"
-                f" lease {policy.processing_timeout_minutes} min)"
+                f" lease {policy.processing_timeout_minutes} min,"
+                f" {policy.max_lease_attempts} expired leases in a row back off)"
             ),
         }
 
@@ -1771,6 +2052,13 @@ def priority_report(db: Database, policy: QueuePolicy, limit: int) -> list[dict[
     return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
 
 
+REFETCH_OUTCOMES = {
+    "queued": "queued",
+    "waiting": "queued when its lease ends (a result, or expiry); --force breaks the lease",
+    "lease_broken": "lease broken (--force): queued, and its holder's claim token is refused",
+}
+
+
 def queue_refetch(
     db: Database,
     app_ids: list[str],
@@ -1778,10 +2066,14 @@ def queue_refetch(
     include_non_retryable: bool,
     limit: int | None,
     apply: bool,
+    policy: QueuePolicy | None = None,
+    force: bool = False,
 ) -> list[dict[str, str]]:
     """Select apps to analyse again ({"appid", "status"} each, the status before); with
     apply, snapshot their current analysis into history and reset them to queued (the
-    analysis stays visible until replaced)."""
+    analysis stays visible until replaced), each with its "outcome" (REFETCH_OUTCOMES):
+    an app under a live lease waits for it unless `force`."""
+    policy = policy or QueuePolicy()
 
     def work(connection: Session) -> list[dict[str, str]]:
         if app_ids:
@@ -1800,7 +2092,13 @@ def queue_refetch(
         if apply and selected:
             appids = [row["appid"] for row in selected]
             connection.run(RECORD_HISTORY, appids=appids)
-            connection.run(REFETCH_APPLY, appids=appids)
+            outcomes = {
+                row["appid"]: row["outcome"]
+                for row in connection.records(
+                    REFETCH_APPLY, appids=appids, force=force, **policy.sql_params()
+                )
+            }
+            selected = [{**row, "outcome": outcomes[row["appid"]]} for row in selected]
         return selected
 
     return db.transaction(work)
@@ -2284,8 +2582,8 @@ def _store(app_id: str, version: int, payload: dict, token: str | None) -> Respo
         rows = store_result(database(), app_id, version, payload, token)
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
-    except ClaimConflict:
-        raise HTTPException(409, "this claim is no longer the app's current claim") from None
+    except ResultRefused as refused:
+        raise HTTPException(409, f"{refused}; nothing was written") from None
     fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
     return _json_answer({"rowCount": len(rows), "rows": fitted})
 
@@ -2295,7 +2593,9 @@ ERROR_ANSWERS = {
     400: "Bad input, named in `detail`; nothing was written.",
     401: "A wrong or missing bearer token.",
     404: "No such app (bundle IDs match in any letter case); nothing was written.",
-    409: "X-Analysis-Claim-Token is not the app's current claim; nothing was written.",
+    409: "The result is refused, and `detail` says why (a stale X-Analysis-Claim-Token, a"
+    " result of a newer analysisVersion stored, a claim answered already): nothing was"
+    " written, and this result is not the stored one.",
     413: "The body is larger than MAX_BODY_BYTES.",
     415: "The Content-Type is not one the route takes.",
     503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"
@@ -2342,9 +2642,11 @@ CLAIM_ISSUED_DOC = (
 )
 CLAIM_RETURNED_DOC = (
     "The X-Analysis-Claim-Token the GET /queue answer carried. When given, the result is "
-    "accepted only while it is the app's current claim: a stale token (spent on a result, "
-    "or the lease handed out again) gets 409 and nothing is written. Optional: without it "
-    "the result is accepted, as the deployed analysers send none."
+    "accepted only while it is the app's current claim; sent again after a lost reply, the "
+    "result that claim stored is answered 200 as the first time. A stale token (another "
+    "result stored for the claim, or the lease handed out again) gets 409 and nothing is "
+    "written. Optional, as the deployed analysers send none: a result without it is judged "
+    "by what it would replace (docs/queue.md, \"Results\")."
 )
 
 
@@ -2870,6 +3172,8 @@ def _publish_queue_metrics(status: dict[str, Any]) -> None:
         "Queued": counts.get("queued", 0),
         "Processing": counts.get("processing", 0),
         "ExpiredLeases": status["expired_leases"],
+        "LeaseExpiredFailures": status["held_back"]["lease_expired_failures"],
+        "OutdatedResultsLast24h": status["throughput"]["outdated_24h"],
         "Failed": counts.get("failed", 0),
         "AnalysedLast24h": status["throughput"]["analysed_24h"],
     }
@@ -2905,7 +3209,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         # A misspelt option must fail, not widen a refetch to every analysed app.
         allowed, flags = {"command", "limit"}, ()
         if command == "queue-refetch":
-            flags = ("failed", "includeNonRetryable", "apply")
+            flags = ("failed", "includeNonRetryable", "apply", "force")
             allowed |= {"appIds", *flags}
         unknown = sorted(set(event) - allowed)
         if unknown:
@@ -2933,12 +3237,16 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             event.get("includeNonRetryable", False),
             event.get("limit"),
             event.get("apply") is True,
+            policy,
+            force=event.get("force") is True,
         )
         result = {
             "command": command,
             "applied": event.get("apply") is True,
             "apps": [row["appid"] for row in selected],
         }
+        if event.get("apply") is True:
+            result["outcomes"] = {row["appid"]: row["outcome"] for row in selected}
         if app_ids and event.get("limit") is None:
             result["unknown"] = unknown_app_ids(app_ids, selected)
         logger.info("queue refetch", extra={"queue_refetch": result})
@@ -3198,11 +3506,20 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         args.include_non_retryable,
         args.limit,
         args.apply,
+        settings().policy,
+        force=args.force,
     )
     for row in selected:
-        print(f"  {row['appid']} ({row['status']})")
+        outcome = f": {REFETCH_OUTCOMES[row['outcome']]}" if "outcome" in row else ""
+        print(f"  {row['appid']} ({row['status']}){outcome}")
     if args.apply:
-        print(f"Queued {len(selected)} apps for refetch.")
+        # The exact-app hosts check for this line before they process the app, so it
+        # counts only apps queued now, never one still leased to another analyser.
+        queued = sum(row["outcome"] != "waiting" for row in selected)
+        print(f"Queued {queued} apps for refetch.")
+        waiting = len(selected) - queued
+        if waiting:
+            print(f"{waiting} apps wait for their leases to end (see above).")
     else:
         print(f"Would queue {len(selected)} apps for refetch (dry run; add --apply).")
     unknown = unknown_app_ids(args.appid, selected) if args.limit is None else []
@@ -3254,6 +3571,11 @@ def main(argv: list[str] | None = None) -> int:
         "--limit", type=_positive_int, default=None, help="at most this many (default: no limit)"
     )
     refetch.add_argument("--apply", action="store_true", help="without it: a dry run")
+    refetch.add_argument(
+        "--force",
+        action="store_true",
+        help="break a live lease (its holder's claim token is refused) instead of waiting",
+    )
     refetch.set_defaults(run=_cli_queue_refetch)
     invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")
     invoke.add_argument("function", choices=["api", "migrate", "report"])

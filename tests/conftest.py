@@ -462,7 +462,12 @@ def configure_service(monkeypatch, url: str, **extra: str) -> handler.Runtime:
     monkeypatch.setenv("DATABASE_URL", url)
     monkeypatch.setenv("UPLOAD_PASSWORD", UPLOAD_PASSWORD)
     monkeypatch.setenv("ADMIN_TOKEN", ADMIN_TOKEN)
-    for name in ("CURRENT_ANALYSIS_VERSION", "STALE_ANALYSIS_DAYS", "PROCESSING_TIMEOUT_MINUTES"):
+    for name in (
+        "CURRENT_ANALYSIS_VERSION",
+        "STALE_ANALYSIS_DAYS",
+        "PROCESSING_TIMEOUT_MINUTES",
+        "MAX_LEASE_ATTEMPTS",
+    ):
         monkeypatch.delenv(name, raising=False)
     for name, value in extra.items():
         monkeypatch.setenv(name, value)

@@ -184,16 +184,19 @@ def is_candidate(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
     status = row["status"]
     if status == "queued":
         return True
+    lease_ago = now - timedelta(minutes=policy.processing_timeout_minutes)
     if status == "processing":
         started = row["processing_started"]
-        return started is None or started < now - timedelta(
-            minutes=policy.processing_timeout_minutes
-        )
+        expired = started is None or started < lease_ago
+        return expired and row["lease_attempts"] < policy.max_lease_attempts
     eligible = status == "analysed" or (status == "failed" and row["failure_retryable"])
     if not eligible:
         return False
-    old_version = (row["analysisversion"] or 0) < policy.analysis_version
-    stale = row["analysed"] is None or row["analysed"] < now - timedelta(days=policy.stale_days)
+    analysed = row["analysed"]
+    old_version = (row["analysisversion"] or 0) < policy.analysis_version and (
+        analysed is None or analysed < lease_ago
+    )
+    stale = analysed is None or analysed < now - timedelta(days=policy.stale_days)
     return old_version or stale
 
 
@@ -208,6 +211,7 @@ def oracle_order(sql, policy: handler.QueuePolicy) -> list[str]:
         "analysisversion",
         "analysed",
         "added",
+        "lease_attempts",
     ]
     rows = [
         dict(zip(columns, r, strict=True))

@@ -44,7 +44,10 @@ class TcpProxy:
     handler.connection_arguments gives them). It gives a socket-only server a TCP address,
     and it can stop forwarding (`blackhole`): bytes in both directions are then read and
     dropped, and new connections are accepted and never answered, as on a network path
-    that lost its route (no reply, no reset)."""
+    that lost its route (no reply, no reset). `cut_reply_after(marker)` loses one reply:
+    the next time a client sends bytes holding `marker` (and then `more` further chunks),
+    they reach the server, and the connection is cut before the server's answer comes
+    back, as a network cut right after a COMMIT left would."""
 
     def __init__(self, target: dict):
         self.target = target
@@ -53,6 +56,52 @@ class TcpProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.sockets: list[socket.socket] = []
+        self._cut: tuple[bytes, int] | None = None
+        self._lock = threading.Lock()
+        self.cuts = 0
+
+    def cut_reply_after(self, marker: bytes, more: int = 0) -> None:
+        with self._lock:
+            self._cut = (marker, more)
+
+    def _cuts_here(self, data: bytes) -> bool:
+        with self._lock:
+            if self._cut is None:
+                return False
+            marker, more = self._cut
+            if marker and marker not in data:
+                return False
+            if more:
+                self._cut = (b"", more - 1)
+                return False
+            self._cut = None
+            self.cuts += 1
+            return True
+
+    def _forward(self, client: socket.socket, upstream: socket.socket, dropped) -> None:
+        """Client to server, watching for the chunk after which the reply is lost."""
+        try:
+            while data := client.recv(65536):
+                cut = self._cuts_here(data)
+                if cut:
+                    dropped.set()  # nothing more reaches the client from here on
+                if not self.blackhole.is_set():
+                    upstream.sendall(data)
+                if cut:
+                    time.sleep(0.5)  # the server has the chunk and acts on it
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    return
+        except OSError:
+            pass
+
+    def _reply(self, upstream: socket.socket, client: socket.socket, dropped) -> None:
+        try:
+            while data := upstream.recv(65536):
+                if not self.blackhole.is_set() and not dropped.is_set():
+                    client.sendall(data)
+        except OSError:
+            pass
 
     def _upstream(self) -> socket.socket:
         if "unix_sock" in self.target:
@@ -84,8 +133,12 @@ class TcpProxy:
                 continue
             upstream = self._upstream()
             self.sockets.append(upstream)
-            for pair in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=pair, daemon=True).start()
+            dropped = threading.Event()
+            for pump, pair in (
+                (self._forward, (client, upstream)),
+                (self._reply, (upstream, client)),
+            ):
+                threading.Thread(target=pump, args=(*pair, dropped), daemon=True).start()
 
     def __enter__(self) -> TcpProxy:
         threading.Thread(target=self._serve, daemon=True).start()

@@ -175,7 +175,11 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
         # RECORD_HISTORY names its columns: it works with or without the website's
         # storefront columns (and the generated one) on app_analyses.
         assert len(history(sql, appid)) == history_before + 1
-        assert upload(client, appid, token).status_code == 409  # one result per token
+        # Sent again (a lost reply): answered as the first time, nothing written; another
+        # result with the spent token is refused.
+        assert upload(client, appid, token).status_code == 200
+        assert len(history(sql, appid)) == history_before + 1
+        assert upload(client, appid, token, {"success": True, "again": 1}).status_code == 409
         assert app_row(sql, appid)["status"] == "analysed"
         cycle.check("result")
 
@@ -234,7 +238,7 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
         # --- refetch, then a claim without a token (the deployed analysers) ---------------
         db = handler.database()
         assert handler.queue_refetch(db, ["old.done"], False, False, None, True) == [
-            {"appid": "old.done", "status": "analysed"}
+            {"appid": "old.done", "status": "analysed", "outcome": "queued"}
         ]
         assert app_row(sql, "old.done")["status"] == "queued"
         cycle.check("refetch")

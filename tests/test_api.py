@@ -211,11 +211,20 @@ def test_stale_claim_token_is_409_and_writes_nothing(client, sql):
         client, "com.example.app", EXAMPLE_ANALYSIS, headers={"X-Analysis-Claim-Token": current}
     )
     assert ok.status_code == 200
-    # A token is good for one result only.
+    # Sent again (its reply was lost): the first answer again, nothing written.
+    stored = table_digest(sql)
     replay = upload(
         client, "com.example.app", EXAMPLE_ANALYSIS, headers={"X-Analysis-Claim-Token": current}
     )
-    assert replay.status_code == 409
+    assert (replay.status_code, replay.json()) == (200, ok.json())
+    assert table_digest(sql) == stored
+    # A token is good for one result only: another result with it changes nothing.
+    other = upload(
+        client, "com.example.app", {"success": True}, headers={"X-Analysis-Claim-Token": current}
+    )
+    assert other.status_code == 409
+    assert "result is stored already" in other.json()["detail"]
+    assert table_digest(sql) == stored
 
 
 def test_upload_without_token_is_accepted_as_the_deployed_analysers_do(client, sql):

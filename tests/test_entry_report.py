@@ -192,6 +192,13 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "failed_24h": 1,
         "analysed_7d": 7,
         "failed_7d": 1,
+        "outdated_24h": 0,
+    }
+    assert status["held_back"] == {
+        "lease_expired_failures": 0,
+        "abandoned_leases": 0,
+        "outdated_settling": 0,
+        "refetch_waiting": 0,
     }
     assert status["eta_hours"] == 27.4  # 8 apps at 7 finished per 24 h: 27.43 h
     assert abs(status["minutes_since_last_ping"] - 12.0) <= 0.2
@@ -212,6 +219,7 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "analysis_version": 4,
         "stale_days": 180,
         "processing_timeout_minutes": 120,
+        "max_lease_attempts": 3,
     }
     assert "policy_text" not in status
     assert returned == status
@@ -231,6 +239,8 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "ExpiredLeases": 1,
         "Failed": 5,
         "AnalysedLast24h": 6,
+        "LeaseExpiredFailures": 0,
+        "OutdatedResultsLast24h": 0,
         "EtaHours": 27.4,
     }
     assert set(units) == {*expected, "MinutesSinceLastPing"}
@@ -323,6 +333,7 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         "command": "queue-refetch",
         "applied": True,
         "apps": ["com.example.done"],
+        "outcomes": {"com.example.done": "queued"},
         "unknown": [],
     }
     logs, _ = output_records(capsys.readouterr())

@@ -21,7 +21,7 @@ import pytest
 import handler
 from conftest import ANALYSER, Databases, configure_service, connect
 from helpers import app_row, history, insert_app
-from live import LiveServer
+from live import LiveServer, TcpProxy
 
 SERVICE_BACKENDS = """
 SELECT pid FROM pg_stat_activity
@@ -237,3 +237,58 @@ def test_postgres_restart_under_load(own_postgres):
     )
     assert leaseless == [[0]]
     sql.close()
+
+
+def test_a_reply_lost_after_commit_is_answered_as_what_was_stored(sql, database_url, monkeypatch):
+    """The connection is cut after the claim's statement, and after an upload's COMMIT,
+    reached PostgreSQL but before their replies came back (a loopback TCP proxy cuts it).
+    The service tries again on a new connection and finds what its first try did: the
+    claim its own app (no second app leased to nobody), the upload itself stored (200, not
+    409 for a spent token; one history row)."""
+    insert_app(sql, "com.example.first", reviews="2")
+    insert_app(sql, "com.example.second", reviews="1")
+    target = handler.connection_arguments(handler.load_settings({"DATABASE_URL": database_url}))
+    address = f"postgresql://{target['user']}@127.0.0.1:{{port}}/{target['database']}"
+    with TcpProxy(target) as proxy:
+        configure_service(monkeypatch, address.format(port=proxy.port))
+        with (
+            LiveServer(handler.app) as server,
+            httpx.Client(base_url=server.url, timeout=60) as http,
+        ):
+            # The claim is the connection's first, so its text goes out (Parse) and then
+            # its execution (Bind/Execute): the reply to the execution is lost.
+            proxy.cut_reply_after(b"WITH RECURSIVE old_versions", more=1)
+            claim = http.get("/queue", headers=ANALYSER)
+            assert proxy.cuts == 1
+            assert (claim.status_code, claim.text) == (200, "com.example.first")
+            token = claim.headers["x-analysis-claim-token"]
+            assert sql.run(
+                "SELECT appid, CAST(analysis_claim_token AS text) FROM apps"
+                " WHERE status = 'processing'"
+            ) == [["com.example.first", token]]
+
+            upload = "/uploadAnalysis?appId=com.example.first&analysisVersion=4"
+            with_token = {**ANALYSER, "X-Analysis-Claim-Token": token}
+            proxy.cut_reply_after(b"COMMIT")
+            stored = http.post(upload, json={"success": True, "n": 1}, headers=with_token)
+            assert proxy.cuts == 2
+            assert stored.status_code == 200, stored.text
+            assert app_row(sql, "com.example.first")["status"] == "analysed"
+            assert len(history(sql, "com.example.first")) == 1
+            # The analyser did not see that answer either, and sends it again.
+            again = http.post(upload, json={"success": True, "n": 1}, headers=with_token)
+            assert (again.status_code, again.json()) == (200, stored.json())
+            assert len(history(sql, "com.example.first")) == 1
+
+            # The deployed analysers' way: no token, a failure report.
+            assert http.get("/queue", headers=ANALYSER).text == "com.example.second"
+            proxy.cut_reply_after(b"COMMIT")
+            failure = http.post(
+                "/reportAnalysisFailure?appId=com.example.second&analysisVersion=4",
+                content=b"usb disconnected",
+                headers={**ANALYSER, "Content-Type": "text/plain"},
+            )
+            assert proxy.cuts == 3
+            assert failure.status_code == 200, failure.text
+            assert app_row(sql, "com.example.second")["status"] == "failed"
+            assert len(history(sql, "com.example.second")) == 1

@@ -93,4 +93,4 @@ def test_the_error_answers_are_in_the_schema():
         ("GET", "/healthz/analyser"): ["200", "503"],
     }
     conflict = paths["/uploadAnalysis"]["post"]["responses"]["409"]["description"]
-    assert "current claim" in conflict
+    assert "stale X-Analysis-Claim-Token" in conflict and "newer analysisVersion" in conflict
