@@ -497,11 +497,19 @@ WHERE appid = :appid
 RETURNING appid, {DOCUMENT.format("details")}, analysed
 """
 
-RECORD_HISTORY = """
+# The history's analysis_source is the analysis's own when it is a non-empty string, else
+# 'legacy', as the old server writes it on every path (docs/fidelity.md); sql/023 makes
+# the rows written without one say so too.
+HISTORY_SOURCE = """CASE
+    WHEN jsonb_typeof(analysis->'analysis_source') = 'string'
+         AND analysis->>'analysis_source' <> '' THEN analysis->>'analysis_source'
+    ELSE 'legacy'
+END"""
+RECORD_HISTORY = f"""
 INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
                           analysis_source, success)
 SELECT appid, analysis, analysisversion, analysed,
-       COALESCE(analysis->>'version', details->>'version'), analysis->>'analysis_source',
+       COALESCE(analysis->>'version', details->>'version'), {HISTORY_SOURCE},
        status = 'analysed'
 FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
   AND analysis IS NOT NULL AND analysed IS NOT NULL

@@ -1,18 +1,30 @@
-"""Fidelity to the old server where the website relies on it: an app is added under the
-App Store listing's bundle ID casing; a listing that names another app is refused."""
+"""Fidelity to the old server where the website and the history rely on it
+(docs/fidelity.md): an app is added under the App Store listing's bundle ID casing; a
+listing that names another app is refused; a history row whose analysis names no source
+says 'legacy', on every path that writes history and in the rows already written, on a
+database this service made and on one adopted from the old server's ledger."""
 
 from __future__ import annotations
 
+import os
 import re
 
+import pytest
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_deploy_window import OLD_RECORD_HISTORY as PRE_STATE_MACHINE_RECORD_HISTORY
 
 import handler
-from conftest import ADMIN, ANALYSER
+import legacy
+from conftest import ADMIN, ANALYSER, configure_service, connect
 from helpers import (
+    LambdaContext,
+    app_row,
     days_ago,
     insert_app,
+    migrate,
+    run_cli,
     table_digest,
 )
 
@@ -70,7 +82,42 @@ def foreign_listings(draw, app_id: str):
     return draw(st.one_of(st.none(), st.booleans(), st.integers(), st.lists(st.integers())))
 
 
-MISSING = object()  # no such field in the request
+MISSING = object()  # the analysis has no analysis_source at all
+sources = st.one_of(
+    st.just(MISSING),
+    st.sampled_from(["", " ", "trackerscan-ios", "legacy"]),
+    st.text(storable_text, max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.integers(-(10**6), 10**6).map(lambda n: n / 8),  # floats stored as sent
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.sampled_from(["name"]), st.text(storable_text, max_size=3)),
+)
+
+
+def analysis_with(source, success: bool = True) -> dict:
+    payload = {"success": success, "version": "1.0", "trackers": {}}
+    if not success:
+        payload["logs"] = "usb error"
+    if source is not MISSING:
+        payload["analysis_source"] = source
+    return payload
+
+
+def expected_source(source) -> str:
+    """The old server's rule: the analysis's source when it is non-empty text."""
+    return source if isinstance(source, str) and source else "legacy"
+
+
+def sources_of(sql, appid: str) -> list:
+    return [
+        row[0]
+        for row in sql.run(
+            "SELECT analysis_source FROM app_analyses WHERE appid = :appid ORDER BY id",
+            appid=appid,
+        )
+    ]
 
 
 def add(client, app_id, details=MISSING):
@@ -158,3 +205,140 @@ def test_an_existing_app_keeps_its_bundle_id_and_history_when_its_listing_differ
     assert again.status_code == 200
     assert again.json()["appId"] == "com.Example.App"
     assert table_digest(sql) == before
+
+
+# --- the history's source, on every path that writes it ------------------------------
+
+
+@PER_EXAMPLE
+@given(source=sources, success=st.booleans())
+def test_results_record_the_source_or_legacy(client, sql, source, success):
+    sql.run("DELETE FROM apps")
+    insert_app(sql, "com.example.app")
+    token = client.get("/queue", headers=ANALYSER).headers["x-analysis-claim-token"]
+    payload = analysis_with(source, success)
+    answer = client.post(
+        "/uploadAnalysis?appId=com.example.app&analysisVersion=4",
+        json=payload,
+        headers={**ANALYSER, "X-Analysis-Claim-Token": token},
+    )
+    assert answer.status_code == 200, answer.text
+    assert sources_of(sql, "com.example.app") == [expected_source(source)]
+
+
+def test_a_failure_report_records_legacy(client, sql):
+    insert_app(sql, "com.example.app")
+    client.get("/queue", headers=ANALYSER)
+    answer = client.post(
+        "/reportAnalysisFailure?appId=com.example.app&analysisVersion=4",
+        content=b"usb error",
+        headers={**ANALYSER, "Content-Type": "text/plain"},
+    )
+    assert answer.status_code == 200
+    assert sources_of(sql, "com.example.app") == ["legacy"]
+
+
+@PER_EXAMPLE
+@given(source=sources, success=st.booleans())
+def test_the_report_functions_refetch_records_the_source_or_legacy(sql, source, success):
+    sql.run("DELETE FROM apps")
+    status = "analysed" if success else "failed"
+    analysis = analysis_with(source, success)
+    insert_app(
+        sql,
+        "com.example.app",
+        status=status,
+        version=4,
+        analysed=days_ago(1),
+        analysis=analysis,
+        retryable=None if success else True,
+    )
+    done = handler.report(
+        {"command": "queue-refetch", "appIds": ["com.example.app"], "apply": True},
+        LambdaContext(),
+    )
+    assert done["apps"] == ["com.example.app"]
+    assert sources_of(sql, "com.example.app") == [expected_source(source)]
+
+
+@pytest.mark.parametrize("source", [MISSING, "", None, 7, "trackerscan-ios"])
+def test_the_cli_refetch_records_the_source_or_legacy(database_url, sql, source):
+    insert_app(
+        sql,
+        "com.example.app",
+        status="analysed",
+        version=4,
+        analysed=days_ago(1),
+        analysis=analysis_with(source),
+    )
+    done = run_cli(
+        "queue-refetch",
+        "--appid=com.example.app",
+        "--apply",
+        env={**os.environ, "DATABASE_URL": database_url},
+    )
+    assert done.returncode == 0, done.stderr
+    assert sources_of(sql, "com.example.app") == [expected_source(source)]
+
+
+# --- a database adopted from another program ------------------------------------------
+
+
+def old_history_sources(sql) -> dict[int, str | None]:
+    return dict(sql.run("SELECT id, analysis_source FROM app_analyses"))
+
+
+@pytest.mark.parametrize("state", legacy.STATES)
+def test_an_adopted_database_says_legacy_and_adds_under_the_listings_casing(
+    empty_database, monkeypatch, state
+):
+    url = empty_database
+    legacy.build(url, state)
+    sql = connect(url)
+    # Rows other programs wrote: with no source (their own), an empty one and a named one.
+    for appid, source in (("old.done", ""), ("old.failed", "trackerscan-ios")):
+        sql.run(
+            "INSERT INTO app_analyses (appid, analysis, analysed, analysis_source)"
+            " VALUES (:appid, '{}', now() - interval '30 days', :source)",
+            appid=appid,
+            source=source,
+        )
+    before = old_history_sources(sql)
+    website_cache = state in ("old011", "old012", "old013")  # the old server's 011 on
+    cache = sql.run("SELECT * FROM app_store_cache ORDER BY appid_key") if website_cache else None
+
+    migrate(url)
+    # (009 merges case duplicates among the production rows, and some history with them.)
+    after = old_history_sources(sql)
+    assert set(after) <= set(before) and any(before[id_] is None for id_ in after)
+    assert after == {id_: expected_source(before[id_]) for id_ in after}
+    # A program that writes no source (the old server before its rule, this service's
+    # release before the state-machine change) gets 'legacy' too.
+    sql.run("UPDATE apps SET analysed = now() - interval '1 day' WHERE appid = 'old.done'")
+    sql.run(legacy.OLD_RECORD_HISTORY, appid="old.done")
+    sql.run("UPDATE apps SET analysed = now() - interval '2 days' WHERE appid = 'old.done'")
+    sql.run(PRE_STATE_MACHINE_RECORD_HISTORY, appid="old.done")
+    assert sources_of(sql, "old.done")[-2:] == ["legacy", "legacy"]
+
+    configure_service(monkeypatch, url)
+    with TestClient(handler.app, raise_server_exceptions=False) as client:
+        assert client.get("/queue?appId=old.queued", headers=ANALYSER).text == "old.queued"
+        uploaded = client.post(
+            "/uploadAnalysis?appId=old.queued&analysisVersion=4",
+            json={"success": True, "analysis_source": ""},
+            headers=ANALYSER,
+        )
+        assert uploaded.status_code == 200
+        assert sources_of(sql, "old.queued")[-1] == "legacy"
+
+        created = add(client, "ORG.Adopted.app", {"appId": "org.adopted.App", "reviews": "1"})
+        assert created.status_code == 201
+        assert app_row(sql, "org.adopted.App")["status"] == "queued"
+        before = table_digest(sql)
+        refused = add(client, "old.queued", {"appId": "com.other.app", "reviews": "1"})
+        assert refused.status_code == 400
+        assert refused.json()["detail"].startswith(MISMATCH)
+        assert table_digest(sql) == before
+    if cache is not None:
+        assert sql.run("SELECT * FROM app_store_cache ORDER BY appid_key") == cache
+    sql.close()
