@@ -6,6 +6,7 @@ database this service made and on one adopted from the old server's ledger."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -17,12 +18,13 @@ from test_deploy_window import OLD_RECORD_HISTORY as PRE_STATE_MACHINE_RECORD_HI
 
 import handler
 import legacy
-from conftest import ADMIN, ANALYSER, configure_service, connect
+from conftest import ADMIN, ANALYSER, ROOT, configure_service, connect
 from helpers import (
     LambdaContext,
     app_row,
     days_ago,
     insert_app,
+    load_event,
     migrate,
     run_cli,
     table_digest,
@@ -342,3 +344,20 @@ def test_an_adopted_database_says_legacy_and_adds_under_the_listings_casing(
     if cache is not None:
         assert sql.run("SELECT * FROM app_store_cache ORDER BY appid_key") == cache
     sql.close()
+
+
+# --- the page that says so -------------------------------------------------------------
+
+
+def test_the_fidelity_page_names_what_the_code_does():
+    page = (ROOT / "docs" / "fidelity.md").read_text()
+    assert f"{MISMATCH}: details.appId does not name" in page
+    ledger_file = handler.SQL_DIR / "023_history_source_legacy.sql"
+    assert ledger_file.name in page
+    for name in ("app_analyses_no_source_is_legacy", "HISTORY_SOURCE", "listed_bundle_id"):
+        assert name in page
+        assert name in ledger_file.read_text() or hasattr(handler, name)
+    assert "`legacy`" in page
+    # "events/add-app.json ... adds an app by its bundle ID alone" (a listing naming none).
+    event_body = json.loads(load_event("add-app.json")["body"])
+    assert "appId" not in event_body["details"]
