@@ -565,11 +565,19 @@ WHERE appid = :appid
 RETURNING appid, {DOCUMENT.format("details")}, analysed
 """
 
-RECORD_HISTORY = """
+# The history's analysis_source is the analysis's own when it is a non-empty string, else
+# 'legacy', as the old server writes it on every path (docs/fidelity.md); sql/023 makes
+# the rows written without one say so too.
+HISTORY_SOURCE = """CASE
+    WHEN jsonb_typeof(analysis->'analysis_source') = 'string'
+         AND analysis->>'analysis_source' <> '' THEN analysis->>'analysis_source'
+    ELSE 'legacy'
+END"""
+RECORD_HISTORY = f"""
 INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
                           analysis_source, success)
 SELECT appid, analysis, analysisversion, analysed,
-       COALESCE(analysis->>'version', details->>'version'), analysis->>'analysis_source',
+       COALESCE(analysis->>'version', details->>'version'), {HISTORY_SOURCE},
        status = 'analysed'
 FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
   AND analysis IS NOT NULL AND analysed IS NOT NULL
@@ -1376,6 +1384,20 @@ def details_problem(details: dict[str, Any]) -> str | None:
     return None
 
 
+def listed_bundle_id(app_id: str, details: dict[str, Any] | None) -> str | None:
+    """The bundle ID an app is added under (docs/fidelity.md): the App Store listing's
+    `appId` when it is the requested ID in another letter case (the App Store's casing is
+    the one the analysers download by and the website shows), the request's when the
+    listing names none; None when the listing's `appId` names another app or is no bundle
+    ID at all (checked as a bundle ID first: str.lower() folds the Kelvin sign to "k")."""
+    if details is None or "appId" not in details:
+        return app_id
+    listed = details["appId"]
+    if isinstance(listed, str) and is_valid_bundle_id(listed) and listed.lower() == app_id.lower():
+        return listed
+    return None
+
+
 def classify_analysis_failure(log_text: str) -> tuple[str, bool]:
     """(reason, retryable) for a failure log, by the analysers' classification table."""
     lowered = log_text.lower()
@@ -1873,13 +1895,18 @@ def store_result(
 
 
 def add_app(db: Database, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
-    """Insert as queued; (created, app). An existing app (any letter case) is unchanged."""
+    """Insert as queued, under the listing's casing (listed_bundle_id); (created, app). An
+    existing app (any letter case) is unchanged, its bundle ID included. A listing that
+    names another app is refused (BadInput) before anything is written."""
+    stored_id = listed_bundle_id(app_id, details)
+    if stored_id is None:
+        raise BadInput(f"App Store bundle ID mismatch: details.appId does not name {app_id}")
 
     def work(session: Session) -> tuple[bool, dict]:
         created = bool(
             session.run(
                 ADD_APP,
-                appid=app_id,
+                appid=stored_id,
                 details=None
                 if details is None
                 else json.dumps(details, ensure_ascii=False, allow_nan=False),
