@@ -548,6 +548,9 @@ SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) 
        count(*) FILTER (WHERE NOT success) AS failed_7d
 FROM app_analyses WHERE analysed > now() - interval '7 days'
 """
+FAILED_BY_REASON = """
+SELECT failure_reason AS reason, count(*) AS apps FROM apps WHERE status = 'failed' GROUP BY 1
+"""
 PROCESSING_APPS = """
 SELECT appid, processing_started,
        extract(epoch FROM now() - processing_started) / 60 AS age_minutes,
@@ -1386,6 +1389,58 @@ def format_queue_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# The report's metrics, which the alarms and the dashboard read (template.yaml). The
+# dashboard's are published on every report, zero included, so a line has no gaps that
+# mean "nothing" and the set of metrics (each one billed) stays fixed.
+BACKLOG_REASON_METRICS = {
+    "queued": "BacklogQueued",
+    "lease_expired": "ExpiredLeases",
+    "outdated_version": "BacklogOutdatedVersion",
+    "stale": "BacklogStale",
+    "retry_failed": "BacklogRetryFailed",
+}
+# Failed apps by the reasons the service assigns; any other (a reason an analyser sent,
+# a legacy row without one) is FailedOther.
+FAILURE_REASON_METRICS = {
+    reason: "Failed" + "".join(word.title() for word in reason.split("_"))
+    for reason in (*(r for r, _, _ in FAILURE_CLASSES), "invalid_bundle_id", ANALYSIS_FAILED)
+}
+OTHER_FAILURES_METRIC = "FailedOther"
+# Durations in hours and minutes: CloudWatch has no such units (only seconds and finer),
+# so they carry None and say their unit in their name, which the alarms' thresholds
+# (MaxBacklogEtaHours, 60 minutes) are written in. Every other metric is a Count.
+UNITLESS_METRICS = frozenset({"EtaHours", "MinutesSinceLastPing", "OldestLeaseMinutes"})
+
+
+def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
+    """The queue-status report's metrics: name -> value."""
+    counts, throughput = status["counts"], status["throughput"]
+    values: dict[str, float] = {
+        "Backlog": status["backlog_total"],
+        "Queued": counts.get("queued", 0),
+        "Processing": counts.get("processing", 0),
+        "Failed": counts.get("failed", 0),
+        "AnalysedLast24h": throughput["analysed_24h"],
+        "AnalysedLastHour": throughput["analysed_1h"],
+        "FailedLastHour": throughput["failed_1h"],
+    }
+    for reason, name in BACKLOG_REASON_METRICS.items():
+        values[name] = status["backlog"].get(reason, 0)
+    values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
+    for reason, apps in status["failed_by_reason"].items():
+        values[FAILURE_REASON_METRICS.get(reason, OTHER_FAILURES_METRIC)] += apps
+    # No finished analysis in a day with work waiting: the ETA is unbounded.
+    eta = status["eta_hours"]
+    values["EtaHours"] = 1e6 if eta is None else eta
+    # Never pinged: no value, which the ping alarm treats as breaching.
+    if status["minutes_since_last_ping"] is not None:
+        values["MinutesSinceLastPing"] = status["minutes_since_last_ping"]
+    # The oldest claim still out (the list is oldest first); 0 when none is.
+    processing = status["processing"]
+    values["OldestLeaseMinutes"] = round(processing[0]["age_minutes"], 1) if processing else 0
+    return values
+
+
 def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return ["  (empty)"]
@@ -1719,6 +1774,10 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
         by_status = connection.records(COUNT_BY_STATUS)
         counts = {row["status"]: row["apps"] for row in by_status}
         failed_retryable = sum(row["retryable"] for row in by_status if row["status"] == "failed")
+        failed_by_reason = {
+            row["reason"] or "unclassified": row["apps"]
+            for row in connection.records(FAILED_BY_REASON)
+        }
         backlog = {
             row["reason"]: row["apps"] for row in connection.records(BACKLOG_BY_REASON, **params)
         }
@@ -1746,6 +1805,7 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
             "counts": counts,
             "total": sum(counts.values()),
             "failed_retryable": failed_retryable,
+            "failed_by_reason": failed_by_reason,
             "backlog": backlog,
             "backlog_total": backlog_total,
             "expired_leases": backlog.get("lease_expired", 0),
@@ -2864,29 +2924,9 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 
 def _publish_queue_metrics(status: dict[str, Any]) -> None:
-    counts = status["counts"]
-    values = {
-        "Backlog": status["backlog_total"],
-        "Queued": counts.get("queued", 0),
-        "Processing": counts.get("processing", 0),
-        "ExpiredLeases": status["expired_leases"],
-        "Failed": counts.get("failed", 0),
-        "AnalysedLast24h": status["throughput"]["analysed_24h"],
-    }
-    for name, value in values.items():
-        metrics.add_metric(name=name, unit=MetricUnit.Count, value=value)
-    # Durations in hours and minutes: CloudWatch has no such units (only seconds and
-    # finer), so they carry None and say their unit in their name, which the alarms'
-    # thresholds (MaxBacklogEtaHours, 60 minutes) are written in.
-    # No finished analysis in a day with work waiting: the ETA is unbounded.
-    eta = status["eta_hours"]
-    metrics.add_metric(name="EtaHours", unit=MetricUnit.NoUnit, value=1e6 if eta is None else eta)
-    if status["minutes_since_last_ping"] is not None:
-        metrics.add_metric(
-            name="MinutesSinceLastPing",
-            unit=MetricUnit.NoUnit,
-            value=status["minutes_since_last_ping"],
-        )
+    for name, value in queue_metrics(status).items():
+        unit = MetricUnit.NoUnit if name in UNITLESS_METRICS else MetricUnit.Count
+        metrics.add_metric(name=name, unit=unit, value=value)
     metrics.flush_metrics()
 
 
