@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import functools
 import gc
 import hashlib
 import hmac
@@ -1350,10 +1351,13 @@ REASON_TEXT = {
 }
 
 
+APP_STATES = ("queued", "processing", "analysed", "failed")
+
+
 def format_queue_status(status: dict[str, Any]) -> str:
     counts, backlog = status["counts"], status["backlog"]
     lines = ["Apps by state"]
-    for state in ("queued", "processing", "analysed", "failed"):
+    for state in APP_STATES:
         lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
     lines.append(f"  {'  of which retryable':<20}{status['failed_retryable']:>10}")
     lines.append(f"  {'total':<20}{status['total']:>10}")
@@ -1439,6 +1443,21 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
     processing = status["processing"]
     values["OldestLeaseMinutes"] = round(processing[0]["age_minutes"], 1) if processing else 0
     return values
+
+
+def queue_status_document(status: dict[str, Any]) -> dict[str, Any]:
+    """The queue-status report for scripts (`queue-status --json`): the figures of the
+    text under keys that do not vary with the data. Every state and every backlog reason
+    is there (0 when no app is), failed apps by reason are a list of {reason, apps}, and
+    lists of apps hold objects with the same keys each."""
+    document = {name: value for name, value in status.items() if name != "policy_text"}
+    document["counts"] = {state: status["counts"].get(state, 0) for state in APP_STATES}
+    document["backlog"] = {reason: status["backlog"].get(reason, 0) for reason in REASON_TEXT}
+    document["failed_by_reason"] = [
+        {"reason": reason, "apps": apps}
+        for reason, apps in sorted(status["failed_by_reason"].items())
+    ]
+    return document
 
 
 def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
@@ -1939,6 +1958,20 @@ def migration_files(directory: Path | None = None) -> list[MigrationFile]:
             )
         )
     return files
+
+
+@functools.cache
+def package_version() -> dict[str, str]:
+    """What this code is, as /healthz says it: `build`, a hash of the package's content
+    (handler.py and the ledger files, line endings as migration_files reads them), and
+    `ledger`, its last ledger file (a deploy applies it before this code takes requests).
+    Computed once per process on first use, never at import."""
+    files = migration_files()
+    digest = hashlib.sha256(b"handler.py\0")
+    digest.update(Path(__file__).read_bytes().replace(b"\r\n", b"\n"))
+    for migration in files:
+        digest.update(f"\0sql/{migration.name}\0{migration.checksum}".encode())
+    return {"build": digest.hexdigest()[:12], "ledger": files[-1].name if files else ""}
 
 
 def pending_migrations(
@@ -2565,13 +2598,17 @@ HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` sa
 
 @app.get("/healthz", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz() -> JSONResponse:
-    """ok when a claim could run now (see claim_readiness), else 503."""
+    """ok when a claim could run now (see claim_readiness), else 503; with the version
+    of the code that answers (package_version)."""
     problem = claim_readiness(database())
+    version = package_version()
     if problem:
         return JSONResponse(
-            {"status": "unavailable", "detail": problem}, status_code=503, headers=RETRY_AFTER
+            {"status": "unavailable", "detail": problem, "version": version},
+            status_code=503,
+            headers=RETRY_AFTER,
         )
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "version": version})
 
 
 @app.get("/healthz/analyser", openapi_extra={"responses": HEALTH_RESPONSES})
@@ -2660,7 +2697,19 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 # == Lambda entry points ================================================================
 # api (API Gateway), migrate (CloudFormation custom resource), report (EventBridge).
 
-_mangum = Mangum(app, lifespan="off")
+
+async def deployed_app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    """The app as the HTTP API serves it: without the OpenAPI document, which the local
+    server serves (the deployed API routes only the service's own paths; its catch-all
+    route is there so that unknown paths get the app's 404, and so does this one). The
+    path is the one the app's router matches, after Mangum decoded the request's."""
+    if scope["type"] == "http" and scope["path"] == app.openapi_url:
+        await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
+        return
+    await app(scope, receive, send)
+
+
+_mangum = Mangum(deployed_app, lifespan="off")
 
 
 def _unreadable_event(event: dict[str, Any], context: Any) -> str | None:
@@ -3213,7 +3262,11 @@ def _cli_migrate(args: argparse.Namespace) -> int:
 
 def _cli_queue_status(args: argparse.Namespace) -> int:
     _local_database(apply=True)
-    print(format_queue_status(queue_status(database(), settings().policy, top=args.top)))
+    status = queue_status(database(), settings().policy, top=args.top)
+    if args.json:
+        print(json.dumps(queue_status_document(status), indent=2, sort_keys=True))
+    else:
+        print(format_queue_status(status))
     return 0
 
 
@@ -3279,6 +3332,9 @@ def main(argv: list[str] | None = None) -> int:
     status = commands.add_parser("queue-status", help="counts, backlog, throughput, ETA")
     status.add_argument(
         "--top", type=_positive_int, default=10, help="backlog apps listed (default: %(default)s)"
+    )
+    status.add_argument(
+        "--json", action="store_true", help="one JSON object with stable keys, for scripts"
     )
     status.set_defaults(run=_cli_queue_status)
     priority = commands.add_parser("priority-report", help="the backlog in claim order")
