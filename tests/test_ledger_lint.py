@@ -137,3 +137,18 @@ def test_the_excluded_rule_is_kept_by_the_runner(empty_database, tmp_path):
         assert connection.run("SELECT lock_timeout, statement_timeout FROM seen") == [["10s", "0"]]
     finally:
         connection.close()
+
+
+def test_the_docs_say_what_the_lint_does(tmp_path):
+    text = (handler.HERE / "docs" / "ledger-lint.md").read_text()
+    assert f"`{ledger_lint.LAST_APPLIED_IN_PRODUCTION}`" in text
+    for rule in ("require-lock-timeout", "require-statement-timeout"):
+        assert f"`{rule}`" in text, rule
+    # The example of a justified ignore is one squawk accepts (and the form the test
+    # above asks for).
+    (example,) = re.findall(r"```sql\n(.*?)```", text, re.S)
+    assert "squawk-ignore" in example
+    assert lint_text(tmp_path, "020_example.sql", example) == set()
+    assert lint_text(tmp_path, "021_bare.sql", example.splitlines()[-1] + "\n") == {
+        "ban-drop-column"
+    }

@@ -463,3 +463,17 @@ def test_the_docs_name_every_alarm_parameter_and_widget(transformed, source):
         assert f"`{name}` (default {default})" in text, name
     for title in widget_metrics(dashboard(transformed)):
         assert title in text, title
+
+
+def test_the_docs_figures_match_the_template(transformed):
+    text = " ".join(DOCS.read_text().split())
+    access_log = [
+        f
+        for f in resources_of_type(transformed, "AWS::Logs::MetricFilter").values()
+        if f["Properties"]["LogGroupName"] == {"Ref": "HttpApiAccessLogGroup"}
+    ]
+    assert f"the report publishes {len(report_metric_names())} " in text
+    assert f"the access log's filters {len(access_log)}," in text
+    config = deployed(transformed)["ReportInvokeConfig"]["Properties"]
+    assert config["MaximumRetryAttempts"] == 1 and "is retried once" in text
+    assert f"within {config['MaximumEventAgeInSeconds'] // 60} minutes" in text
