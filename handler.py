@@ -21,7 +21,7 @@ One file, read top to bottom. Each section opens with a one-line banner `# == <n
   SQL: health and sessions   /healthz, ending a migration's session
   Database access            Session, Database (one connection), Runtime (per process)
   Queue logic                pure functions: input checks, failure classes, JSON answers
-  Report formatting          the queue-status report as text
+  Report formatting          the queue-status report as text, JSON and metrics
   Queue operations           the queue logic applied to the database
   Migrations                 the sorted SQL ledger in sql/
   HTTP routes                the analysers' frozen contract, the website's routes
@@ -1340,7 +1340,8 @@ def json_text(value: Any) -> str:
 
 
 # == Report formatting ==================================================================
-# The queue-status report as text, for the CLI (the scheduled report logs it as data).
+# The queue-status report as text and JSON for the CLI, and as the scheduled report's
+# metrics (the scheduled report logs it as data).
 
 REASON_TEXT = {
     "queued": "queued",
