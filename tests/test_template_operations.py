@@ -259,12 +259,12 @@ def test_every_route_without_a_token_is_throttled_as_public(transformed):
 
 # --------------------------------------------------------------------------- access-log metrics
 
-FILTER_TERM = re.compile(r'\$\.(\w+) (=|!=) "([^"*]*)(\*?)"')
+FILTER_TERM = re.compile(r'\(\$\.(\w+) (=|!=) "([^"*]*)(\*?)"\)')
 
 
 def matches(pattern: str, record: dict) -> bool:
     """CloudWatch Logs' JSON filter pattern, for the form the template uses: terms
-    `$.field = "value"` or `!=`, a trailing * matching any rest, joined by &&. Any other
+    `($.field = "value")` or `!=`, a trailing * matching any rest, joined by &&. Any other
     form fails here, so the template cannot drift into what this does not evaluate."""
     inner = re.fullmatch(r"\{\s*(.*?)\s*\}", " ".join(pattern.split()))
     assert inner, pattern
