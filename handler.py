@@ -21,7 +21,7 @@ One file, read top to bottom. Each section opens with a one-line banner `# == <n
   SQL: health and sessions   /healthz, ending a migration's session
   Database access            Session, Database (one connection), Runtime (per process)
   Queue logic                pure functions: input checks, failure classes, JSON answers
-  Report formatting          the queue-status report as text
+  Report formatting          the queue-status report as text, JSON and metrics
   Queue operations           the queue logic applied to the database
   Migrations                 the sorted SQL ledger in sql/
   HTTP routes                the analysers' frozen contract, the website's routes
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import functools
 import gc
 import hashlib
 import hmac
@@ -633,6 +634,9 @@ SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) 
        count(*) FILTER (WHERE success) AS analysed_7d,
        count(*) FILTER (WHERE NOT success) AS failed_7d
 FROM app_analyses WHERE analysed > now() - interval '7 days'
+"""
+FAILED_BY_REASON = """
+SELECT failure_reason AS reason, count(*) AS apps FROM apps WHERE status = 'failed' GROUP BY 1
 """
 PROCESSING_APPS = """
 SELECT appid, processing_started, lease_attempts, refetch_requested,
@@ -1574,7 +1578,8 @@ def json_text(value: Any) -> str:
 
 
 # == Report formatting ==================================================================
-# The queue-status report as text, for the CLI (the scheduled report logs it as data).
+# The queue-status report as text and JSON for the CLI, and as the scheduled report's
+# metrics (the scheduled report logs it as data).
 
 REASON_TEXT = {
     "queued": "queued",
@@ -1585,10 +1590,13 @@ REASON_TEXT = {
 }
 
 
+APP_STATES = ("queued", "processing", "analysed", "failed")
+
+
 def format_queue_status(status: dict[str, Any]) -> str:
     counts, backlog = status["counts"], status["backlog"]
     lines = ["Apps by state"]
-    for state in ("queued", "processing", "analysed", "failed"):
+    for state in APP_STATES:
         lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
     lines.append(f"  {'  of which retryable':<20}{status['failed_retryable']:>10}")
     lines.append(f"  {'total':<20}{status['total']:>10}")
@@ -1636,6 +1644,80 @@ def format_queue_status(status: dict[str, Any]) -> str:
     lines += ["", "Top of the backlog"]
     lines += _format_backlog_rows(status["top_backlog"])
     return "\n".join(lines)
+
+
+# The report's metrics, which the alarms and the dashboard read (template.yaml). The
+# dashboard's are published on every report, zero included, so a line has no gaps that
+# mean "nothing" and the set of metrics (each one billed) stays fixed.
+BACKLOG_REASON_METRICS = {
+    "queued": "BacklogQueued",
+    "lease_expired": "ExpiredLeases",
+    "outdated_version": "BacklogOutdatedVersion",
+    "stale": "BacklogStale",
+    "retry_failed": "BacklogRetryFailed",
+}
+# Failed apps by the reasons the service assigns; any other (a reason an analyser sent,
+# a legacy row without one) is FailedOther.
+FAILURE_REASON_METRICS = {
+    reason: "Failed" + "".join(word.title() for word in reason.split("_"))
+    for reason in (
+        *(r for r, _, _ in FAILURE_CLASSES),
+        "invalid_bundle_id",
+        ANALYSIS_FAILED,
+        "lease_expired",  # recorded by the promoter (ABANDON_EXPIRED_LEASES)
+    )
+}
+OTHER_FAILURES_METRIC = "FailedOther"
+# Durations in hours and minutes: CloudWatch has no such units (only seconds and finer),
+# so they carry None and say their unit in their name, which the alarms' thresholds
+# (MaxBacklogEtaHours, 60 minutes) are written in. Every other metric is a Count.
+UNITLESS_METRICS = frozenset({"EtaHours", "MinutesSinceLastPing", "OldestLeaseMinutes"})
+
+
+def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
+    """The queue-status report's metrics: name -> value."""
+    counts, throughput = status["counts"], status["throughput"]
+    values: dict[str, float] = {
+        "Backlog": status["backlog_total"],
+        "Queued": counts.get("queued", 0),
+        "Processing": counts.get("processing", 0),
+        "Failed": counts.get("failed", 0),
+        "AnalysedLast24h": throughput["analysed_24h"],
+        "AnalysedLastHour": throughput["analysed_1h"],
+        "FailedLastHour": throughput["failed_1h"],
+        "OutdatedResultsLast24h": throughput["outdated_24h"],
+    }
+    for reason, name in BACKLOG_REASON_METRICS.items():
+        values[name] = status["backlog"].get(reason, 0)
+    values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
+    for reason, apps in status["failed_by_reason"].items():
+        values[FAILURE_REASON_METRICS.get(reason, OTHER_FAILURES_METRIC)] += apps
+    # No finished analysis in a day with work waiting: the ETA is unbounded.
+    eta = status["eta_hours"]
+    values["EtaHours"] = 1e6 if eta is None else eta
+    # Never pinged: no value, which the ping alarm treats as breaching.
+    if status["minutes_since_last_ping"] is not None:
+        values["MinutesSinceLastPing"] = status["minutes_since_last_ping"]
+    # The oldest claim still out (the list is oldest first); 0 when none is.
+    # A lease whose start is not a time the service wrote (infinite) has no age.
+    ages = [p["age_minutes"] for p in status["processing"] if p["age_minutes"] is not None]
+    values["OldestLeaseMinutes"] = round(max(ages), 1) if ages else 0
+    return values
+
+
+def queue_status_document(status: dict[str, Any]) -> dict[str, Any]:
+    """The queue-status report for scripts (`queue-status --json`): the figures of the
+    text under keys that do not vary with the data. Every state and every backlog reason
+    is there (0 when no app is), failed apps by reason are a list of {reason, apps}, and
+    lists of apps hold objects with the same keys each."""
+    document = {name: value for name, value in status.items() if name != "policy_text"}
+    document["counts"] = {state: status["counts"].get(state, 0) for state in APP_STATES}
+    document["backlog"] = {reason: status["backlog"].get(reason, 0) for reason in REASON_TEXT}
+    document["failed_by_reason"] = [
+        {"reason": reason, "apps": apps}
+        for reason, apps in sorted(status["failed_by_reason"].items())
+    ]
+    return document
 
 
 def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
@@ -2024,6 +2106,10 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
         by_status = connection.records(COUNT_BY_STATUS)
         counts = {row["status"]: row["apps"] for row in by_status}
         failed_retryable = sum(row["retryable"] for row in by_status if row["status"] == "failed")
+        failed_by_reason = {
+            row["reason"] or "unclassified": row["apps"]
+            for row in connection.records(FAILED_BY_REASON)
+        }
         backlog = {
             row["reason"]: row["apps"] for row in connection.records(BACKLOG_BY_REASON, **params)
         }
@@ -2052,6 +2138,7 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
             "counts": counts,
             "total": sum(counts.values()),
             "failed_retryable": failed_retryable,
+            "failed_by_reason": failed_by_reason,
             "backlog": backlog,
             "backlog_total": backlog_total,
             "expired_leases": backlog.get("lease_expired", 0),
@@ -2204,6 +2291,20 @@ def migration_files(directory: Path | None = None) -> list[MigrationFile]:
             )
         )
     return files
+
+
+@functools.cache
+def package_version() -> dict[str, str]:
+    """What this code is, as /healthz says it: `build`, a hash of the package's content
+    (handler.py and the ledger files, line endings as migration_files reads them), and
+    `ledger`, its last ledger file (a deploy applies it before this code takes requests).
+    Computed once per process on first use, never at import."""
+    files = migration_files()
+    digest = hashlib.sha256(b"handler.py\0")
+    digest.update(Path(__file__).read_bytes().replace(b"\r\n", b"\n"))
+    for migration in files:
+        digest.update(f"\0sql/{migration.name}\0{migration.checksum}".encode())
+    return {"build": digest.hexdigest()[:12], "ledger": files[-1].name if files else ""}
 
 
 def pending_migrations(
@@ -2834,13 +2935,17 @@ HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` sa
 
 @app.get("/healthz", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz() -> JSONResponse:
-    """ok when a claim could run now (see claim_readiness), else 503."""
+    """ok when a claim could run now (see claim_readiness), else 503; with the version
+    of the code that answers (package_version)."""
     problem = claim_readiness(database())
+    version = package_version()
     if problem:
         return JSONResponse(
-            {"status": "unavailable", "detail": problem}, status_code=503, headers=RETRY_AFTER
+            {"status": "unavailable", "detail": problem, "version": version},
+            status_code=503,
+            headers=RETRY_AFTER,
         )
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok", "version": version})
 
 
 @app.get("/healthz/analyser", openapi_extra={"responses": HEALTH_RESPONSES})
@@ -2929,7 +3034,19 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 # == Lambda entry points ================================================================
 # api (API Gateway), migrate (CloudFormation custom resource), report (EventBridge).
 
-_mangum = Mangum(app, lifespan="off")
+
+async def deployed_app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    """The app as the HTTP API serves it: without the OpenAPI document, which the local
+    server serves (the deployed API routes only the service's own paths; its catch-all
+    route is there so that unknown paths get the app's 404, and so does this one). The
+    path is the one the app's router matches, after Mangum decoded the request's."""
+    if scope["type"] == "http" and scope["path"] == app.openapi_url:
+        await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
+        return
+    await app(scope, receive, send)
+
+
+_mangum = Mangum(deployed_app, lifespan="off")
 
 
 def _unreadable_event(event: dict[str, Any], context: Any) -> str | None:
@@ -3193,31 +3310,9 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
 
 
 def _publish_queue_metrics(status: dict[str, Any]) -> None:
-    counts = status["counts"]
-    values = {
-        "Backlog": status["backlog_total"],
-        "Queued": counts.get("queued", 0),
-        "Processing": counts.get("processing", 0),
-        "ExpiredLeases": status["expired_leases"],
-        "LeaseExpiredFailures": status["held_back"]["lease_expired_failures"],
-        "OutdatedResultsLast24h": status["throughput"]["outdated_24h"],
-        "Failed": counts.get("failed", 0),
-        "AnalysedLast24h": status["throughput"]["analysed_24h"],
-    }
-    for name, value in values.items():
-        metrics.add_metric(name=name, unit=MetricUnit.Count, value=value)
-    # Durations in hours and minutes: CloudWatch has no such units (only seconds and
-    # finer), so they carry None and say their unit in their name, which the alarms'
-    # thresholds (MaxBacklogEtaHours, 60 minutes) are written in.
-    # No finished analysis in a day with work waiting: the ETA is unbounded.
-    eta = status["eta_hours"]
-    metrics.add_metric(name="EtaHours", unit=MetricUnit.NoUnit, value=1e6 if eta is None else eta)
-    if status["minutes_since_last_ping"] is not None:
-        metrics.add_metric(
-            name="MinutesSinceLastPing",
-            unit=MetricUnit.NoUnit,
-            value=status["minutes_since_last_ping"],
-        )
+    for name, value in queue_metrics(status).items():
+        unit = MetricUnit.NoUnit if name in UNITLESS_METRICS else MetricUnit.Count
+        metrics.add_metric(name=name, unit=unit, value=value)
     metrics.flush_metrics()
 
 
@@ -3508,7 +3603,11 @@ def _cli_migrate(args: argparse.Namespace) -> int:
 
 def _cli_queue_status(args: argparse.Namespace) -> int:
     _local_database(apply=True)
-    print(format_queue_status(queue_status(database(), settings().policy, top=args.top)))
+    status = queue_status(database(), settings().policy, top=args.top)
+    if args.json:
+        print(json.dumps(queue_status_document(status), indent=2, sort_keys=True))
+    else:
+        print(format_queue_status(status))
     return 0
 
 
@@ -3583,6 +3682,9 @@ def main(argv: list[str] | None = None) -> int:
     status = commands.add_parser("queue-status", help="counts, backlog, throughput, ETA")
     status.add_argument(
         "--top", type=_positive_int, default=10, help="backlog apps listed (default: %(default)s)"
+    )
+    status.add_argument(
+        "--json", action="store_true", help="one JSON object with stable keys, for scripts"
     )
     status.set_defaults(run=_cli_queue_status)
     priority = commands.add_parser("priority-report", help="the backlog in claim order")

@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+import handler
 from conftest import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 from helpers import app_row, history, insert_app, table_digest
 
@@ -246,7 +247,7 @@ def test_exact_app_mode(client, sql):
 
 
 def test_health_routes(client, sql):
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "version": handler.package_version()}
     offline = client.get("/healthz/analyser")
     assert offline.status_code == 503
     client.get("/ping", headers={**ANALYSER, "X-Analyser-Id": "pi-1"})

@@ -261,7 +261,7 @@ def test_event_get_app(api, sql):
 def test_event_healthz(api, monkeypatch):
     answer = api("healthz.json")
     assert answer["statusCode"] == 200
-    assert json_answer(answer) == {"status": "ok"}
+    assert json_answer(answer) == {"status": "ok", "version": handler.package_version()}
 
     configure_function(monkeypatch, "ApiFunction", UNREACHABLE_DATABASE)
     down = api("healthz.json")

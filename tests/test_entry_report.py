@@ -8,6 +8,8 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import handler
 from helpers import (
@@ -236,26 +238,50 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "Backlog": 8,
         "Queued": 4,
         "Processing": 2,
-        "ExpiredLeases": 1,
         "Failed": 5,
         "AnalysedLast24h": 6,
-        "LeaseExpiredFailures": 0,
         "OutdatedResultsLast24h": 0,
         "EtaHours": 27.4,
+        # The dashboard's: the backlog by reason, results in the last hour, failed apps
+        # by class (zero for the classes no app is in).
+        "BacklogQueued": 4,
+        "ExpiredLeases": 1,
+        "BacklogOutdatedVersion": 1,
+        "BacklogStale": 1,
+        "BacklogRetryFailed": 1,
+        "AnalysedLastHour": 2,
+        "FailedLastHour": 0,
+        "FailedAnalysisFailed": 3,
+        "FailedAppNotFound": 1,
+        "FailedIpaTooLarge": 1,
+        "FailedIosVersionTooLow": 0,
+        "FailedPaidApp": 0,
+        "FailedInvalidBundleId": 0,
+        "FailedLeaseExpired": 0,
+        "FailedOther": 0,
     }
-    assert set(units) == {*expected, "MinutesSinceLastPing"}
+    assert status["failed_by_reason"] == {
+        "analysis_failed": 3,
+        "app_not_found": 1,
+        "ipa_too_large": 1,
+    }
+    assert set(units) == {*expected, "MinutesSinceLastPing", "OldestLeaseMinutes"}
     assert set(document) == {"_aws", "service", *units}
     # Counts are Counts; hours and minutes have no CloudWatch unit and name theirs.
     assert units == {
         **{name: "Count" for name in expected if name != "EtaHours"},
         "EtaHours": "None",
         "MinutesSinceLastPing": "None",
+        "OldestLeaseMinutes": "None",
     }
     for name, value in expected.items():
         assert document[name] in ([value], value), name
     ping = document["MinutesSinceLastPing"]
     ping = ping[0] if isinstance(ping, list) else ping
     assert ping == status["minutes_since_last_ping"]
+    oldest = document["OldestLeaseMinutes"]
+    oldest = oldest[0] if isinstance(oldest, list) else oldest
+    assert abs(oldest - 200) < 1  # app.processing.expired's lease
 
 
 def test_report_with_no_throughput_and_no_ping(database_url, sql, capsys):
@@ -273,6 +299,40 @@ def test_report_with_no_throughput_and_no_ping(database_url, sql, capsys):
     assert document["EtaHours"] in ([1e6], 1e6)
     assert "MinutesSinceLastPing" not in names
     assert document["Backlog"] in ([1], 1)
+    assert document["OldestLeaseMinutes"] in ([0], 0)  # nothing is being processed
+
+
+@settings(deadline=None)
+@given(
+    st.dictionaries(
+        st.one_of(
+            st.sampled_from([*handler.FAILURE_REASON_METRICS, "unclassified"]),
+            st.text(min_size=1, max_size=20),
+        ),
+        st.integers(min_value=0, max_value=10**9),
+        max_size=12,
+    )
+)
+def test_failed_apps_by_class_add_up_to_the_failed_apps(failed_by_reason):
+    """Whatever reasons failed apps carry (the service's, an analyser's own, none), each is
+    counted once: its class's metric, or FailedOther; the classes add up to Failed."""
+    status = {
+        "counts": {"failed": sum(failed_by_reason.values())},
+        "failed_by_reason": failed_by_reason,
+        "backlog": {},
+        "backlog_total": 0,
+        "throughput": {"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
+        "eta_hours": None,
+        "minutes_since_last_ping": None,
+        "processing": [],
+    }
+    values = handler.queue_metrics(status)
+    classes = [*handler.FAILURE_REASON_METRICS.values(), handler.OTHER_FAILURES_METRIC]
+    assert sum(values[name] for name in classes) == values["Failed"]
+    for reason, name in handler.FAILURE_REASON_METRICS.items():
+        assert values[name] == failed_by_reason.get(reason, 0)
+    others = sum(n for r, n in failed_by_reason.items() if r not in handler.FAILURE_REASON_METRICS)
+    assert values[handler.OTHER_FAILURES_METRIC] == others
 
 
 def test_report_priority_report_command(database_url, sql, capsys):

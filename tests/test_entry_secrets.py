@@ -206,7 +206,8 @@ def check_database_credentials(aws, database_url, monkeypatch, stack):
         monkeypatch.setenv(name, value)
     handler.use_runtime(None)
     healthz = handler.api(load_event("healthz.json"), LambdaContext())
-    assert (healthz["statusCode"], healthz["body"]) == (200, '{"status":"ok"}')
+    assert healthz["statusCode"] == 200
+    assert json.loads(healthz["body"]) == {"status": "ok", "version": handler.package_version()}
     monkeypatch.setenv("DB_SECRET_ID", "queue/db-other")
     handler.use_runtime(None)
     denied = handler.api(load_event("healthz.json"), LambdaContext())

@@ -334,18 +334,23 @@ def test_report_schedule_parameter_defaults_to_hourly(source_template, transform
     assert target["Arn"] == {"Fn::GetAtt": ["ReportFunction", "Arn"]}
 
 
-def test_two_alarms_on_report_metrics(transformed):
+def test_three_alarms_on_report_metrics(transformed):
+    # The other AnalysisQueue metrics the alarms read are counted from logs.
+    from_logs = {"MigrationFailures", "Api5xx"}
     alarms = {
         a["Properties"]["MetricName"]: a["Properties"]
         for a in resources_of_type(transformed, "AWS::CloudWatch::Alarm").values()
         if a["Properties"]["Namespace"] == "AnalysisQueue"
-        and a["Properties"]["MetricName"] != "MigrationFailures"
+        and a["Properties"]["MetricName"] not in from_logs
     }
-    assert set(alarms) == {"MinutesSinceLastPing", "EtaHours"}
-    for props in alarms.values():
+    assert set(alarms) == {"MinutesSinceLastPing", "EtaHours", "ActiveAnalysers"}
+    for name, props in alarms.items():
         assert props["Namespace"] == "AnalysisQueue"
         assert props["Dimensions"] == [{"Name": "service", "Value": "analysis-queue"}]
-        assert props["ComparisonOperator"] == "GreaterThanThreshold"
+        below = name == "ActiveAnalysers"
+        assert props["ComparisonOperator"] == (
+            "LessThanThreshold" if below else "GreaterThanThreshold"
+        )
     ping = alarms["MinutesSinceLastPing"]
     assert int(ping["Threshold"]) == 60
     assert ping["TreatMissingData"] == "breaching"

@@ -116,9 +116,10 @@ def test_reserved_concurrency_parameter_accepts_empty_or_a_positive_number(sourc
 
 def test_migration_invocation_is_not_retried_and_the_wait_is_bounded(transformed):
     resources = deployed(transformed)
-    (config,) = resources_of_type(
-        {"Resources": resources}, "AWS::Lambda::EventInvokeConfig"
-    ).values()
+    configs = resources_of_type({"Resources": resources}, "AWS::Lambda::EventInvokeConfig")
+    (config,) = (
+        c for c in configs.values() if c["Properties"]["FunctionName"]["Ref"] == "MigrationFunction"
+    )
     props = config["Properties"]
     # CloudFormation invokes the unqualified ARN, i.e. $LATEST.
     assert props["FunctionName"] == {"Ref": "MigrationFunction"}
@@ -234,7 +235,9 @@ def test_alarms_notify_a_topic_of_the_stack_by_default(transformed):
     assert resources["AlarmTopic"]["Type"] == "AWS::SNS::Topic"
     assert "AlarmEmailSubscription" not in resources
     actions = alarm_actions(resources)
-    assert len(actions) == 10  # 3 functions x 2, the API's 5xx, ping, backlog, migration
+    # 3 functions x 2, the API's 5xx, ping, backlog, migration, the API's latency and the
+    # API function's duration (ActiveAnalysersAlarm is off by default).
+    assert len(actions) == 12
     for name, (on_alarm, on_ok) in actions.items():
         assert on_alarm == on_ok == ({"Ref": "AlarmTopic"},), name
 
@@ -256,17 +259,17 @@ def test_every_function_has_error_and_throttle_alarms_and_the_api_5xx(transforme
         if resource["Type"] != "AWS::CloudWatch::Alarm":
             continue
         props = resource["Properties"]
-        if props["Namespace"] == "AWS/Lambda":
+        if props["Namespace"] == "AWS/Lambda" and props["MetricName"] != "Duration":
             (dimension,) = props["Dimensions"]
             assert dimension["Name"] == "FunctionName"
             watched.add((dimension["Value"]["Ref"], props["MetricName"]))
             assert props["Threshold"] == 0
             assert props["TreatMissingData"] == "notBreaching"
-        if props["Namespace"] == "AWS/ApiGateway":
-            assert props["MetricName"] == "5xx"
-            assert props["Dimensions"] == [{"Name": "ApiId", "Value": {"Ref": "HttpApi"}}]
-            assert props["Statistic"] == "Sum"
     assert watched == {(f, m) for f in FUNCTIONS for m in ("Errors", "Throttles")}
+    # The API's 5xx, counted from its access log (tests/test_template_operations.py).
+    api_5xx = resources["Api5xxAlarm"]["Properties"]
+    assert (api_5xx["Namespace"], api_5xx["MetricName"]) == ("AnalysisQueue", "Api5xx")
+    assert api_5xx["Statistic"] == "Sum"
 
 
 def evaluate(datapoints: list[float | None], props: dict) -> str:
