@@ -168,7 +168,7 @@ def table_digest(sql) -> list:
 
 
 # --- the oracle ----------------------------------------------------------------------
-# The queue's candidate rule (README, "The queue") written out in Python, evaluated on
+# The queue's candidate rule (docs/queue.md) written out in Python, evaluated on
 # the rows themselves; whatever /queue hands out must be the first candidate in its order.
 
 

@@ -4,7 +4,7 @@ Hypothesis drives adds, claims, uploads (with and without claim tokens), failure
 late uploads from analysers whose lease was taken over, lease expiry and ageing (the
 clock moved by rewriting the timestamps), refetches and version bumps, across several
 analysers, against the real database through the ASGI app. A small pure-Python model of
-the queue's rules (README, "The queue") predicts every answer and every row. The only
+the queue's rules (docs/queue.md) predicts every answer and every row. The only
 things the model reads back from the database are clock readings (the times a row was
 claimed or stored).
 """
