@@ -1,6 +1,6 @@
 """The tests' kit: connections and the ledger, queue rows arranged directly in the
 database, the Lambda entry points' events and contexts, the custom resource's ResponseURL,
-log records, and the CLI. (Fixtures, and the databases themselves, are in conftest.py.)"""
+log records, and the CLI. (The databases themselves are in kit.py; the fixtures in conftest.py.)"""
 
 from __future__ import annotations
 

@@ -16,13 +16,13 @@ import re
 import shutil
 import subprocess
 
+import kit
 import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from test_template import LAMBDA_PYTHON, make, sam_dir_checksum
 
-import conftest
 import handler
 
 REPO = handler.HERE
@@ -97,8 +97,8 @@ def test_the_lock_holds_every_transitive_dependency(builds):
 
 def test_minimum_python_is_checked_with_a_clear_message():
     with pytest.raises(SystemExit, match=r"need Python 3\.11 or newer; this is Python 3\.10\.4"):
-        conftest.check_python((3, 10, 4, "final", 0))
-    conftest.check_python((3, 11, 0))
+        kit.check_python((3, 10, 4, "final", 0))
+    kit.check_python((3, 11, 0))
     for page in ("README.md", "docs/testing.md", "docs/deploy.md"):
         assert "Python 3.11 or newer" in (REPO / page).read_text(), page
 

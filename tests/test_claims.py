@@ -14,9 +14,9 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from kit import ANALYSER, configure_service, time_passes
 
 import handler
-from conftest import ANALYSER, configure_service, time_passes
 from helpers import (
     app_row,
     database_at,

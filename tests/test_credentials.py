@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 
 import pg8000.native
 import pytest
+from kit import ADMIN, ANALYSER, Databases, configure_service
 from pg_password import PasswordServer
 
 import handler
-from conftest import ADMIN, ANALYSER, Databases, configure_service, connect
-from helpers import LambdaContext, app_row, database_at, invoke_api, load_event, migrate
+from helpers import LambdaContext, app_row, connect, database_at, invoke_api, load_event, migrate
 
 OPERATIONS = handler.HERE / "docs" / "operations.md"
 

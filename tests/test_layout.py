@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from conftest import ROOT
+from kit import ROOT
 
 SOURCE = (ROOT / "handler.py").read_text()
 BANNER = re.compile(r"^# == (.+?) =+$")
@@ -175,3 +175,20 @@ def test_no_test_or_benchmark_touches_a_private_name_of_handler():
                 if name.startswith("_") and not name.startswith("__")
             ]
     assert touched == []
+
+
+def test_no_test_file_imports_conftest():
+    """Test files import the kit (tests/kit.py) and the helpers; conftest.py only hands
+    fixtures to pytest, which loads it itself."""
+    importing = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            if "conftest" in names:
+                importing.append(f"{path.name}:{node.lineno}")
+    assert importing == []

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from kit import ADMIN, ANALYSER
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 import handler
-from conftest import ADMIN, ANALYSER
 from helpers import insert_app
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", handler.app)
