@@ -39,6 +39,7 @@ from kit import (  # noqa: E402, F401
     configure_function,
     configure_service,
     connect,
+    make_template,
     time_passes,
 )
 
@@ -83,9 +84,10 @@ def server_url():
 
 @pytest.fixture(scope="session")
 def template_url(server_url):
-    """The database the ledger migrated, that migrated databases are copies of."""
+    """The database the ledger migrated, that migrated databases are copies of (reset
+    once as the shared database is between tests: kit.make_template)."""
     with Databases(server_url) as databases:
-        yield databases.create(migrated=True, name=TEMPLATE_DB)
+        yield make_template(databases, TEMPLATE_DB)
 
 
 @pytest.fixture

@@ -116,33 +116,15 @@ class Databases:
 # --- the shared migrated database ------------------------------------------------------
 
 
-class SharedDatabase:
-    """One migrated database that the tests take in turn (`database_url`).
+class TableReset:
+    """Every table emptied and given back the rows the ledger put there, read once from a
+    database as migrated: TRUNCATE ... RESTART IDENTITY CASCADE, the ledger's rows
+    (queue_policy's, schema_migrations), the sequences as they were, no planner statistics
+    and the activity counters autovacuum goes by set to zero. The template is made through
+    it once (`make_template`), so a copy of the template and the shared database after a
+    test look alike to the planner too (TRUNCATE leaves every table "never vacuumed")."""
 
-    lend() checks that it is as the ledger left it: no session connected, every table's
-    rows and every sequence as migrated; and notes its catalogs. restore(), after the test,
-    ends the sessions the test left; if the test changed the catalogs (the schema, grants,
-    the database's settings), makes the database again from the template; otherwise
-    empties every table (TRUNCATE ... RESTART IDENTITY CASCADE), puts back the rows the
-    ledger made, and resets sequences, planner statistics and activity counters to the
-    migrated ones."""
-
-    APPLICATION = "tests-shared-database"
-
-    def __init__(self, databases: Databases, name: str):
-        self.databases = databases
-        self.name = name
-        self.remade_after: list[str] = []  # the tests that changed its catalogs
-        self._make()
-
-    # -- what "as migrated" is, read once from a new copy ----------------------------------
-
-    def _make(self) -> None:
-        self.url = self.databases.create(migrated=True, name=self.name)
-        self.cleaner = connect(self.url, application_name=self.APPLICATION)
-        # Nothing here needs to survive a crash of the server: commit without a flush.
-        self.cleaner.run("SET synchronous_commit = off")
-        run = self.cleaner.run
+    def __init__(self, run: Callable[..., list]):
         self.tables = [
             row[0]
             for row in run(
@@ -175,17 +157,74 @@ class SharedDatabase:
                 " AND relnamespace = current_schema()::regnamespace ORDER BY 1"
             )
         ]
-        ((self.planner,),) = run(
-            "SELECT json_agg(json_build_object('oid', oid, 'relpages', relpages,"
-            " 'reltuples', reltuples, 'relallvisible', relallvisible))"
-            " FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
-        )
-        ((statistics,),) = run(
-            "SELECT count(*) FROM pg_statistic WHERE starelid IN"
-            " (SELECT oid FROM pg_class WHERE relnamespace = current_schema()::regnamespace)"
-        )
-        if statistics:
-            raise RuntimeError("the migrated template has planner statistics; restore() drops them")
+
+    def apply(self, run: Callable[..., list]) -> None:
+        run("BEGIN")
+        try:
+            run(f"TRUNCATE {', '.join(self.tables)} RESTART IDENTITY CASCADE")
+            run("SET LOCAL session_replication_role = replica")  # no trigger fires
+            for statement, rows in self.refills:
+                run(statement, rows=rows)
+            for name, last_value, is_called in self.sequences:
+                run(
+                    "SELECT setval(:name, :value, :called)",
+                    name=name,
+                    value=last_value,
+                    called=is_called,
+                )
+            # TRUNCATE leaves the statistics of an ANALYZE in place.
+            run(
+                "DELETE FROM pg_statistic WHERE starelid IN"
+                " (SELECT oid FROM pg_class WHERE relnamespace = current_schema()::regnamespace)"
+            )
+            run("COMMIT")
+        except BaseException:
+            run("ROLLBACK")
+            raise
+        run("SELECT pg_stat_reset()")
+
+
+def make_template(databases: Databases, name: str) -> str:
+    """The database the ledger migrated, then reset once by TableReset as the shared
+    database is after each test; its URL."""
+    url = databases.create(migrated=True, name=name)
+    connection = connect(url)
+    try:
+        TableReset(connection.run).apply(connection.run)
+    finally:
+        connection.close()
+    return url
+
+
+class SharedDatabase:
+    """One migrated database that the tests take in turn (`database_url`).
+
+    lend() checks that it is as the ledger left it: no session connected, every table's
+    rows and every sequence as migrated; and notes its catalogs. restore(), after the test,
+    ends the sessions the test left; if the test changed the catalogs (the schema, grants,
+    the database's settings), makes the database again from the template; otherwise
+    resets its tables (TableReset: TRUNCATE, the ledger's rows put back, sequences,
+    planner statistics and activity counters as in the template)."""
+
+    APPLICATION = "tests-shared-database"
+
+    def __init__(self, databases: Databases, name: str):
+        self.databases = databases
+        self.name = name
+        self.remade_after: list[str] = []  # the tests that changed its catalogs
+        self._make()
+
+    # -- what "as migrated" is, read once from a new copy ----------------------------------
+
+    def _make(self) -> None:
+        self.url = self.databases.create(migrated=True, name=self.name)
+        self.cleaner = connect(self.url, application_name=self.APPLICATION)
+        # Nothing here needs to survive a crash of the server: commit without a flush.
+        self.cleaner.run("SET synchronous_commit = off")
+        run = self.cleaner.run
+        self.reset = TableReset(run)
+        self.tables = self.reset.tables
+        self.sequences = self.reset.sequences
         catalogs = [
             row[0]
             for row in run(
@@ -289,40 +328,7 @@ class SharedDatabase:
             time.sleep(0.02)
 
     def _refill(self) -> None:
-        run = self.cleaner.run
-        run("BEGIN")
-        try:
-            run(f"TRUNCATE {', '.join(self.tables)} RESTART IDENTITY CASCADE")
-            run("SET LOCAL session_replication_role = replica")  # no trigger fires
-            for statement, rows in self.refills:
-                run(statement, rows=rows)
-            for name, last_value, is_called in self.sequences:
-                run(
-                    "SELECT setval(:name, :value, :called)",
-                    name=name,
-                    value=last_value,
-                    called=is_called,
-                )
-            # TRUNCATE leaves each relation "never vacuumed", and ANALYZE's statistics in
-            # place: the planner sees the template's empty tables again.
-            run(
-                "UPDATE pg_class c SET relpages = s.relpages, reltuples = s.reltuples,"
-                " relallvisible = s.relallvisible"
-                " FROM json_to_recordset(CAST(:planner AS json))"
-                " AS s(oid oid, relpages integer, reltuples real, relallvisible integer)"
-                " WHERE c.oid = s.oid AND (c.relpages, c.reltuples, c.relallvisible)"
-                " IS DISTINCT FROM (s.relpages, s.reltuples, s.relallvisible)",
-                planner=json.dumps(self.planner),
-            )
-            run(
-                "DELETE FROM pg_statistic WHERE starelid IN"
-                " (SELECT oid FROM pg_class WHERE relnamespace = current_schema()::regnamespace)"
-            )
-            run("COMMIT")
-        except BaseException:
-            run("ROLLBACK")
-            raise
-        run("SELECT pg_stat_reset()")  # the activity counters autovacuum goes by
+        self.reset.apply(self.cleaner.run)
 
     def _remake(self) -> None:
         try:
