@@ -85,7 +85,7 @@ class ConfigError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class QueuePolicy:
-    """When an app is handed out again (README, "The queue"): the knobs of the rule."""
+    """When an app is handed out again (docs/queue.md): the knobs of the rule."""
 
     analysis_version: int = 4
     stale_days: int = 180
@@ -152,7 +152,7 @@ DEFAULT_MAX_BODY_BYTES = 4_500_000
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ if env is None else env)
-    # Statements on the API connection: a claim takes a millisecond, so a statement that
+    # Statements on the API connection: a claim is an index read, so a statement that
     # runs for seconds is a sick database, answered 503. Waiting for a lock is cut much
     # sooner: a row or table another session holds must not stall /queue (503 instead).
     statement_timeout_ms = _int_setting(env, "STATEMENT_TIMEOUT_MS", 5_000)
@@ -248,7 +248,7 @@ metrics = Metrics(
 # Every statement the service runs is a named constant in the SQL sections, grouped by
 # operation. Parameters are :name (pg8000.native).
 
-# The queue's candidate rule (README, "The queue"), written once. It is the oracle the
+# The queue's candidate rule (docs/queue.md), written once. It is the oracle the
 # claim is tested against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
 CANDIDATE = """(
     status = 'queued'
@@ -915,7 +915,7 @@ def connection_arguments(
 class Session:
     """One open connection as the queue code uses it: `run(sql, **params)` executes a
     named prepared statement, parsed and planned once per connection. (Planning the
-    claim costs more than running it: about 2 ms against 0.5 ms.)
+    claim costs more than running it: bench/claims.py prints both, docs/benchmarks.md.)
 
     `in_step` is False once anything but a complete PostgreSQL error reply interrupted a
     statement: a decoding error, a RecursionError, KeyboardInterrupt, a bug in the
@@ -1172,7 +1172,7 @@ class Runtime:
             lock_timeout_ms=config.lock_timeout_ms,
             # The API's statements are index-head reads and point lookups whose best plan
             # does not depend on the values; left to choose, PostgreSQL keeps re-planning
-            # the claim (0.3 ms of a 0.7 ms claim).
+            # the claim, a large share of its time (docs/benchmarks.md).
             generic_plans=True,
             clock=self.clock,
         )
@@ -1243,7 +1243,7 @@ def migration_database() -> Database:
 BUNDLE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
 
 ANALYSIS_FAILED = "analysis_failed"
-# (reason, retryable, phrases), first match wins (README, "Failures: retry or not").
+# (reason, retryable, phrases), first match wins (docs/api.md, "Failures: retry or not").
 FAILURE_CLASSES = (
     ("app_not_found", False, ("app not found",)),
     (
@@ -2628,8 +2628,8 @@ def _reject_constant(name: str) -> None:
 @contextmanager
 def _cycle_collector_paused() -> Iterator[None]:
     """Parsing a large document makes millions of containers, and every pass of Python's
-    cyclic garbage collector walks them all again: 4 MB of small nested arrays took 4.6 s
-    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits until
+    cyclic garbage collector walks them all again (bench/json_parse.py measures by how
+    much: docs/benchmarks.md). Parsed JSON holds no cycles, so the collector waits until
     the parse and its check are done (nothing else runs meanwhile: no await inside)."""
     enabled = gc.isenabled()
     gc.disable()
@@ -2774,7 +2774,7 @@ CLAIM_RETURNED_DOC = (
     "result that claim stored is answered 200 as the first time. A stale token (another "
     "result stored for the claim, or the lease handed out again) gets 409 and nothing is "
     "written. Optional, as the deployed analysers send none: a result without it is judged "
-    "by what it would replace (docs/queue.md, \"Results\")."
+    'by what it would replace (docs/queue.md, "Results").'
 )
 
 
@@ -2788,7 +2788,8 @@ def _documented(
     body; and the claim token, which the route has either "issued" (a header of its 200) or
     "returned" to it (an optional request header). The routes parse these by hand, for the
     contract's exact 400s; declaring them as FastAPI parameters (path parameters too) would
-    also load pydantic.v1 at cold start, about 35 ms. `errors`: the error answers it gives."""
+    also load pydantic.v1 at cold start (docs/benchmarks.md says how long). `errors`: the
+    error answers it gives."""
     extra: dict[str, Any] = {
         "parameters": [
             {"name": name, "in": "query", "required": required, "schema": {"type": "string"}}

@@ -158,7 +158,7 @@ class Bench:
         return self.handler.settings().policy
 
     def oracle(self, policy) -> tuple[str | None, int]:
-        """The first candidate in claim order by the queue's rule (README, "The queue"),
+        """The first candidate in claim order by the queue's rule (docs/queue.md),
         evaluated plainly (a scan), and how many candidates there are."""
         rows = self.sql.run(
             f"SELECT appid, count(*) OVER () FROM apps WHERE {self.handler.CANDIDATE}"

@@ -1,6 +1,6 @@
 """The tests' kit: connections and the ledger, queue rows arranged directly in the
 database, the Lambda entry points' events and contexts, the custom resource's ResponseURL,
-log records, and the CLI. (Fixtures, and the databases themselves, are in conftest.py.)"""
+log records, and the CLI. (The databases themselves are in kit.py; the fixtures in conftest.py.)"""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def table_digest(sql) -> list:
 
 
 # --- the oracle ----------------------------------------------------------------------
-# The queue's candidate rule (README, "The queue") written out in Python, evaluated on
+# The queue's candidate rule (docs/queue.md) written out in Python, evaluated on
 # the rows themselves; whatever /queue hands out must be the first candidate in its order.
 
 

@@ -11,11 +11,11 @@ import uuid
 
 import pytest
 from fastapi.testclient import TestClient
+from kit import ANALYSER, configure_service, time_passes
 
 import handler
 import legacy
-from conftest import ANALYSER, configure_service, connect, time_passes
-from helpers import app_row, history, ledger, migrate
+from helpers import app_row, connect, history, ledger, migrate
 
 CHECK = "apps_processing_claim_token_check"
 OURS_AFTER_009 = [name for name in legacy.ALL_OUR_FILES if name >= "010"]

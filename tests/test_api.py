@@ -8,9 +8,9 @@ import shutil
 import subprocess
 
 import pytest
+from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 
 import handler
-from conftest import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 from helpers import app_row, history, insert_app, table_digest
 
 EXAMPLE_ANALYSIS = {

@@ -16,13 +16,13 @@ import re
 import shutil
 import subprocess
 
+import kit
 import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from test_template import LAMBDA_PYTHON, make, sam_dir_checksum
 
-import conftest
 import handler
 
 REPO = handler.HERE
@@ -97,20 +97,22 @@ def test_the_lock_holds_every_transitive_dependency(builds):
 
 def test_minimum_python_is_checked_with_a_clear_message():
     with pytest.raises(SystemExit, match=r"need Python 3\.11 or newer; this is Python 3\.10\.4"):
-        conftest.check_python((3, 10, 4, "final", 0))
-    conftest.check_python((3, 11, 0))
-    readme = (REPO / "README.md").read_text()
-    assert "Python 3.11 or newer" in readme
+        kit.check_python((3, 10, 4, "final", 0))
+    kit.check_python((3, 11, 0))
+    for page in ("README.md", "docs/testing.md", "docs/deploy.md"):
+        assert "Python 3.11 or newer" in (REPO / page).read_text(), page
 
 
 # --------------------------------------------------------------------------- the real build
 
 
 def checkout(destination) -> None:
+    """What the build reads, and the documentation beside it (which it must leave out)."""
     destination.mkdir(parents=True)
-    for name in ("handler.py", "Makefile", "requirements.txt", "requirements.lock"):
+    for name in ("handler.py", "Makefile", "requirements.txt", "requirements.lock", "README.md"):
         shutil.copy2(REPO / name, destination / name)
-    shutil.copytree(REPO / "sql", destination / "sql")
+    for name in ("sql", "docs"):
+        shutil.copytree(REPO / name, destination / name)
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +159,16 @@ def test_layer_and_function_ship_unchecked_hash_bytecode_for_3_12(builds):
         assert file_magic.hex() == magic, source
         assert flags == 0b01, source  # hash-based, not checked against the source
     assert not (layer / "python" / "bin").exists()
+
+
+def test_the_function_package_is_handler_and_sql_only(builds):
+    """The real build of a checkout with README.md and docs/ ships neither: editing the
+    documentation never changes the deployed package (nor re-runs migrations)."""
+    _, function = builds[0]
+    shipped = {p.relative_to(function).as_posix() for p in function.rglob("*") if p.is_file()}
+    ledger = {f"sql/{p.name}" for p in (REPO / "sql").glob("*.sql")}
+    assert shipped == {"handler.py", "__pycache__/handler.cpython-312.pyc"} | ledger
+    assert not any(name.endswith(".md") for name in shipped)
 
 
 def test_two_builds_in_two_places_are_identical(builds):

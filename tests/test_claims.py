@@ -1,6 +1,6 @@
 """The claim: each candidate class, the order, leases, concurrency, and the oracle.
 
-The oracle is the queue's candidate rule (README, "The queue") written out in Python
+The oracle is the queue's candidate rule (docs/queue.md) written out in Python
 below, evaluated on the rows themselves; whatever /queue hands out must be the first
 candidate in its order. Tests that move rows in time directly (instead of waiting) call
 `time_passes()`, which is what the passing of PROMOTE_EVERY_SECONDS does in production.
@@ -14,9 +14,9 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from kit import ANALYSER, configure_service, time_passes
 
 import handler
-from conftest import ANALYSER, configure_service, time_passes
 from helpers import (
     app_row,
     database_at,

@@ -9,8 +9,7 @@ import subprocess
 import pytest
 
 import handler
-from conftest import connect
-from helpers import app_row, days_ago, history, insert_app, minutes_ago, run_cli
+from helpers import app_row, connect, days_ago, history, insert_app, minutes_ago, run_cli
 
 
 def cli(database_url: str, *args: str, unset=()) -> subprocess.CompletedProcess:

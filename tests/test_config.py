@@ -12,9 +12,9 @@ import json
 import os
 
 import pytest
+from kit import configure_service
 
 import handler
-from conftest import configure_service
 from helpers import LambdaContext, ResponseURL, cfn_event, load_event, output_records, run_cli
 from live import free_port
 

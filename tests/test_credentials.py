@@ -5,7 +5,7 @@
   clients call the Lambda API entry and the service's connections are killed (new
   containers): zero failed requests, because an authentication failure (28P01) re-reads
   the secret bypassing the cache. Without the re-read the same scenario fails.
-* Least privilege: the README's GRANT block, run as written, gives a role that serves
+* Least privilege: docs/operations.md's GRANT block, run as written, gives a role that serves
   every route and the report, cannot change the schema, and can use what a later
   ledger file creates. Migrations use the owner's secret (DB_MIGRATION_SECRET_ID).
 """
@@ -21,13 +21,13 @@ from urllib.parse import urlsplit
 
 import pg8000.native
 import pytest
+from kit import ADMIN, ANALYSER, Databases, configure_service
 from pg_password import PasswordServer
 
 import handler
-from conftest import ADMIN, ANALYSER, Databases, configure_service, connect
-from helpers import LambdaContext, app_row, database_at, invoke_api, load_event, migrate
+from helpers import LambdaContext, app_row, connect, database_at, invoke_api, load_event, migrate
 
-README = handler.HERE / "README.md"
+OPERATIONS = handler.HERE / "docs" / "operations.md"
 
 
 @pytest.fixture
@@ -42,16 +42,16 @@ def password_server():
     server.stop()
 
 
-def readme_grants() -> str:
-    """The SQL block under the README's least-privilege heading, as written there."""
-    text = README.read_text()
-    section = text.split("### Database roles: least privilege", 1)[1]
+def documented_grants() -> str:
+    """The SQL block under docs/operations.md's least-privilege heading, as written there."""
+    text = OPERATIONS.read_text()
+    section = text.split("\n## Database roles: least privilege\n", 1)[1]
     return re.search(r"```sql\n(.*?)```", section, re.S).group(1)
 
 
 def grant_role(admin: pg8000.native.Connection, role: str, password: str, database: str) -> None:
     owner = admin.run("SELECT current_user")[0][0]
-    block = readme_grants()
+    block = documented_grants()
     block = re.sub(r"\bqueue_app\b", role, block)
     block = re.sub(r"\bqueue_owner\b", owner, block)
     block = re.sub(r"\bON DATABASE analysis\b", f"ON DATABASE {database}", block)
@@ -76,7 +76,7 @@ def drop_role(admin: pg8000.native.Connection, role: str) -> None:
 
 @pytest.fixture
 def rotating(password_server, secrets_manager, monkeypatch):
-    """A migrated database on the password server, a role `queue_app_*` with the README's
+    """A migrated database on the password server, a role `queue_app_*` with docs/operations.md's
     grants, its secret in moto, and the service configured as on AWS (DB_*)."""
     role = f"queue_app_{uuid.uuid4().hex[:8]}"
     databases = Databases(password_server.admin_url())
@@ -223,7 +223,7 @@ def test_a_wrong_password_still_fails_after_one_reread(rotating, secrets_manager
 
 @pytest.fixture
 def queue_role(database_url, server_url, monkeypatch):
-    """The README's role on the test database; the service configured to run as it."""
+    """The documented role on the test database; the service configured to run as it."""
     role = f"queue_app_{uuid.uuid4().hex[:8]}"
     database = urlsplit(database_url).path.lstrip("/")
     owner = connect(database_url)

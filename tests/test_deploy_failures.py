@@ -15,11 +15,11 @@ import time
 
 import pg8000.native
 import pytest
+from kit import configure_service
 from pg_password import PasswordServer
 
 import handler
-from conftest import configure_service, connect
-from helpers import LambdaContext, ResponseURL, cfn_event, load_event
+from helpers import LambdaContext, ResponseURL, cfn_event, connect, load_event
 
 SECRET_PASSWORD = "pw-do-not-show-5d1c"
 

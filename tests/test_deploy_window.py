@@ -11,11 +11,11 @@ import uuid
 
 import pg8000.native
 import pytest
+from kit import configure_service, time_passes
 
 import handler
 import legacy
-from conftest import configure_service, connect, time_passes
-from helpers import app_row, migrate
+from helpers import app_row, connect, migrate
 
 # The previous release's statements (before the state-machine change), verbatim in shape.
 OLD_ADD_APP = (
@@ -108,7 +108,7 @@ def test_previous_release_cannot_add_a_case_variant_after_009(empty_database, tm
 def test_old_marker_on_a_queued_row_self_heals_on_the_next_claim(client, sql):
     """The previous release claimed a row (JSON marker) that the new columns still call
     queued: the new release's next claim takes it over; its upload makes it consistent."""
-    from conftest import ANALYSER
+    from kit import ANALYSER
 
     sql.run(OLD_ADD_APP, appid="com.example.app", details=json.dumps({"reviews": "1"}))
     sql.run(OLD_LOCK_APP, appid="com.example.app")
@@ -130,7 +130,7 @@ def test_old_upload_on_a_new_claim_self_heals_when_the_lease_expires(client, sql
     """The new release claimed a row, the previous release's analyser uploaded it (status
     untouched): the row stays processing until its lease expires, is handed out once
     more, and the new upload makes it consistent. Cost: one extra analysis."""
-    from conftest import ANALYSER
+    from kit import ANALYSER
 
     sql.run(OLD_ADD_APP, appid="com.example.app", details="{}")
     assert client.get("/queue", headers=ANALYSER).text == "com.example.app"
@@ -196,7 +196,7 @@ def test_old_server_release_statements_after_migrate(empty_database, monkeypatch
 
 def test_old_server_and_this_release_share_one_token(empty_database, monkeypatch):
     """One token column: a lease either release handed out is fenced by both."""
-    from conftest import ANALYSER
+    from kit import ANALYSER
 
     with adopted(empty_database, "old013", monkeypatch) as client:
         sql = connect(empty_database)
@@ -229,7 +229,7 @@ def test_old_server_completion_of_a_promoted_row_leaves_a_flag_that_heals(
     the old release then analysed stays flagged, though it is no candidate; the claim
     re-checks the rule, so it is not handed out, and the next policy change clears it."""
     with adopted(empty_database, "old013", monkeypatch) as client:
-        from conftest import ANALYSER
+        from kit import ANALYSER
 
         sql = connect(empty_database)
         sql.run("UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = 'old.done'")
@@ -259,7 +259,7 @@ def test_previous_release_of_this_service_keeps_working_after_013(empty_database
     018 gives its leases a uuid and clears it when they end, so the CHECK holds and its
     claims, results and refetches succeed. Its text token is no claim of this release
     (409), and its re-claim of an expired lease fences the uuid's previous holder."""
-    from conftest import ANALYSER
+    from kit import ANALYSER
 
     with adopted(empty_database, "head", monkeypatch) as client:
         sql = connect(empty_database)

@@ -13,9 +13,9 @@ import json
 from datetime import UTC, datetime
 
 import pytest
+from kit import configure_function
 
 import handler
-from conftest import configure_function
 from helpers import (
     EVENTS,
     UNREACHABLE_DATABASE,

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from kit import configure_function
 
 import handler
-from conftest import configure_function
 from helpers import (
     UNREACHABLE_DATABASE,
     ResponseURL,

@@ -11,9 +11,9 @@ import logging
 import os
 
 import pytest
+from kit import configure_function
 
 import handler
-from conftest import configure_function
 from helpers import (
     EVENTS,
     LambdaContext,

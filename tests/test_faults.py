@@ -17,10 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kit import ANALYSER, Databases, configure_service
 
 import handler
-from conftest import ANALYSER, Databases, configure_service, connect
-from helpers import app_row, history, insert_app
+from helpers import app_row, connect, history, insert_app
 from live import LiveServer, TcpProxy
 
 SERVICE_BACKENDS = """

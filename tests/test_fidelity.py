@@ -14,14 +14,15 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import ADMIN, ANALYSER, ROOT, configure_service
 from test_deploy_window import OLD_RECORD_HISTORY as PRE_STATE_MACHINE_RECORD_HISTORY
 
 import handler
 import legacy
-from conftest import ADMIN, ANALYSER, ROOT, configure_service, connect
 from helpers import (
     LambdaContext,
     app_row,
+    connect,
     days_ago,
     insert_app,
     load_event,

@@ -20,10 +20,18 @@ from urllib.parse import quote
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import ADMIN_TOKEN, UPLOAD_PASSWORD
 
 import handler
-from conftest import ADMIN_TOKEN, UPLOAD_PASSWORD, connect
-from helpers import app_row, call_api, gateway_event, insert_app, oracle_order, table_digest
+from helpers import (
+    app_row,
+    call_api,
+    connect,
+    gateway_event,
+    insert_app,
+    oracle_order,
+    table_digest,
+)
 from live import LiveServer
 
 POLICY = handler.QueuePolicy()

@@ -1,4 +1,4 @@
-"""The tests' shared database (conftest.SharedDatabase): whatever one test leaves in it, the
+"""The tests' shared database (kit.SharedDatabase): whatever one test leaves in it, the
 next finds it exactly as a fresh copy of the migrated template would be: rows, sequences,
 schema, database settings and the planner's statistics."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import pytest
+from kit import TEMPLATE_DB, Databases
 
 import handler
-from conftest import TEMPLATE_DB, Databases
 from helpers import connect, insert_app, ledger
 
 LEDGER_FILES = sorted(path.name for path in handler.SQL_DIR.glob("*.sql"))

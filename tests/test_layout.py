@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from conftest import ROOT
+from kit import ROOT
 
 SOURCE = (ROOT / "handler.py").read_text()
 BANNER = re.compile(r"^# == (.+?) =+$")
@@ -120,12 +120,14 @@ def late():
     assert forward_uses(example) == ["line 4 (First) uses late from Second"]
 
 
-def test_the_readme_failure_table_is_the_code():
-    """README's "Failures: retry or not" lists FAILURE_CLASSES, in order, phrase by phrase."""
+def test_the_failure_table_of_the_api_page_is_the_code():
+    """docs/api.md's "Failures: retry or not" lists FAILURE_CLASSES, in order, phrase by
+    phrase."""
     import handler
 
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("**Failures: retry or not.**")[1].split("\n\n")[1]
+    page = (ROOT / "docs" / "api.md").read_text()
+    section = page.split("\n## Failures: retry or not\n")[1].split("\n## ")[0]
+    table = next(block for block in section.split("\n\n") if block.startswith("| the log"))
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
     documented = [
         (reason.strip("` "), retryable.strip(" |") == "true", re.findall(r"`([^`]+)`", phrases))
@@ -173,3 +175,20 @@ def test_no_test_or_benchmark_touches_a_private_name_of_handler():
                 if name.startswith("_") and not name.startswith("__")
             ]
     assert touched == []
+
+
+def test_no_test_file_imports_conftest():
+    """Test files import the kit (tests/kit.py) and the helpers; conftest.py only hands
+    fixtures to pytest, which loads it itself."""
+    importing = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            if "conftest" in names:
+                importing.append(f"{path.name}:{node.lineno}")
+    assert importing == []

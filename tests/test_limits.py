@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from kit import ADMIN_TOKEN, UPLOAD_PASSWORD
 
 import handler
-from conftest import ADMIN_TOKEN, UPLOAD_PASSWORD
 from helpers import app_row, call_api, gateway_event, insert_app
 
 LIMIT = handler.LAMBDA_PAYLOAD_LIMIT_BYTES

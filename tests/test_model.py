@@ -36,9 +36,9 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from kit import ADMIN, ANALYSER, configure_service, time_passes
 
 import handler
-from conftest import ADMIN, ANALYSER, configure_service, time_passes
 
 ANALYSERS = ("pi-1", "pi-2", "pi-3")
 ROW = (

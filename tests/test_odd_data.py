@@ -15,9 +15,9 @@ import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import ANALYSER
 
 import handler
-from conftest import ANALYSER
 from helpers import LambdaContext, load_event
 
 TIMES = st.sampled_from(

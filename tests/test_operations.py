@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from kit import configure_function
 from mangum import Mangum
 
 import handler
-from conftest import configure_function
 from helpers import (
     LambdaContext,
     days_ago,

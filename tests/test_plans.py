@@ -26,9 +26,9 @@ from collections import Counter
 
 import pg8000.native
 import pytest
+from kit import ANALYSER, configure_service
 
 import handler
-from conftest import ANALYSER, configure_service
 from helpers import oracle_order, run_together
 
 ROWS = 5000

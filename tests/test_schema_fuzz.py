@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
+from kit import ADMIN, ANALYSER
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 import handler
-from conftest import ADMIN, ANALYSER
 from helpers import insert_app
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", handler.app)
@@ -74,7 +74,7 @@ def test_the_claim_token_is_in_the_schema():
 
 
 def test_the_error_answers_are_in_the_schema():
-    """The answers the README's "The API" lists, route by route, with their meaning."""
+    """The answers docs/api.md lists, route by route, with their meaning."""
     paths = handler.app.openapi()["paths"]
     documented = {
         (method.upper(), path): sorted(operation["responses"])

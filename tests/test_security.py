@@ -5,8 +5,9 @@ from __future__ import annotations
 import hmac
 import logging
 
+from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
+
 import handler
-from conftest import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 from helpers import insert_app
 
 

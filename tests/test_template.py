@@ -191,7 +191,7 @@ def source_copy(tmp_path: Path) -> Path:
     ):
         if (REPO / name).is_file():
             shutil.copy2(REPO / name, src / name)
-    for name in ("sql", "events"):
+    for name in ("sql", "events", "docs"):
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     if not (src / "handler.py").exists():
@@ -452,6 +452,14 @@ def _edit_readme(src: Path) -> None:
     (src / "README.md").write_text("# changed\n")
 
 
+def _edit_docs(src: Path) -> None:
+    """A page of docs/ changed and one added: documentation, not code."""
+    (src / "docs").mkdir(exist_ok=True)
+    with (src / "docs" / "queue.md").open("a") as f:
+        f.write("\nOne more sentence.\n")
+    (src / "docs" / "new-page.md").write_text("# New page\n")
+
+
 def _add_test(src: Path) -> None:
     (src / "tests" / "test_new.py").write_text("def test_y():\n    pass\n")
 
@@ -500,6 +508,7 @@ def _rename_sql(src: Path) -> None:
     ("change", "moves"),
     [
         (_edit_readme, False),
+        (_edit_docs, False),
         (_add_test, False),
         (_edit_requirements, False),
         (_edit_template, False),

@@ -399,22 +399,25 @@ def test_snapstart_is_an_optional_parameter_on_a_published_version(source, trans
     )
 
 
-# --------------------------------------------------------------------------- README
+# --------------------------------------------------------------------------- README and docs/
 
 
-def test_readme_points_nowhere_outside_the_repository():
-    readme = (handler.HERE / "README.md").read_text()
-    assert "../" not in readme
-    for path in set(re.findall(r"`((?:tests|bench)/[\w./-]+\.py)`", readme)):
-        assert (handler.HERE / path).is_file(), path
-    # The team's design note is not in the repository: the README states its rules.
-    for text in (readme, (handler.HERE / "handler.py").read_text()):
+def test_the_docs_point_nowhere_outside_the_repository():
+    """README.md and docs/*.md name only files of this repository, and never the team's
+    design note, which is not in it: the pages state its rules. (That every link and
+    anchor resolves is tests/test_docs.py.)"""
+    pages = [handler.HERE / "README.md", *sorted((handler.HERE / "docs").glob("*.md"))]
+    assert len(pages) > 1
+    for page in pages:
+        text = page.read_text()
+        # A page in docs/ reaches the README and the code through ../, and only so.
+        for target in re.findall(r"\]\((\.\./[^)#\s]*)", text):
+            resolved = (page.parent / target).resolve()
+            assert resolved.is_relative_to(handler.HERE) and resolved.exists(), (page, target)
+        outside = re.sub(r"\]\(\.\./[^)]*\)", "]()", text)
+        assert "../" not in outside, page
+        for path in set(re.findall(r"`((?:tests|bench|sql|events|docs)/[\w./-]+\.\w+)`", text)):
+            assert (handler.HERE / path).is_file(), (page, path)
+    for text in [*(page.read_text() for page in pages), (handler.HERE / "handler.py").read_text()]:
         assert "design note" not in text.lower()
         assert "shared/reference" not in text
-    # Links within the README land on one of its headings.
-    headings = {
-        re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
-        for title in re.findall(r"^#+ (.+)$", readme, flags=re.MULTILINE)
-    }
-    for anchor in re.findall(r"\]\(#([^)]+)\)", readme):
-        assert anchor in headings, anchor

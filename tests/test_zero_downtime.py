@@ -26,7 +26,7 @@ from pglast.enums import AlterTableType, ConstrType
 from pglast.visitors import Visitor
 
 import handler
-from conftest import connect
+from helpers import connect
 
 FIRST_CHECKED = "013"
 NEW_FILES = [
