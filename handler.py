@@ -569,18 +569,32 @@ REFETCH_SELECT_BY_ID = """
 SELECT appid, status FROM apps WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
 ORDER BY app_popularity(details) DESC, added, appid
 """
-REFETCH_SELECT_FAILED = """
-SELECT appid, status FROM apps
-WHERE status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'  -- never valid: no UPDATE passes
+# An invalid bundle ID is never valid again (apps' CHECK would refuse the UPDATE).
+REFETCH_FAILED_ROWS = """status = 'failed' AND (failure_retryable OR :include_non_retryable)
+  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'"""
+REFETCH_ANALYSED_ROWS = "status = 'analysed'"
+REFETCH_SELECT_FAILED = f"""
+SELECT appid, status FROM apps WHERE {REFETCH_FAILED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
-REFETCH_SELECT_ANALYSED = """
-SELECT appid, status FROM apps WHERE status = 'analysed'
+REFETCH_SELECT_ANALYSED = f"""
+SELECT appid, status FROM apps WHERE {REFETCH_ANALYSED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
+# A bulk refetch without a limit walks apps by bundle ID (the primary key) from a cursor,
+# one window of :batch rows at a time, and selects the window's rows that match: a window
+# costs the same at any table size, whether none or all of its rows match.
+REFETCH_WALK = """
+SELECT appid, status, {rows} AS selected FROM apps
+WHERE appid > :after ORDER BY appid LIMIT :batch
+"""
+REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})")
+REFETCH_WALK_ANALYSED = REFETCH_WALK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
+# The number of apps the planner believes there are (-1: never counted): a walk's progress
+# total, read without counting.
+APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 'apps'::regclass"
 REFETCH_APPLY = """
 UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
                 failure_retryable = NULL, analysis_claim_token = NULL, due = false
@@ -597,6 +611,14 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 """
 LEDGER_ADD_CHECKSUM = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text"
 LEDGER_READ = "SELECT filename, checksum FROM schema_migrations ORDER BY filename"
+# What a dry run reads instead of creating or altering anything: whether the ledger table
+# exists, and whether it has the checksum column (the old server's has none).
+LEDGER_SHAPE = """
+SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('schema_migrations')
+               AND attname = 'checksum' AND NOT attisdropped) AS checksums
+"""
+LEDGER_READ_NAMES = "SELECT filename, NULL AS checksum FROM schema_migrations ORDER BY filename"
 LEDGER_ADOPT = """
 UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND checksum IS NULL
 """
@@ -1771,6 +1793,111 @@ def priority_report(db: Database, policy: QueuePolicy, limit: int) -> list[dict[
     return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
 
 
+# A refetch works in committed batches: one transaction over 300,000 analysed apps ran
+# past the API's statement timeout and applied nothing. Each batch selects its apps and
+# applies the refetch to them (refetch_apps) in one transaction, then commits, so what was
+# done survives a timeout, a lost connection or a Ctrl+C, and a run that stops early can
+# simply be run again. Named apps and a --limit (the N most popular) are selected in one
+# read and applied in batches; a bare bulk refetch walks the table (REFETCH_WALK).
+REFETCH_BATCH = 1000
+
+
+@dataclasses.dataclass
+class RefetchProgress:
+    """Where a batched refetch is: apps selected (and, with apply, queued) so far, rows
+    examined of `total` (None: unknown; a walk's total is the planner's estimate),
+    batches committed, and whether it went through to the end."""
+
+    selected: int = 0
+    examined: int = 0
+    total: int | None = None
+    batches: int = 0
+    complete: bool = False
+
+
+def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
+    """The bundle IDs of rows."""
+    return [row["appid"] for row in rows]
+
+
+def refetch_apps(session: Session, appids: list[str]) -> None:
+    """What a refetch does to the apps it selected: snapshot their current analysis into
+    history and reset them to queued (the analysis stays visible until replaced)."""
+    session.run(RECORD_HISTORY, appids=appids)
+    session.run(REFETCH_APPLY, appids=appids)
+
+
+def refetch_in_batches(
+    db: Database,
+    app_ids: list[str],
+    failed: bool,
+    include_non_retryable: bool,
+    limit: int | None,
+    apply: bool,
+    on_batch: Callable[[list[dict[str, str]], RefetchProgress], None],
+    deadline: float | None = None,
+    batch_size: int = REFETCH_BATCH,
+    clock: Callable[[], float] = time.monotonic,
+) -> RefetchProgress:
+    """Select apps to analyse again and, with apply, refetch them, batch by batch. After
+    each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
+    "status"}, the status before). Past `deadline` (on `clock`, checked before each batch
+    but the first) it stops, with progress.complete False."""
+    progress = RefetchProgress()
+
+    def out_of_time() -> bool:
+        return deadline is not None and progress.batches > 0 and clock() >= deadline
+
+    def commit(rows: list[dict[str, str]], examined: int) -> None:
+        progress.batches += 1
+        progress.examined += examined
+        progress.selected += len(rows)
+        on_batch(rows, progress)
+
+    if app_ids or limit is not None:
+        if app_ids:
+            lowered = [a.lower() for a in app_ids]
+            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered)[:limit]
+        elif failed:
+            selected = db.records(
+                REFETCH_SELECT_FAILED, include_non_retryable=include_non_retryable, limit=limit
+            )
+        else:
+            selected = db.records(REFETCH_SELECT_ANALYSED, limit=limit)
+        progress.total = len(selected)
+        for start in range(0, len(selected), batch_size):
+            if out_of_time():
+                return progress
+            rows = selected[start : start + batch_size]
+            if apply:
+                db.transaction(lambda session, rows=rows: refetch_apps(session, rows_ids(rows)))
+            commit(rows, len(rows))
+        progress.complete = True
+        return progress
+
+    ((estimate,),) = db.run(APPS_ESTIMATE)
+    progress.total = int(estimate) if estimate >= 0 else None
+    walk = REFETCH_WALK_FAILED if failed else REFETCH_WALK_ANALYSED
+    params = {"include_non_retryable": include_non_retryable} if failed else {}
+    after = ""
+    while not out_of_time():
+
+        def work(session: Session, after: str = after) -> tuple[list[dict[str, Any]], list]:
+            window = session.records(walk, after=after, batch=batch_size, **params)
+            rows = [{"appid": r["appid"], "status": r["status"]} for r in window if r["selected"]]
+            if apply and rows:
+                refetch_apps(session, rows_ids(rows))
+            return window, rows
+
+        window, rows = db.transaction(work)
+        commit(rows, len(window))
+        if len(window) < batch_size:
+            progress.complete = True
+            return progress
+        after = window[-1]["appid"]
+    return progress
+
+
 def queue_refetch(
     db: Database,
     app_ids: list[str],
@@ -1779,31 +1906,19 @@ def queue_refetch(
     limit: int | None,
     apply: bool,
 ) -> list[dict[str, str]]:
-    """Select apps to analyse again ({"appid", "status"} each, the status before); with
-    apply, snapshot their current analysis into history and reset them to queued (the
-    analysis stays visible until replaced)."""
-
-    def work(connection: Session) -> list[dict[str, str]]:
-        if app_ids:
-            selected = connection.records(
-                REFETCH_SELECT_BY_ID, lowered=[a.lower() for a in app_ids]
-            )
-            selected = selected[:limit] if limit is not None else selected
-        elif failed:
-            selected = connection.records(
-                REFETCH_SELECT_FAILED,
-                include_non_retryable=include_non_retryable,
-                limit=limit,
-            )
-        else:
-            selected = connection.records(REFETCH_SELECT_ANALYSED, limit=limit)
-        if apply and selected:
-            appids = [row["appid"] for row in selected]
-            connection.run(RECORD_HISTORY, appids=appids)
-            connection.run(REFETCH_APPLY, appids=appids)
-        return selected
-
-    return db.transaction(work)
+    """refetch_in_batches to the end, its apps as one list ({"appid", "status"} each, the
+    status before)."""
+    selected: list[dict[str, str]] = []
+    refetch_in_batches(
+        db,
+        app_ids,
+        failed,
+        include_non_retryable,
+        limit,
+        apply,
+        lambda rows, progress: selected.extend(rows),
+    )
+    return selected
 
 
 # == Migrations =========================================================================
@@ -1869,11 +1984,16 @@ def migration_files(directory: Path | None = None) -> list[MigrationFile]:
     directory = SQL_DIR if directory is None else directory
     files = []
     for path in sorted(directory.glob("*.sql")):
-        content = path.read_bytes().replace(b"\r\n", b"\n")
+        try:
+            content = path.read_bytes().replace(b"\r\n", b"\n")
+            text = content.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) else f"not UTF-8 ({error.reason})"
+            raise MigrationRefused(f"cannot read the ledger file {path}: {reason}") from error
         files.append(
             MigrationFile(
                 path.name,
-                content.decode("utf-8"),
+                text,
                 hashlib.sha256(content).hexdigest(),
                 hashlib.sha256(content.replace(b"\n", b"\r\n")).hexdigest(),
             )
@@ -1953,15 +2073,52 @@ def _apply_outside_transaction(connection: pg8000.native.Connection, migration: 
     connection.run(LEDGER_RECORD, filename=migration.name, checksum=migration.checksum)
 
 
+def _adopted(files: list[MigrationFile], ledger: dict[str, str | None]) -> list[MigrationFile]:
+    """The ledger rows the previous server wrote (no checksum) of our files: the runner
+    adopts them, recording the file's checksum."""
+    return [m for m in files if m.name in ledger and ledger[m.name] is None]
+
+
+def dry_run_migrations(db: Database, directory: Path | None = None) -> list[str]:
+    """The files apply_migrations would apply, read in a READ ONLY transaction: nothing
+    is created, altered, adopted or locked, so it runs on a read-only database too, on
+    any ledger (none, the old server's without checksums, ours). MigrationRefused when
+    the runner would refuse."""
+    files = migration_files(directory)
+    with db.session() as connection:
+        connection.run("BEGIN TRANSACTION READ ONLY")
+        try:
+            (shape,) = connection.run(LEDGER_SHAPE)
+            ledger_exists, has_checksums = shape
+            rows = []
+            if ledger_exists:
+                rows = connection.run(LEDGER_READ if has_checksums else LEDGER_READ_NAMES)
+        finally:
+            connection.run("ROLLBACK")
+    ledger = {filename: checksum for filename, checksum in rows}
+    for migration in _adopted(files, ledger):
+        ledger[migration.name] = migration.checksum  # what the runner would record
+    return [m.name for m in pending_migrations(files, ledger)]
+
+
+def _say(progress: Callable[[str], None] | None, text: str) -> None:
+    if progress is not None:
+        progress(text)
+
+
 def apply_migrations(
     db: Database,
     directory: Path | None = None,
     dry_run: bool = False,
     lock_timeout: str | None = None,
     wait_seconds: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Apply the pending files of sql/ in order; return their names (or, on a dry run,
-    the names that would be applied)."""
+    the names that would be applied: dry_run_migrations). `progress` gets a line for
+    each file applied, with its duration."""
+    if dry_run:
+        return dry_run_migrations(db, directory)
     config = settings()
     lock_timeout = lock_timeout or config.migration_lock_timeout
     wait_seconds = config.migration_wait_seconds if wait_seconds is None else wait_seconds
@@ -1981,23 +2138,22 @@ def apply_migrations(
             connection.run(LEDGER_CREATE)
             connection.run(LEDGER_ADD_CHECKSUM)
             ledger = dict(connection.run(LEDGER_READ))
-            for migration in files:
-                if migration.name in ledger and ledger[migration.name] is None:
-                    # Written by the previous server, which kept no checksums: adopt.
-                    connection.run(
-                        LEDGER_ADOPT,
-                        filename=migration.name,
-                        checksum=migration.checksum,
-                    )
-                    ledger[migration.name] = migration.checksum
+            for migration in _adopted(files, ledger):
+                # Written by the previous server, which kept no checksums: adopt.
+                connection.run(
+                    LEDGER_ADOPT,
+                    filename=migration.name,
+                    checksum=migration.checksum,
+                )
+                ledger[migration.name] = migration.checksum
             pending = pending_migrations(files, ledger)
-            if dry_run:
-                return [m.name for m in pending]
             for migration in pending:
                 logger.info("applying migration", extra={"file": migration.name})
+                started = time.monotonic()
                 if not migration.transactional:
                     _apply_outside_transaction(connection, migration)
                     applied.append(migration.name)
+                    _say(progress, f"{migration.name}: {time.monotonic() - started:.1f} s")
                     continue
                 connection.run("BEGIN")
                 try:
@@ -2018,6 +2174,7 @@ def apply_migrations(
                     connection.run("ROLLBACK")
                     raise MigrationFailed(migration.name, error) from error
                 applied.append(migration.name)
+                _say(progress, f"{migration.name}: {time.monotonic() - started:.1f} s")
         finally:
             try:
                 connection.run(LEDGER_UNLOCK, key=MIGRATIONS_LOCK_KEY)
@@ -2028,23 +2185,49 @@ def apply_migrations(
     return applied
 
 
-def migrate_and_promote(db: Database) -> list[str]:
-    """apply_migrations, then the promoter once: the first claim after a deploy (after an
-    upgrade that found 100k stale analyses, say) does not pay for flagging them. After a
-    mass flagging, VACUUM clears the index entries of the rows' old versions, which the
-    next promotions would otherwise visit (autovacuum waits for a fifth of the table)."""
-    applied = apply_migrations(db)
-    promotion = promote_due_apps(db, settings().policy, force=True)
-    if promotion.stale > PROMOTION_BATCH:
+# The promotion after a migration runs in slices of this many seconds, with a progress
+# line after each (it is resumable: each slice goes on where the last one stopped).
+MIGRATE_PROMOTION_SLICE_SECONDS = 2
+
+
+def migrate_and_promote(db: Database, progress: Callable[[str], None] | None = None) -> list[str]:
+    """apply_migrations, then the promoter to the end: the first claim after a deploy
+    (after an upgrade that found 100k stale analyses, say) does not pay for flagging them.
+    After a mass flagging, VACUUM clears the index entries of the rows' old versions,
+    which the next promotions would otherwise visit (autovacuum waits for a fifth of the
+    table). `progress` gets a line per file, per promotion slice and for VACUUM."""
+    applied = apply_migrations(db, progress=progress)
+    policy = settings().policy
+    started = time.monotonic()
+    done = Promotion()
+    while True:
+        step = promote_due_apps(db, policy, MIGRATE_PROMOTION_SLICE_SECONDS, force=True)
+        done.cleared += step.cleared
+        done.leases += step.leases
+        done.stale += step.stale
+        flagged = f"{done.leases} expired leases and {done.stale} stale analyses flagged"
+        if step.complete or not (step.cleared or step.leases or step.stale):
+            break  # done, or nothing to gain from another slice now (a row locked elsewhere)
+        _say(progress, f"promotion: {flagged} so far ({time.monotonic() - started:.1f} s)")
+    _say(
+        progress,
+        f"promotion: {flagged}, {done.cleared} flags cleared"
+        f" ({time.monotonic() - started:.1f} s{'' if step.complete else '; the API finishes it'})",
+    )
+    if done.stale > PROMOTION_BATCH:
+        started = time.monotonic()
         db.run(VACUUM_APPS)
+        _say(progress, f"VACUUM (ANALYZE) apps: {time.monotonic() - started:.1f} s")
+    else:
+        _say(progress, "VACUUM: not needed (few rows flagged)")
     return applied
 
 
-def apply_ledger(dry_run: bool = False) -> list[str]:
+def apply_ledger(dry_run: bool = False, progress: Callable[[str], None] | None = None) -> list[str]:
     """The ledger on a connection of its own, closed afterwards (CLI and local server)."""
     db = migration_database()
     try:
-        return apply_migrations(db, dry_run=True) if dry_run else migrate_and_promote(db)
+        return dry_run_migrations(db) if dry_run else migrate_and_promote(db, progress)
     finally:
         db.discard()
 
@@ -2891,6 +3074,11 @@ def _publish_queue_metrics(status: dict[str, Any]) -> None:
 
 
 REPORT_PROMOTION_BUDGET_SECONDS = 20
+# A refetch by the report function stops starting batches this long before the function's
+# time runs out (a batch takes well under a second), and lists at most this many apps:
+# its answer and its log record must stay far below Lambda's 6 MB and CloudWatch's 256 KB.
+REPORT_TIME_MARGIN_SECONDS = 10
+REPORT_APPS_LISTED = 1000
 
 
 @logger.inject_lambda_context
@@ -2926,21 +3114,43 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             isinstance(a, str) and is_valid_bundle_id(a) for a in app_ids
         ):
             raise ValueError(f"appIds must be a list of bundle IDs, got {app_ids!r}")
-        selected = queue_refetch(
+        listed: list[dict[str, str]] = []
+        named: list[dict[str, str]] = []  # every named app found, to tell the unknown ones
+
+        def keep(rows: list[dict[str, str]], progress: RefetchProgress) -> None:
+            listed.extend(rows[: REPORT_APPS_LISTED - len(listed)])
+            if app_ids:
+                named.extend(rows)
+
+        remaining = context.get_remaining_time_in_millis() / 1000 if context else 900
+        progress = refetch_in_batches(
             database(),
             app_ids,
             event.get("failed", False),
             event.get("includeNonRetryable", False),
             event.get("limit"),
             event.get("apply") is True,
+            keep,
+            deadline=time.monotonic() + remaining - REPORT_TIME_MARGIN_SECONDS,
         )
         result = {
             "command": command,
             "applied": event.get("apply") is True,
-            "apps": [row["appid"] for row in selected],
+            "apps": [row["appid"] for row in listed],
+            "count": progress.selected,
+            "batches": progress.batches,
+            "complete": progress.complete,
         }
+        if progress.selected > len(listed):
+            result["notListed"] = progress.selected - len(listed)
+        if not progress.complete:
+            result["stopped"] = (
+                f"the function's time ran out after {progress.batches} batch(es),"
+                f" {progress.selected} app(s) {'queued' if result['applied'] else 'selected'};"
+                " invoke it again for the rest"
+            )
         if app_ids and event.get("limit") is None:
-            result["unknown"] = unknown_app_ids(app_ids, selected)
+            result["unknown"] = unknown_app_ids(app_ids, named)
         logger.info("queue refetch", extra={"queue_refetch": result})
         return result
     if command != "queue-status":
@@ -3163,9 +3373,56 @@ def _cli_invoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# Plain progress lines (stderr is a log or a pipe, not a terminal): at most this often.
+PROGRESS_LINE_SECONDS = 5
+PROGRESS_BAR_WIDTH = 30
+
+
+class ProgressLine:
+    """A long command's progress on stderr: on a terminal one line redrawn as a bar; in a
+    log or a pipe a plain line at most every PROGRESS_LINE_SECONDS. `finish` writes the
+    last one. stdout stays the command's output."""
+
+    def __init__(self, label: str, clock: Callable[[], float] = time.monotonic):
+        self.label = label
+        self.clock = clock
+        self.started = clock()
+        self.terminal = sys.stderr.isatty()
+        self._shown: float | None = None
+
+    def _text(self, done: int, total: int | None, detail: str) -> str:
+        elapsed = f"{self.clock() - self.started:.1f} s"
+        if not self.terminal:
+            return f"{self.label}: {detail} ({elapsed})"
+        if total:
+            share = min(done / total, 1.0)
+            filled = round(share * PROGRESS_BAR_WIDTH)
+            bar = f"[{'#' * filled}{'.' * (PROGRESS_BAR_WIDTH - filled)}] {share:4.0%}"
+        else:
+            bar = f"[{'?' * PROGRESS_BAR_WIDTH}]     "
+        return f"\r{bar} {self.label}: {detail} ({elapsed})\x1b[K"
+
+    def update(self, done: int, total: int | None, detail: str) -> None:
+        now = self.clock()
+        pause = 0.1 if self.terminal else PROGRESS_LINE_SECONDS
+        if self._shown is not None and now - self._shown < pause:
+            return
+        self._shown = now
+        sys.stderr.write(self._text(done, total, detail) + ("" if self.terminal else "\n"))
+        sys.stderr.flush()
+
+    def finish(self, done: int, total: int | None, detail: str) -> None:
+        sys.stderr.write(self._text(done, total, detail) + "\n")
+        sys.stderr.flush()
+
+
+def _print_progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _cli_migrate(args: argparse.Namespace) -> int:
     _local_database(apply=False)
-    names = apply_ledger(dry_run=args.dry_run)
+    names = apply_ledger(dry_run=args.dry_run, progress=_print_progress)
     verb = "Pending" if args.dry_run else "Applied"
     print(f"{verb}: {', '.join(names) if names else 'nothing'}")
     return 0
@@ -3185,27 +3442,81 @@ def _cli_priority_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bulk_refetch_confirmed(args: argparse.Namespace) -> bool:
+    """A bulk --apply (no --appid) re-queues many apps: it goes ahead with --yes, or when
+    the operator says yes on a terminal; otherwise it refuses in one line."""
+    if not args.apply or args.appid or args.yes:
+        return True
+    which = "failed app" if args.failed else "analysed app"
+    scope = f"up to {args.limit} of the most popular {which}s" if args.limit else f"every {which}"
+    question = f"queue-refetch --apply without --appid re-queues {scope}."
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        sys.stderr.write(f"{question} Go on? [y/N] ")
+        sys.stderr.flush()
+        if sys.stdin.readline().strip().lower() in ("y", "yes"):
+            return True
+        print("nothing was changed", file=sys.stderr)
+        return False
+    print(
+        f"error: {question} Not on a terminal: add --yes to confirm (nothing was changed)",
+        file=sys.stderr,
+    )
+    return False
+
+
 def _cli_queue_refetch(args: argparse.Namespace) -> int:
     for app_id in args.appid:
         if not is_valid_bundle_id(app_id):
             print(f"invalid bundle ID: {app_id!r}", file=sys.stderr)
             return 2
+    if not _bulk_refetch_confirmed(args):
+        return 2
     _local_database(apply=True)
-    selected = queue_refetch(
-        database(),
-        args.appid,
-        args.failed,
-        args.include_non_retryable,
-        args.limit,
-        args.apply,
-    )
-    for row in selected:
-        print(f"  {row['appid']} ({row['status']})")
+    verb = "queued" if args.apply else "selected"
+    found: list[dict[str, str]] = []
+    # Named apps are a batch or two: no progress for the exact-app hosts to parse.
+    line = None if args.appid else ProgressLine("queue-refetch")
+    last = RefetchProgress()
+
+    def status(progress: RefetchProgress) -> str:
+        # A walk's total is the planner's estimate of the table's rows.
+        estimate = "" if args.limit else "~"
+        total = "" if progress.total is None else f" of {estimate}{progress.total}"
+        return (
+            f"{progress.selected} apps {verb}, {progress.examined}{total} examined,"
+            f" {progress.batches} batches committed"
+        )
+
+    def show(rows: list[dict[str, str]], progress: RefetchProgress) -> None:
+        nonlocal last
+        last = progress
+        for row in rows:
+            print(f"  {row['appid']} ({row['status']})")
+        found.extend(rows if args.appid else ())
+        if line is not None:
+            line.update(progress.examined, progress.total, status(progress))
+
+    try:
+        progress = refetch_in_batches(
+            database(),
+            args.appid,
+            args.failed,
+            args.include_non_retryable,
+            args.limit,
+            args.apply,
+            show,
+        )
+    except BaseException:
+        if line is not None and last.batches:
+            line.finish(last.examined, last.total, f"stopped: {status(last)}")
+        raise
+    if line is not None:
+        line.finish(progress.examined, progress.total, f"done: {status(progress)}")
     if args.apply:
-        print(f"Queued {len(selected)} apps for refetch.")
+        print(f"Queued {progress.selected} apps for refetch.")
     else:
-        print(f"Would queue {len(selected)} apps for refetch (dry run; add --apply).")
-    unknown = unknown_app_ids(args.appid, selected) if args.limit is None else []
+        print(f"Would queue {progress.selected} apps for refetch (dry run; add --apply).")
+    unknown = unknown_app_ids(args.appid, found) if args.limit is None else []
     for app_id in unknown:
         print(f"unknown app: {app_id}", file=sys.stderr)
     return 1 if unknown else 0
@@ -3224,6 +3535,41 @@ def _exit_on_signal(number: int, frame: Any) -> None:
 
 # An undefined table, column or function: the database is older than this code.
 UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
+CLI_ERROR_LIMIT = 500  # characters of the one error line
+
+
+def cli_error_line(error: BaseException) -> str:
+    """Any error of a CLI command as one line, for `error: <line>` on stderr: the one
+    place where commands' errors are turned into text, so none ends in a traceback."""
+    state = sqlstate(error)
+    if isinstance(error, ConfigError):
+        text = f"misconfigured: {error}"
+    elif isinstance(error, (MigrationFailed, MigrationRefused, DatabaseUnavailable)):
+        text = _migration_error_text(error)
+    elif state in UNMIGRATED_SQLSTATES:
+        text = (
+            f"the database is not at the head of the ledger ({_error_text(error)});"
+            " run `python handler.py migrate` first"
+        )
+    elif state == "57014":
+        text = (
+            f"statement timeout ({_error_text(error)}): a statement ran longer than"
+            " STATEMENT_TIMEOUT_MS; what was committed before it stays"
+        )
+    elif state == "55P03":
+        text = (
+            f"lock timeout ({_error_text(error)}): another session held a lock longer than"
+            " LOCK_TIMEOUT_MS; try again"
+        )
+    elif state == "25006":
+        text = f"the database is read-only ({_error_text(error)})"
+    elif isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        text = f"{error.strerror}{where}"
+    else:
+        text = _error_text(error)
+    line = " ".join(text.split())
+    return line if len(line) <= CLI_ERROR_LIMIT else line[: CLI_ERROR_LIMIT - 1] + "…"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -3254,6 +3600,9 @@ def main(argv: list[str] | None = None) -> int:
         "--limit", type=_positive_int, default=None, help="at most this many (default: no limit)"
     )
     refetch.add_argument("--apply", action="store_true", help="without it: a dry run")
+    refetch.add_argument(
+        "--yes", action="store_true", help="confirm a bulk --apply (no --appid) off a terminal"
+    )
     refetch.set_defaults(run=_cli_queue_refetch)
     invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")
     invoke.add_argument("function", choices=["api", "migrate", "report"])
@@ -3268,21 +3617,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    except ConfigError as error:
-        print(f"error: misconfigured: {error}", file=sys.stderr)
+    except Exception as error:  # noqa: BLE001 - every command's error ends here, as one line
+        print(f"error: {cli_error_line(error)}", file=sys.stderr)
         return 1
-    except (MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except pg8000.native.DatabaseError as error:
-        if sqlstate(error) in UNMIGRATED_SQLSTATES:
-            print(
-                f"error: the database is not at the head of the ledger ({_error_text(error)});"
-                " run `python handler.py migrate` first",
-                file=sys.stderr,
-            )
-            return 1
-        raise
 
 
 if __name__ == "__main__":

@@ -304,6 +304,9 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         "command": "queue-refetch",
         "applied": False,
         "apps": ["com.example.done"],
+        "count": 1,
+        "batches": 1,
+        "complete": True,
         "unknown": ["com.example.nope"],  # named, not in the queue
     }
     assert table_digest(sql) == before
@@ -323,6 +326,9 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         "command": "queue-refetch",
         "applied": True,
         "apps": ["com.example.done"],
+        "count": 1,
+        "batches": 1,
+        "complete": True,
         "unknown": [],
     }
     logs, _ = output_records(capsys.readouterr())
