@@ -3078,7 +3078,7 @@ REPORT_PROMOTION_BUDGET_SECONDS = 20
 # time runs out (a batch takes well under a second), and lists at most this many apps:
 # its answer and its log record must stay far below Lambda's 6 MB and CloudWatch's 256 KB.
 REPORT_TIME_MARGIN_SECONDS = 10
-REPORT_APPS_LISTED = 1000
+REPORT_APPS_LISTED = 500
 
 
 @logger.inject_lambda_context
@@ -3510,8 +3510,8 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         if line is not None and last.batches:
             line.finish(last.examined, last.total, f"stopped: {status(last)}")
         raise
-    if line is not None:
-        line.finish(progress.examined, progress.total, f"done: {status(progress)}")
+    if line is not None:  # a walk that went through is all the way, whatever the estimate
+        line.finish(progress.examined, progress.examined or 1, f"done: {status(progress)}")
     if args.apply:
         print(f"Queued {progress.selected} apps for refetch.")
     else:
