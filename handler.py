@@ -1017,18 +1017,53 @@ class Runtime:
     environment on first use (`runtime()`); the CLI and tests build theirs and install it
     (`use_runtime`)."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        worker_threads: int = 0,
+    ):
         self.settings = settings
         self.clock = clock
+        # 0: the routes' blocking work runs inline, on one shared connection (Lambda: one
+        # request at a time). N (`serve`): on up to N worker threads, each with a
+        # connection of its own, so a slow request never holds up the others.
+        self.worker_threads = worker_threads
         self._database: Database | None = None
+        self._thread_databases: list[Database] = []
+        self._thread_local = threading.local()
+        self._limiters: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def database(self) -> Database:
-        """The API's Database, created on first use."""
+        """The API's Database, created on first use: the process's, or with worker
+        threads, the calling thread's."""
+        if self.worker_threads:
+            db = getattr(self._thread_local, "database", None)
+            if db is None:
+                db = self._thread_local.database = self._api_database()
+                with self._lock:
+                    self._thread_databases.append(db)
+            return db
         with self._lock:
             if self._database is None:
                 self._database = self._api_database()
             return self._database
+
+    def worker_limiter(self, parse: bool = False) -> Any:
+        """The anyio CapacityLimiter of the worker threads (made in the event loop, on
+        first use); None when blocking work runs inline. Parsing a body has a limiter of
+        one thread: json.loads holds the GIL for its whole run (a quarter of a second
+        for 4 MB), so parses side by side would hold up every other request's steps;
+        one at a time, the GIL is free most of the time."""
+        if not self.worker_threads:
+            return None
+        kind = "parse" if parse else "database"
+        if kind not in self._limiters:
+            import anyio
+
+            self._limiters[kind] = anyio.CapacityLimiter(1 if parse else self.worker_threads)
+        return self._limiters[kind]
 
     def _api_database(self) -> Database:
         config = self.settings
@@ -1065,9 +1100,12 @@ class Runtime:
     def close(self) -> None:
         """Close the connection and forget it, with its promoter memo."""
         with self._lock:
-            if self._database is not None:
-                self._database.discard()
+            for db in [self._database, *self._thread_databases]:
+                if db is not None:
+                    db.discard()
             self._database = None
+            self._thread_databases.clear()
+            self._thread_local = threading.local()
 
 
 def runtime() -> Runtime:
@@ -2235,10 +2273,13 @@ def apply_ledger(dry_run: bool = False, progress: Callable[[str], None] | None =
 # == HTTP routes ========================================================================
 # The analysers' frozen contract, plus the operators' and website's routes.
 
-# The routes are `async def` and call the database directly. A Lambda container serves one
-# request at a time, and a hop to a worker thread (which FastAPI makes for `def` routes
-# and dependencies, starting a new thread per invocation under Mangum) costs more than
-# the claim itself. The local server shares one connection anyway.
+# The routes are `async def` and hand their blocking work (the database, parsing a large
+# body) to `blocking`. A Lambda container serves one request at a time, and a hop to a
+# worker thread (which FastAPI makes for `def` routes and dependencies, starting a new
+# thread per invocation under Mangum) costs more than the claim itself: there `blocking`
+# calls the work inline. Under `serve` (uvicorn, one event loop for every client) the
+# Runtime has worker threads, each with its own connection, and `blocking` runs the work
+# on one of them, so /queue is answered while large uploads are parsed and stored.
 app = FastAPI(
     title="Analysis queue",
     version="1.0.0",
@@ -2247,6 +2288,19 @@ app = FastAPI(
     docs_url=None,
     redoc_url=None,
 )
+
+
+async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) -> Any:
+    """work(*args): inline (Lambda), or on a worker thread when the Runtime has them
+    (`parse`: work that parses a body, one at a time: Runtime.worker_limiter)."""
+    limiter = runtime().worker_limiter(parse)
+    if limiter is None:
+        return work(*args)
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(lambda: work(*args), limiter=limiter)
+
+
 analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
 admin_bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken")
 CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
@@ -2283,9 +2337,7 @@ def _check_bearer(credentials: HTTPAuthorizationCredentials | None, expected: st
         )
 
 
-async def require_analyser(
-    credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
-):
+def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> None:
     config = settings()
     _check_bearer(
         credentials,
@@ -2293,11 +2345,29 @@ async def require_analyser(
     )
 
 
+def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
+    config = settings()
+    _check_bearer(credentials, _configured_secret(config.admin_token, config.admin_token_secret))
+
+
+async def require_analyser(
+    credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
+):
+    # A token set in the environment is checked inline; one read from Secrets Manager or
+    # SSM (a network call on a cache miss) is blocking work.
+    if settings().upload_password:
+        _check_analyser(credentials)
+    else:
+        await blocking(_check_analyser, credentials)
+
+
 async def require_admin(
     credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer),
 ):
-    config = settings()
-    _check_bearer(credentials, _configured_secret(config.admin_token, config.admin_token_secret))
+    if settings().admin_token:
+        _check_admin(credentials)
+    else:
+        await blocking(_check_admin, credentials)
 
 
 def _single_query_value(request: Request, name: str, required: bool = True) -> str | None:
@@ -2382,26 +2452,42 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-@contextmanager
-def _cycle_collector_paused() -> Iterator[None]:
+class _CollectorPause:
     """Parsing a large document makes millions of containers, and every pass of Python's
     cyclic garbage collector walks them all again: 4 MB of small nested arrays took 4.6 s
-    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits until
-    the parse and its check are done (nothing else runs meanwhile: no await inside)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits while
+    any parse and its check run; with worker threads (`serve`) several may overlap, and
+    the collector is on again (if it was on) when the last one is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._was_enabled = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0 and self._was_enabled:
+                    gc.enable()
+
+
+_COLLECTOR = _CollectorPause()
 
 
 def _parse_json(body: bytes, name: str) -> Any:
     """The body as JSON that PostgreSQL can store and the service can read back (400
     naming the place otherwise)."""
     try:
-        with _cycle_collector_paused():
+        with _COLLECTOR.paused():
             value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
             problem = json_problem(value, name)
     except RecursionError:
@@ -2513,7 +2599,9 @@ async def ping(request: Request) -> PlainTextResponse:
     analyser_id = _header(request, "X-Analyser-Id", max_length=64)
     if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
         raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
-    record_ping(database(), analyser_id or f"{source} {user_agent}", source, user_agent)
+    await blocking(
+        lambda: record_ping(database(), analyser_id or f"{source} {user_agent}", source, user_agent)
+    )
     return PlainTextResponse("online")
 
 
@@ -2593,7 +2681,9 @@ async def next_app(request: Request) -> PlainTextResponse:
     if wanted is not None:
         wanted = _bundle_id(wanted)
     config = settings()
-    claimed = claim_next_app(database(), config.policy, wanted, config.promotion_budget_ms / 1000)
+    claimed = await blocking(
+        lambda: claim_next_app(database(), config.policy, wanted, config.promotion_budget_ms / 1000)
+    )
     if claimed is None:
         return PlainTextResponse("")
     appid, token = claimed
@@ -2613,10 +2703,10 @@ async def next_app(request: Request) -> PlainTextResponse:
 async def upload_analysis(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("application/json",))
-    payload = _parse_json(await _read_body(request), "the analysis")
+    payload = await blocking(_parse_json, await _read_body(request), "the analysis", parse=True)
     if not isinstance(payload, dict):
         raise HTTPException(400, "the analysis must be a JSON object")
-    return _store(app_id, version, payload, token)
+    return await blocking(_store, app_id, version, payload, token)
 
 
 @app.post(
@@ -2629,8 +2719,8 @@ async def upload_analysis(request: Request) -> JSONResponse:
 async def report_analysis_failure(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("text/plain", "application/octet-stream"))
-    record = failure_record(await _read_body(request))
-    return _store(app_id, version, record, token)
+    record = await blocking(failure_record, await _read_body(request), parse=True)
+    return await blocking(_store, app_id, version, record, token)
 
 
 NEW_APP_SCHEMA = {
@@ -2653,7 +2743,11 @@ NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any 
 async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
-    body = _parse_json(await _read_body(request), "the body")
+    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
+    return await blocking(_create_app, body)
+
+
+def _create_app(body: Any) -> Response:
     if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
         raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
     app_id = _bundle_id(body["appId"])
@@ -2677,10 +2771,14 @@ APP_ID_PATH = {
 async def get_app(request: Request) -> JSONResponse:
     """Public: an app's state, analysis or failure, and its queue position."""
     app_id = _bundle_id(request.path_params["appId"])
-    view = app_status(database(), settings().policy, app_id)
-    if view is None:
-        raise HTTPException(404, f"unknown app {app_id}")
-    return _json_answer(view, droppable=("analysis", "details"))
+
+    def answer() -> Response:
+        view = app_status(database(), settings().policy, app_id)
+        if view is None:
+            raise HTTPException(404, f"unknown app {app_id}")
+        return _json_answer(view, droppable=("analysis", "details"))
+
+    return await blocking(answer)
 
 
 HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` says why."}}
@@ -2689,7 +2787,7 @@ HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` sa
 @app.get("/healthz", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz() -> JSONResponse:
     """ok when a claim could run now (see claim_readiness), else 503."""
-    problem = claim_readiness(database())
+    problem = await blocking(lambda: claim_readiness(database()))
     if problem:
         return JSONResponse(
             {"status": "unavailable", "detail": problem}, status_code=503, headers=RETRY_AFTER
@@ -2699,7 +2797,7 @@ async def healthz() -> JSONResponse:
 
 @app.get("/healthz/analyser", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz_analyser() -> JSONResponse:
-    minutes = minutes_since_last_ping(database())
+    minutes = await blocking(lambda: minutes_since_last_ping(database()))
     online = minutes is not None and minutes < 60
     body = {
         "status": "online" if online else "offline",
@@ -3290,13 +3388,75 @@ def _local_defaults() -> None:
     use_runtime(None)
 
 
+# `serve`: the routes' blocking work on this many worker threads, each with a database
+# connection of its own (see "HTTP routes"). A client must send a request's line and
+# headers within SERVE_HEADER_SECONDS of connecting (or of its previous response): one
+# that trickles them a byte at a time is cut off instead of holding a connection forever
+# (uvicorn itself only times out a connection that sends nothing).
+SERVE_WORKER_THREADS = 8
+SERVE_HEADER_SECONDS = 10
+SERVE_KEEP_ALIVE_SECONDS = 5
+
+
+def header_deadline_protocol() -> type:
+    """uvicorn's h11 protocol with a deadline for each request's headers."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.header_timer = self.loop.call_later(SERVE_HEADER_SECONDS, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def _too_slow(self) -> None:
+            self.header_timer = None
+            if not self.transport.is_closing():
+                self.logger.warning("a client was too slow to send its request headers")
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # the request's headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()  # the next request on this connection
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadlineProtocol
+
+
 def _cli_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     _local_defaults()
+    use_runtime(Runtime(load_settings(), worker_threads=SERVE_WORKER_THREADS))
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
     # with the handlers main() installed, so the process ends through Python's exit.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        http=header_deadline_protocol(),
+        timeout_keep_alive=SERVE_KEEP_ALIVE_SECONDS,
+    )
     return 0
 
 
