@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -357,17 +359,22 @@ def test_any_error_of_a_command_is_one_line(error):
     import contextlib
     import io
 
-    def fail(args):
+    def fail(*args, **kwargs):
         raise error
 
     stderr = io.StringIO()
-    original = handler._cli_queue_status
-    handler._cli_queue_status = fail
-    try:
-        with contextlib.redirect_stderr(stderr):
-            code = handler.main(["queue-status"])
-    finally:
-        handler._cli_queue_status = original
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DATABASE_URL", UNREACHABLE_DATABASE)  # configured: nothing is started
+        patch.setattr(handler, "queue_status", fail)
+        handler.use_runtime(None)
+        handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            with contextlib.redirect_stderr(stderr):
+                code = handler.main(["queue-status"])
+        finally:
+            for number, previous in handlers.items():  # main() installs its own
+                signal.signal(number, previous)
+    handler.use_runtime(None)
     assert code == 1
     text = stderr.getvalue()
     assert text.count("\n") == 1 and text.startswith("error: ") and text.endswith("\n")
@@ -484,3 +491,25 @@ def test_dump_sees_a_write(databases):
     finally:
         sql.close()
     assert dump(url) != before
+
+
+# --- the page that documents all this ----------------------------------------------------------
+
+DOCUMENTED_CONSTANTS = (
+    "REFETCH_BATCH",
+    "PROGRESS_LINE_SECONDS",
+    "REPORT_TIME_MARGIN_SECONDS",
+    "REPORT_APPS_LISTED",
+    "MIGRATE_PROMOTION_SLICE_SECONDS",
+    "CLI_ERROR_LIMIT",
+    "SERVE_WORKER_THREADS",
+    "SERVE_HEADER_SECONDS",
+    "SERVE_KEEP_ALIVE_SECONDS",
+)
+
+
+def test_the_operations_page_gives_each_constant_as_it_is():
+    text = (handler.HERE / "docs" / "cli-operations.md").read_text()
+    for name in DOCUMENTED_CONSTANTS:
+        found = re.findall(rf"`{name}` = ([0-9]+)", text)
+        assert found == [str(getattr(handler, name))], name
