@@ -76,23 +76,35 @@ def fresh_database(server_url: str, name: str, count: int, ledger_dir: Path | No
     return url
 
 
+# The command runs as a grandchild: a child's ru_maxrss starts at its parent's resident
+# size when it forks (Linux keeps it across exec), and this process holds a lot by then.
+# This small intermediate forks the command and reports its exit code and peak RSS.
+MEASURE = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(child.pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+"""
+
+
 def run_cli(url: str, *args: str) -> tuple[float, int, str, int]:
     """(wall seconds, exit code, stderr, peak RSS in KiB) of `handler.py ARGS`; stdout
     (one line per app) is discarded."""
     with tempfile.TemporaryFile(mode="w+") as errors:
         started = time.monotonic()
-        process = subprocess.Popen(
-            [sys.executable, str(ROOT / "handler.py"), *args],
+        measured = subprocess.run(
+            [sys.executable, "-c", MEASURE, sys.executable, str(ROOT / "handler.py"), *args],
             env={**os.environ, "DATABASE_URL": url},
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=errors,
             cwd=ROOT,
+            text=True,
+            check=True,
         )
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
         elapsed = time.monotonic() - started
+        code, rss = (int(value) for value in measured.stdout.split())
         errors.seek(0)
-        return elapsed, process.returncode, errors.read(), usage.ru_maxrss
+        return elapsed, code, errors.read(), rss
 
 
 def bench_refetch(server_url: str, count: int) -> dict[str, str]:
