@@ -3081,6 +3081,11 @@ def _migration_error_text(error: BaseException) -> str:
     return _error_text(error)
 
 
+def _log_migration_progress(line: str) -> None:
+    """The CLI's progress lines (each file's duration, promotion, VACUUM) as log records."""
+    logger.info("migration progress", extra={"progress": line})
+
+
 @logger.inject_lambda_context
 def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
     """CloudFormation custom resource: apply sql/ on Create and Update, before the API
@@ -3108,7 +3113,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
                     ((session["pid"],),) = runner.run(BACKEND_PID)
                     if stopped.is_set():
                         raise TimeoutError("stopped before the migrations began")
-                    return migrate_and_promote(runner)
+                    return migrate_and_promote(runner, _log_migration_progress)
                 finally:
                     runner.discard()
 

@@ -24,14 +24,18 @@ from hypothesis import strategies as st
 
 import handler
 import legacy
+from conftest import configure_function
 from helpers import (
     UNREACHABLE_DATABASE,
     LambdaContext,
     app_row,
+    cfn_event,
     connect,
     history,
     insert_app,
+    invoke_migrate,
     migrate,
+    output_records,
     run_cli,
     table_digest,
 )
@@ -261,6 +265,20 @@ def test_migrate_prints_each_files_duration_promotion_and_vacuum(empty_database)
         line.startswith("promotion: 0 expired leases and 0 stale analyses") for line in lines
     )
     assert "VACUUM: not needed (few rows flagged)" in lines
+
+
+def test_the_migration_function_logs_the_same_progress(
+    empty_database, monkeypatch, response_url, capsys
+):
+    configure_function(monkeypatch, "MigrationFunction", empty_database)
+    capsys.readouterr()
+    assert invoke_migrate(cfn_event("cfn-create.json", response_url))["Status"] == "SUCCESS"
+    logs, _ = output_records(capsys.readouterr())
+    lines = [r["progress"] for r in logs if r.get("message") == "migration progress"]
+    assert [line.split(": ")[0] for line in lines[: len(legacy.ALL_OUR_FILES)]] == (
+        legacy.ALL_OUR_FILES
+    )
+    assert lines[-2].startswith("promotion: ") and lines[-1].startswith("VACUUM")
 
 
 # --- every CLI error in one line ---------------------------------------------------------------
