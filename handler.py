@@ -676,18 +676,32 @@ REFETCH_SELECT_BY_ID = """
 SELECT appid, status FROM apps WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
 ORDER BY app_popularity(details) DESC, added, appid
 """
-REFETCH_SELECT_FAILED = """
-SELECT appid, status FROM apps
-WHERE status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'  -- never valid: no UPDATE passes
+# An invalid bundle ID is never valid again (apps' CHECK would refuse the UPDATE).
+REFETCH_FAILED_ROWS = """status = 'failed' AND (failure_retryable OR :include_non_retryable)
+  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'"""
+REFETCH_ANALYSED_ROWS = "status = 'analysed'"
+REFETCH_SELECT_FAILED = f"""
+SELECT appid, status FROM apps WHERE {REFETCH_FAILED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
-REFETCH_SELECT_ANALYSED = """
-SELECT appid, status FROM apps WHERE status = 'analysed'
+REFETCH_SELECT_ANALYSED = f"""
+SELECT appid, status FROM apps WHERE {REFETCH_ANALYSED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
+# A bulk refetch without a limit walks apps by bundle ID (the primary key) from a cursor,
+# one window of :batch rows at a time, and selects the window's rows that match: a window
+# costs the same at any table size, whether none or all of its rows match.
+REFETCH_WALK = """
+SELECT appid, status, {rows} AS selected FROM apps
+WHERE appid > :after ORDER BY appid LIMIT :batch
+"""
+REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})")
+REFETCH_WALK_ANALYSED = REFETCH_WALK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
+# The number of apps the planner believes there are (-1: never counted): a walk's progress
+# total, read without counting.
+APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 'apps'::regclass"
 # A refetch never hands an app out twice: an app under a live lease is re-queued when
 # that lease's result arrives or the lease expires (refetch_requested), unless `force`
 # breaks the lease, which fences its holder (its claim token no longer matches). What
@@ -726,6 +740,14 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 """
 LEDGER_ADD_CHECKSUM = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text"
 LEDGER_READ = "SELECT filename, checksum FROM schema_migrations ORDER BY filename"
+# What a dry run reads instead of creating or altering anything: whether the ledger table
+# exists, and whether it has the checksum column (the old server's has none).
+LEDGER_SHAPE = """
+SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('schema_migrations')
+               AND attname = 'checksum' AND NOT attisdropped) AS checksums
+"""
+LEDGER_READ_NAMES = "SELECT filename, NULL AS checksum FROM schema_migrations ORDER BY filename"
 LEDGER_ADOPT = """
 UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND checksum IS NULL
 """
@@ -1144,18 +1166,53 @@ class Runtime:
     environment on first use (`runtime()`); the CLI and tests build theirs and install it
     (`use_runtime`)."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        worker_threads: int = 0,
+    ):
         self.settings = settings
         self.clock = clock
+        # 0: the routes' blocking work runs inline, on one shared connection (Lambda: one
+        # request at a time). N (`serve`): on up to N worker threads, each with a
+        # connection of its own, so a slow request never holds up the others.
+        self.worker_threads = worker_threads
         self._database: Database | None = None
+        self._thread_databases: list[Database] = []
+        self._thread_local = threading.local()
+        self._limiters: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def database(self) -> Database:
-        """The API's Database, created on first use."""
+        """The API's Database, created on first use: the process's, or with worker
+        threads, the calling thread's."""
+        if self.worker_threads:
+            db = getattr(self._thread_local, "database", None)
+            if db is None:
+                db = self._thread_local.database = self._api_database()
+                with self._lock:
+                    self._thread_databases.append(db)
+            return db
         with self._lock:
             if self._database is None:
                 self._database = self._api_database()
             return self._database
+
+    def worker_limiter(self, parse: bool = False) -> Any:
+        """The anyio CapacityLimiter of the worker threads (made in the event loop, on
+        first use); None when blocking work runs inline. Parsing a body has a limiter of
+        one thread: json.loads holds the GIL for its whole run (a quarter of a second
+        for 4 MB), so parses side by side would hold up every other request's steps;
+        one at a time, the GIL is free most of the time."""
+        if not self.worker_threads:
+            return None
+        kind = "parse" if parse else "database"
+        if kind not in self._limiters:
+            import anyio
+
+            self._limiters[kind] = anyio.CapacityLimiter(1 if parse else self.worker_threads)
+        return self._limiters[kind]
 
     def _api_database(self) -> Database:
         config = self.settings
@@ -1192,9 +1249,12 @@ class Runtime:
     def close(self) -> None:
         """Close the connection and forget it, with its promoter memo."""
         with self._lock:
-            if self._database is not None:
-                self._database.discard()
+            for db in [self._database, *self._thread_databases]:
+                if db is not None:
+                    db.discard()
             self._database = None
+            self._thread_databases.clear()
+            self._thread_local = threading.local()
 
 
 def runtime() -> Runtime:
@@ -2173,6 +2233,126 @@ REFETCH_OUTCOMES = {
 }
 
 
+# A refetch works in committed batches: one transaction over 300,000 analysed apps ran
+# past the API's statement timeout and applied nothing. Each batch selects its apps and
+# applies the refetch to them (refetch_apps) in one transaction, then commits, so what was
+# done survives a timeout, a lost connection or a Ctrl+C, and a run that stops early can
+# simply be run again. Named apps and a --limit (the N most popular) are selected in one
+# read and applied in batches; a bare bulk refetch walks the table (REFETCH_WALK).
+REFETCH_BATCH = 1000
+
+
+@dataclasses.dataclass
+class RefetchProgress:
+    """Where a batched refetch is: apps selected (and, with apply, queued) so far, rows
+    examined of `total` (None: unknown; a walk's total is the planner's estimate),
+    batches committed, and whether it went through to the end."""
+
+    selected: int = 0
+    examined: int = 0
+    total: int | None = None
+    batches: int = 0
+    complete: bool = False
+    waiting: int = 0  # applied to apps under a live lease: queued when it ends
+
+
+def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
+    """The bundle IDs of rows."""
+    return [row["appid"] for row in rows]
+
+
+def refetch_apps(
+    session: Session, appids: list[str], policy: QueuePolicy, force: bool
+) -> dict[str, str]:
+    """What a refetch does to the apps it selected: snapshot their current analysis into
+    history and reset them to queued (the analysis stays visible until replaced), except
+    an app under a live lease, which waits for it unless `force` (REFETCH_APPLY). Each
+    app's outcome (REFETCH_OUTCOMES) by bundle ID."""
+    session.run(RECORD_HISTORY, appids=appids)
+    rows = session.records(REFETCH_APPLY, appids=appids, force=force, **policy.sql_params())
+    return {row["appid"]: row["outcome"] for row in rows}
+
+
+def refetch_in_batches(
+    db: Database,
+    app_ids: list[str],
+    failed: bool,
+    include_non_retryable: bool,
+    limit: int | None,
+    apply: bool,
+    on_batch: Callable[[list[dict[str, str]], RefetchProgress], None],
+    deadline: float | None = None,
+    batch_size: int = REFETCH_BATCH,
+    clock: Callable[[], float] = time.monotonic,
+    policy: QueuePolicy | None = None,
+    force: bool = False,
+) -> RefetchProgress:
+    """Select apps to analyse again and, with apply, refetch them, batch by batch. After
+    each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
+    "status"}, the status before, and with apply the "outcome"). Past `deadline` (on
+    `clock`, checked before each batch but the first) it stops, with progress.complete
+    False."""
+    progress = RefetchProgress()
+    policy = policy or QueuePolicy()
+
+    def refetch(session: Session, rows: list[dict[str, str]]) -> list[dict[str, str]]:
+        outcomes = refetch_apps(session, rows_ids(rows), policy, force)
+        return [{**row, "outcome": outcomes[row["appid"]]} for row in rows]
+
+    def out_of_time() -> bool:
+        return deadline is not None and progress.batches > 0 and clock() >= deadline
+
+    def commit(rows: list[dict[str, str]], examined: int) -> None:
+        progress.batches += 1
+        progress.examined += examined
+        progress.selected += len(rows)
+        progress.waiting += sum(row.get("outcome") == "waiting" for row in rows)
+        on_batch(rows, progress)
+
+    if app_ids or limit is not None:
+        if app_ids:
+            lowered = [a.lower() for a in app_ids]
+            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered)[:limit]
+        elif failed:
+            selected = db.records(
+                REFETCH_SELECT_FAILED, include_non_retryable=include_non_retryable, limit=limit
+            )
+        else:
+            selected = db.records(REFETCH_SELECT_ANALYSED, limit=limit)
+        progress.total = len(selected)
+        for start in range(0, len(selected), batch_size):
+            if out_of_time():
+                return progress
+            rows = selected[start : start + batch_size]
+            if apply:
+                rows = db.transaction(lambda session, rows=rows: refetch(session, rows))
+            commit(rows, len(rows))
+        progress.complete = True
+        return progress
+
+    ((estimate,),) = db.run(APPS_ESTIMATE)
+    progress.total = int(estimate) if estimate >= 0 else None
+    walk = REFETCH_WALK_FAILED if failed else REFETCH_WALK_ANALYSED
+    params = {"include_non_retryable": include_non_retryable} if failed else {}
+    after = ""
+    while not out_of_time():
+
+        def work(session: Session, after: str = after) -> tuple[list[dict[str, Any]], list]:
+            window = session.records(walk, after=after, batch=batch_size, **params)
+            rows = [{"appid": r["appid"], "status": r["status"]} for r in window if r["selected"]]
+            if apply and rows:
+                rows = refetch(session, rows)
+            return window, rows
+
+        window, rows = db.transaction(work)
+        commit(rows, len(window))
+        if len(window) < batch_size:
+            progress.complete = True
+            return progress
+        after = window[-1]["appid"]
+    return progress
+
+
 def queue_refetch(
     db: Database,
     app_ids: list[str],
@@ -2183,39 +2363,21 @@ def queue_refetch(
     policy: QueuePolicy | None = None,
     force: bool = False,
 ) -> list[dict[str, str]]:
-    """Select apps to analyse again ({"appid", "status"} each, the status before); with
-    apply, snapshot their current analysis into history and reset them to queued (the
-    analysis stays visible until replaced), each with its "outcome" (REFETCH_OUTCOMES):
-    an app under a live lease waits for it unless `force`."""
-    policy = policy or QueuePolicy()
-
-    def work(connection: Session) -> list[dict[str, str]]:
-        if app_ids:
-            selected = connection.records(
-                REFETCH_SELECT_BY_ID, lowered=[a.lower() for a in app_ids]
-            )
-            selected = selected[:limit] if limit is not None else selected
-        elif failed:
-            selected = connection.records(
-                REFETCH_SELECT_FAILED,
-                include_non_retryable=include_non_retryable,
-                limit=limit,
-            )
-        else:
-            selected = connection.records(REFETCH_SELECT_ANALYSED, limit=limit)
-        if apply and selected:
-            appids = [row["appid"] for row in selected]
-            connection.run(RECORD_HISTORY, appids=appids)
-            outcomes = {
-                row["appid"]: row["outcome"]
-                for row in connection.records(
-                    REFETCH_APPLY, appids=appids, force=force, **policy.sql_params()
-                )
-            }
-            selected = [{**row, "outcome": outcomes[row["appid"]]} for row in selected]
-        return selected
-
-    return db.transaction(work)
+    """refetch_in_batches to the end, its apps as one list ({"appid", "status"} each, the
+    status before, and with apply the "outcome")."""
+    selected: list[dict[str, str]] = []
+    refetch_in_batches(
+        db,
+        app_ids,
+        failed,
+        include_non_retryable,
+        limit,
+        apply,
+        lambda rows, progress: selected.extend(rows),
+        policy=policy,
+        force=force,
+    )
+    return selected
 
 
 # == Migrations =========================================================================
@@ -2281,11 +2443,16 @@ def migration_files(directory: Path | None = None) -> list[MigrationFile]:
     directory = SQL_DIR if directory is None else directory
     files = []
     for path in sorted(directory.glob("*.sql")):
-        content = path.read_bytes().replace(b"\r\n", b"\n")
+        try:
+            content = path.read_bytes().replace(b"\r\n", b"\n")
+            text = content.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) else f"not UTF-8 ({error.reason})"
+            raise MigrationRefused(f"cannot read the ledger file {path}: {reason}") from error
         files.append(
             MigrationFile(
                 path.name,
-                content.decode("utf-8"),
+                text,
                 hashlib.sha256(content).hexdigest(),
                 hashlib.sha256(content.replace(b"\n", b"\r\n")).hexdigest(),
             )
@@ -2379,15 +2546,52 @@ def _apply_outside_transaction(connection: pg8000.native.Connection, migration: 
     connection.run(LEDGER_RECORD, filename=migration.name, checksum=migration.checksum)
 
 
+def _adopted(files: list[MigrationFile], ledger: dict[str, str | None]) -> list[MigrationFile]:
+    """The ledger rows the previous server wrote (no checksum) of our files: the runner
+    adopts them, recording the file's checksum."""
+    return [m for m in files if m.name in ledger and ledger[m.name] is None]
+
+
+def dry_run_migrations(db: Database, directory: Path | None = None) -> list[str]:
+    """The files apply_migrations would apply, read in a READ ONLY transaction: nothing
+    is created, altered, adopted or locked, so it runs on a read-only database too, on
+    any ledger (none, the old server's without checksums, ours). MigrationRefused when
+    the runner would refuse."""
+    files = migration_files(directory)
+    with db.session() as connection:
+        connection.run("BEGIN TRANSACTION READ ONLY")
+        try:
+            (shape,) = connection.run(LEDGER_SHAPE)
+            ledger_exists, has_checksums = shape
+            rows = []
+            if ledger_exists:
+                rows = connection.run(LEDGER_READ if has_checksums else LEDGER_READ_NAMES)
+        finally:
+            connection.run("ROLLBACK")
+    ledger = {filename: checksum for filename, checksum in rows}
+    for migration in _adopted(files, ledger):
+        ledger[migration.name] = migration.checksum  # what the runner would record
+    return [m.name for m in pending_migrations(files, ledger)]
+
+
+def _say(progress: Callable[[str], None] | None, text: str) -> None:
+    if progress is not None:
+        progress(text)
+
+
 def apply_migrations(
     db: Database,
     directory: Path | None = None,
     dry_run: bool = False,
     lock_timeout: str | None = None,
     wait_seconds: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Apply the pending files of sql/ in order; return their names (or, on a dry run,
-    the names that would be applied)."""
+    the names that would be applied: dry_run_migrations). `progress` gets a line for
+    each file applied, with its duration."""
+    if dry_run:
+        return dry_run_migrations(db, directory)
     config = settings()
     lock_timeout = lock_timeout or config.migration_lock_timeout
     wait_seconds = config.migration_wait_seconds if wait_seconds is None else wait_seconds
@@ -2407,23 +2611,22 @@ def apply_migrations(
             connection.run(LEDGER_CREATE)
             connection.run(LEDGER_ADD_CHECKSUM)
             ledger = dict(connection.run(LEDGER_READ))
-            for migration in files:
-                if migration.name in ledger and ledger[migration.name] is None:
-                    # Written by the previous server, which kept no checksums: adopt.
-                    connection.run(
-                        LEDGER_ADOPT,
-                        filename=migration.name,
-                        checksum=migration.checksum,
-                    )
-                    ledger[migration.name] = migration.checksum
+            for migration in _adopted(files, ledger):
+                # Written by the previous server, which kept no checksums: adopt.
+                connection.run(
+                    LEDGER_ADOPT,
+                    filename=migration.name,
+                    checksum=migration.checksum,
+                )
+                ledger[migration.name] = migration.checksum
             pending = pending_migrations(files, ledger)
-            if dry_run:
-                return [m.name for m in pending]
             for migration in pending:
                 logger.info("applying migration", extra={"file": migration.name})
+                started = time.monotonic()
                 if not migration.transactional:
                     _apply_outside_transaction(connection, migration)
                     applied.append(migration.name)
+                    _say(progress, f"{migration.name}: {time.monotonic() - started:.1f} s")
                     continue
                 connection.run("BEGIN")
                 try:
@@ -2444,6 +2647,7 @@ def apply_migrations(
                     connection.run("ROLLBACK")
                     raise MigrationFailed(migration.name, error) from error
                 applied.append(migration.name)
+                _say(progress, f"{migration.name}: {time.monotonic() - started:.1f} s")
         finally:
             try:
                 connection.run(LEDGER_UNLOCK, key=MIGRATIONS_LOCK_KEY)
@@ -2454,23 +2658,49 @@ def apply_migrations(
     return applied
 
 
-def migrate_and_promote(db: Database) -> list[str]:
-    """apply_migrations, then the promoter once: the first claim after a deploy (after an
-    upgrade that found 100k stale analyses, say) does not pay for flagging them. After a
-    mass flagging, VACUUM clears the index entries of the rows' old versions, which the
-    next promotions would otherwise visit (autovacuum waits for a fifth of the table)."""
-    applied = apply_migrations(db)
-    promotion = promote_due_apps(db, settings().policy, force=True)
-    if promotion.stale > PROMOTION_BATCH:
+# The promotion after a migration runs in slices of this many seconds, with a progress
+# line after each (it is resumable: each slice goes on where the last one stopped).
+MIGRATE_PROMOTION_SLICE_SECONDS = 2
+
+
+def migrate_and_promote(db: Database, progress: Callable[[str], None] | None = None) -> list[str]:
+    """apply_migrations, then the promoter to the end: the first claim after a deploy
+    (after an upgrade that found 100k stale analyses, say) does not pay for flagging them.
+    After a mass flagging, VACUUM clears the index entries of the rows' old versions,
+    which the next promotions would otherwise visit (autovacuum waits for a fifth of the
+    table). `progress` gets a line per file, per promotion slice and for VACUUM."""
+    applied = apply_migrations(db, progress=progress)
+    policy = settings().policy
+    started = time.monotonic()
+    done = Promotion()
+    while True:
+        step = promote_due_apps(db, policy, MIGRATE_PROMOTION_SLICE_SECONDS, force=True)
+        done.cleared += step.cleared
+        done.leases += step.leases
+        done.stale += step.stale
+        flagged = f"{done.leases} expired leases and {done.stale} stale analyses flagged"
+        if step.complete or not (step.cleared or step.leases or step.stale):
+            break  # done, or nothing to gain from another slice now (a row locked elsewhere)
+        _say(progress, f"promotion: {flagged} so far ({time.monotonic() - started:.1f} s)")
+    _say(
+        progress,
+        f"promotion: {flagged}, {done.cleared} flags cleared"
+        f" ({time.monotonic() - started:.1f} s{'' if step.complete else '; the API finishes it'})",
+    )
+    if done.stale > PROMOTION_BATCH:
+        started = time.monotonic()
         db.run(VACUUM_APPS)
+        _say(progress, f"VACUUM (ANALYZE) apps: {time.monotonic() - started:.1f} s")
+    else:
+        _say(progress, "VACUUM: not needed (few rows flagged)")
     return applied
 
 
-def apply_ledger(dry_run: bool = False) -> list[str]:
+def apply_ledger(dry_run: bool = False, progress: Callable[[str], None] | None = None) -> list[str]:
     """The ledger on a connection of its own, closed afterwards (CLI and local server)."""
     db = migration_database()
     try:
-        return apply_migrations(db, dry_run=True) if dry_run else migrate_and_promote(db)
+        return dry_run_migrations(db) if dry_run else migrate_and_promote(db, progress)
     finally:
         db.discard()
 
@@ -2478,10 +2708,13 @@ def apply_ledger(dry_run: bool = False) -> list[str]:
 # == HTTP routes ========================================================================
 # The analysers' frozen contract, plus the operators' and website's routes.
 
-# The routes are `async def` and call the database directly. A Lambda container serves one
-# request at a time, and a hop to a worker thread (which FastAPI makes for `def` routes
-# and dependencies, starting a new thread per invocation under Mangum) costs more than
-# the claim itself. The local server shares one connection anyway.
+# The routes are `async def` and hand their blocking work (the database, parsing a large
+# body) to `blocking`. A Lambda container serves one request at a time, and a hop to a
+# worker thread (which FastAPI makes for `def` routes and dependencies, starting a new
+# thread per invocation under Mangum) costs more than the claim itself: there `blocking`
+# calls the work inline. Under `serve` (uvicorn, one event loop for every client) the
+# Runtime has worker threads, each with its own connection, and `blocking` runs the work
+# on one of them, so /queue is answered while large uploads are parsed and stored.
 app = FastAPI(
     title="Analysis queue",
     version="1.0.0",
@@ -2490,6 +2723,19 @@ app = FastAPI(
     docs_url=None,
     redoc_url=None,
 )
+
+
+async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) -> Any:
+    """work(*args): inline (Lambda), or on a worker thread when the Runtime has them
+    (`parse`: work that parses a body, one at a time: Runtime.worker_limiter)."""
+    limiter = runtime().worker_limiter(parse)
+    if limiter is None:
+        return work(*args)
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(lambda: work(*args), limiter=limiter)
+
+
 analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
 admin_bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken")
 CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
@@ -2526,9 +2772,7 @@ def _check_bearer(credentials: HTTPAuthorizationCredentials | None, expected: st
         )
 
 
-async def require_analyser(
-    credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
-):
+def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> None:
     config = settings()
     _check_bearer(
         credentials,
@@ -2536,11 +2780,29 @@ async def require_analyser(
     )
 
 
+def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
+    config = settings()
+    _check_bearer(credentials, _configured_secret(config.admin_token, config.admin_token_secret))
+
+
+async def require_analyser(
+    credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
+):
+    # A token set in the environment is checked inline; one read from Secrets Manager or
+    # SSM (a network call on a cache miss) is blocking work.
+    if settings().upload_password:
+        _check_analyser(credentials)
+    else:
+        await blocking(_check_analyser, credentials)
+
+
 async def require_admin(
     credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer),
 ):
-    config = settings()
-    _check_bearer(credentials, _configured_secret(config.admin_token, config.admin_token_secret))
+    if settings().admin_token:
+        _check_admin(credentials)
+    else:
+        await blocking(_check_admin, credentials)
 
 
 def _single_query_value(request: Request, name: str, required: bool = True) -> str | None:
@@ -2625,26 +2887,42 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-@contextmanager
-def _cycle_collector_paused() -> Iterator[None]:
+class _CollectorPause:
     """Parsing a large document makes millions of containers, and every pass of Python's
-    cyclic garbage collector walks them all again (bench/json_parse.py measures by how
-    much: docs/benchmarks.md). Parsed JSON holds no cycles, so the collector waits until
-    the parse and its check are done (nothing else runs meanwhile: no await inside)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+    cyclic garbage collector walks them all again: 4 MB of small nested arrays took 4.6 s
+    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits while
+    any parse and its check run; with worker threads (`serve`) several may overlap, and
+    the collector is on again (if it was on) when the last one is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._was_enabled = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0 and self._was_enabled:
+                    gc.enable()
+
+
+_COLLECTOR = _CollectorPause()
 
 
 def _parse_json(body: bytes, name: str) -> Any:
     """The body as JSON that PostgreSQL can store and the service can read back (400
     naming the place otherwise)."""
     try:
-        with _cycle_collector_paused():
+        with _COLLECTOR.paused():
             value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
             problem = json_problem(value, name)
     except RecursionError:
@@ -2758,7 +3036,9 @@ async def ping(request: Request) -> PlainTextResponse:
     analyser_id = _header(request, "X-Analyser-Id", max_length=64)
     if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
         raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
-    record_ping(database(), analyser_id or f"{source} {user_agent}", source, user_agent)
+    await blocking(
+        lambda: record_ping(database(), analyser_id or f"{source} {user_agent}", source, user_agent)
+    )
     return PlainTextResponse("online")
 
 
@@ -2841,7 +3121,9 @@ async def next_app(request: Request) -> PlainTextResponse:
     if wanted is not None:
         wanted = _bundle_id(wanted)
     config = settings()
-    claimed = claim_next_app(database(), config.policy, wanted, config.promotion_budget_ms / 1000)
+    claimed = await blocking(
+        lambda: claim_next_app(database(), config.policy, wanted, config.promotion_budget_ms / 1000)
+    )
     if claimed is None:
         return PlainTextResponse("")
     appid, token = claimed
@@ -2861,10 +3143,10 @@ async def next_app(request: Request) -> PlainTextResponse:
 async def upload_analysis(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("application/json",))
-    payload = _parse_json(await _read_body(request), "the analysis")
+    payload = await blocking(_parse_json, await _read_body(request), "the analysis", parse=True)
     if not isinstance(payload, dict):
         raise HTTPException(400, "the analysis must be a JSON object")
-    return _store(app_id, version, payload, token)
+    return await blocking(_store, app_id, version, payload, token)
 
 
 @app.post(
@@ -2877,8 +3159,8 @@ async def upload_analysis(request: Request) -> JSONResponse:
 async def report_analysis_failure(request: Request) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("text/plain", "application/octet-stream"))
-    record = failure_record(await _read_body(request))
-    return _store(app_id, version, record, token)
+    record = await blocking(failure_record, await _read_body(request), parse=True)
+    return await blocking(_store, app_id, version, record, token)
 
 
 NEW_APP_SCHEMA = {
@@ -2901,7 +3183,11 @@ NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any 
 async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
-    body = _parse_json(await _read_body(request), "the body")
+    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
+    return await blocking(_create_app, body)
+
+
+def _create_app(body: Any) -> Response:
     if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
         raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
     app_id = _bundle_id(body["appId"])
@@ -2925,10 +3211,14 @@ APP_ID_PATH = {
 async def get_app(request: Request) -> JSONResponse:
     """Public: an app's state, analysis or failure, and its queue position."""
     app_id = _bundle_id(request.path_params["appId"])
-    view = app_status(database(), settings().policy, app_id)
-    if view is None:
-        raise HTTPException(404, f"unknown app {app_id}")
-    return _json_answer(view, droppable=("analysis", "details"))
+
+    def answer() -> Response:
+        view = app_status(database(), settings().policy, app_id)
+        if view is None:
+            raise HTTPException(404, f"unknown app {app_id}")
+        return _json_answer(view, droppable=("analysis", "details"))
+
+    return await blocking(answer)
 
 
 HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` says why."}}
@@ -2938,7 +3228,7 @@ HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` sa
 async def healthz() -> JSONResponse:
     """ok when a claim could run now (see claim_readiness), else 503; with the version
     of the code that answers (package_version)."""
-    problem = claim_readiness(database())
+    problem = await blocking(lambda: claim_readiness(database()))
     version = package_version()
     if problem:
         return JSONResponse(
@@ -2951,7 +3241,7 @@ async def healthz() -> JSONResponse:
 
 @app.get("/healthz/analyser", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz_analyser() -> JSONResponse:
-    minutes = minutes_since_last_ping(database())
+    minutes = await blocking(lambda: minutes_since_last_ping(database()))
     online = minutes is not None and minutes < 60
     body = {
         "status": "online" if online else "offline",
@@ -3247,6 +3537,11 @@ def _migration_error_text(error: BaseException) -> str:
     return _error_text(error)
 
 
+def _log_migration_progress(line: str) -> None:
+    """The CLI's progress lines (each file's duration, promotion, VACUUM) as log records."""
+    logger.info("migration progress", extra={"progress": line})
+
+
 @logger.inject_lambda_context
 def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
     """CloudFormation custom resource: apply sql/ on Create and Update, before the API
@@ -3274,7 +3569,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
                     ((session["pid"],),) = runner.run(BACKEND_PID)
                     if stopped.is_set():
                         raise TimeoutError("stopped before the migrations began")
-                    return migrate_and_promote(runner)
+                    return migrate_and_promote(runner, _log_migration_progress)
                 finally:
                     runner.discard()
 
@@ -3318,6 +3613,11 @@ def _publish_queue_metrics(status: dict[str, Any]) -> None:
 
 
 REPORT_PROMOTION_BUDGET_SECONDS = 20
+# A refetch by the report function stops starting batches this long before the function's
+# time runs out (a batch takes well under a second), and lists at most this many apps:
+# its answer and its log record must stay far below Lambda's 6 MB and CloudWatch's 256 KB.
+REPORT_TIME_MARGIN_SECONDS = 10
+REPORT_APPS_LISTED = 500
 
 
 @logger.inject_lambda_context
@@ -3353,25 +3653,49 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             isinstance(a, str) and is_valid_bundle_id(a) for a in app_ids
         ):
             raise ValueError(f"appIds must be a list of bundle IDs, got {app_ids!r}")
-        selected = queue_refetch(
+        listed: list[dict[str, str]] = []
+        named: list[dict[str, str]] = []  # every named app found, to tell the unknown ones
+
+        def keep(rows: list[dict[str, str]], progress: RefetchProgress) -> None:
+            listed.extend(rows[: REPORT_APPS_LISTED - len(listed)])
+            if app_ids:
+                named.extend(rows)
+
+        remaining = context.get_remaining_time_in_millis() / 1000 if context else 900
+        progress = refetch_in_batches(
             database(),
             app_ids,
             event.get("failed", False),
             event.get("includeNonRetryable", False),
             event.get("limit"),
             event.get("apply") is True,
-            policy,
+            keep,
+            deadline=time.monotonic() + remaining - REPORT_TIME_MARGIN_SECONDS,
+            policy=policy,
             force=event.get("force") is True,
         )
         result = {
             "command": command,
             "applied": event.get("apply") is True,
-            "apps": [row["appid"] for row in selected],
+            "apps": [row["appid"] for row in listed],
+            "count": progress.selected,
+            "batches": progress.batches,
+            "complete": progress.complete,
         }
+        if progress.selected > len(listed):
+            result["notListed"] = progress.selected - len(listed)
+        if not progress.complete:
+            result["stopped"] = (
+                f"the function's time ran out after {progress.batches} batch(es),"
+                f" {progress.selected} app(s) {'queued' if result['applied'] else 'selected'};"
+                " invoke it again for the rest"
+            )
         if event.get("apply") is True:
-            result["outcomes"] = {row["appid"]: row["outcome"] for row in selected}
+            # Of the listed apps; `waiting` counts every app left with its live lease.
+            result["outcomes"] = {row["appid"]: row["outcome"] for row in listed}
+            result["waiting"] = progress.waiting
         if app_ids and event.get("limit") is None:
-            result["unknown"] = unknown_app_ids(app_ids, selected)
+            result["unknown"] = unknown_app_ids(app_ids, named)
         logger.info("queue refetch", extra={"queue_refetch": result})
         return result
     if command != "queue-status":
@@ -3511,13 +3835,75 @@ def _local_defaults() -> None:
     use_runtime(None)
 
 
+# `serve`: the routes' blocking work on this many worker threads, each with a database
+# connection of its own (see "HTTP routes"). A client must send a request's line and
+# headers within SERVE_HEADER_SECONDS of connecting (or of its previous response): one
+# that trickles them a byte at a time is cut off instead of holding a connection forever
+# (uvicorn itself only times out a connection that sends nothing).
+SERVE_WORKER_THREADS = 8
+SERVE_HEADER_SECONDS = 10
+SERVE_KEEP_ALIVE_SECONDS = 5
+
+
+def header_deadline_protocol() -> type:
+    """uvicorn's h11 protocol with a deadline for each request's headers."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.header_timer = self.loop.call_later(SERVE_HEADER_SECONDS, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def _too_slow(self) -> None:
+            self.header_timer = None
+            if not self.transport.is_closing():
+                self.logger.warning("a client was too slow to send its request headers")
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # the request's headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()  # the next request on this connection
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadlineProtocol
+
+
 def _cli_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     _local_defaults()
+    use_runtime(Runtime(load_settings(), worker_threads=SERVE_WORKER_THREADS))
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
     # with the handlers main() installed, so the process ends through Python's exit.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        http=header_deadline_protocol(),
+        timeout_keep_alive=SERVE_KEEP_ALIVE_SECONDS,
+    )
     return 0
 
 
@@ -3594,9 +3980,56 @@ def _cli_invoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# Plain progress lines (stderr is a log or a pipe, not a terminal): at most this often.
+PROGRESS_LINE_SECONDS = 5
+PROGRESS_BAR_WIDTH = 30
+
+
+class ProgressLine:
+    """A long command's progress on stderr: on a terminal one line redrawn as a bar; in a
+    log or a pipe a plain line at most every PROGRESS_LINE_SECONDS. `finish` writes the
+    last one. stdout stays the command's output."""
+
+    def __init__(self, label: str, clock: Callable[[], float] = time.monotonic):
+        self.label = label
+        self.clock = clock
+        self.started = clock()
+        self.terminal = sys.stderr.isatty()
+        self._shown: float | None = None
+
+    def _text(self, done: int, total: int | None, detail: str) -> str:
+        elapsed = f"{self.clock() - self.started:.1f} s"
+        if not self.terminal:
+            return f"{self.label}: {detail} ({elapsed})"
+        if total:
+            share = min(done / total, 1.0)
+            filled = round(share * PROGRESS_BAR_WIDTH)
+            bar = f"[{'#' * filled}{'.' * (PROGRESS_BAR_WIDTH - filled)}] {share:4.0%}"
+        else:
+            bar = f"[{'?' * PROGRESS_BAR_WIDTH}]     "
+        return f"\r{bar} {self.label}: {detail} ({elapsed})\x1b[K"
+
+    def update(self, done: int, total: int | None, detail: str) -> None:
+        now = self.clock()
+        pause = 0.1 if self.terminal else PROGRESS_LINE_SECONDS
+        if self._shown is not None and now - self._shown < pause:
+            return
+        self._shown = now
+        sys.stderr.write(self._text(done, total, detail) + ("" if self.terminal else "\n"))
+        sys.stderr.flush()
+
+    def finish(self, done: int, total: int | None, detail: str) -> None:
+        sys.stderr.write(self._text(done, total, detail) + "\n")
+        sys.stderr.flush()
+
+
+def _print_progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def _cli_migrate(args: argparse.Namespace) -> int:
     _local_database(apply=False)
-    names = apply_ledger(dry_run=args.dry_run)
+    names = apply_ledger(dry_run=args.dry_run, progress=_print_progress)
     verb = "Pending" if args.dry_run else "Applied"
     print(f"{verb}: {', '.join(names) if names else 'nothing'}")
     return 0
@@ -3620,36 +4053,88 @@ def _cli_priority_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bulk_refetch_confirmed(args: argparse.Namespace) -> bool:
+    """A bulk --apply (no --appid) re-queues many apps: it goes ahead with --yes, or when
+    the operator says yes on a terminal; otherwise it refuses in one line."""
+    if not args.apply or args.appid or args.yes:
+        return True
+    which = "failed app" if args.failed else "analysed app"
+    scope = f"up to {args.limit} of the most popular {which}s" if args.limit else f"every {which}"
+    question = f"queue-refetch --apply without --appid re-queues {scope}."
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        sys.stderr.write(f"{question} Go on? [y/N] ")
+        sys.stderr.flush()
+        if sys.stdin.readline().strip().lower() in ("y", "yes"):
+            return True
+        print("nothing was changed", file=sys.stderr)
+        return False
+    print(
+        f"error: {question} Not on a terminal: add --yes to confirm (nothing was changed)",
+        file=sys.stderr,
+    )
+    return False
+
+
 def _cli_queue_refetch(args: argparse.Namespace) -> int:
     for app_id in args.appid:
         if not is_valid_bundle_id(app_id):
             print(f"invalid bundle ID: {app_id!r}", file=sys.stderr)
             return 2
+    if not _bulk_refetch_confirmed(args):
+        return 2
     _local_database(apply=True)
-    selected = queue_refetch(
-        database(),
-        args.appid,
-        args.failed,
-        args.include_non_retryable,
-        args.limit,
-        args.apply,
-        settings().policy,
-        force=args.force,
-    )
-    for row in selected:
-        outcome = f": {REFETCH_OUTCOMES[row['outcome']]}" if "outcome" in row else ""
-        print(f"  {row['appid']} ({row['status']}){outcome}")
+    verb = "queued" if args.apply else "selected"
+    found: list[dict[str, str]] = []
+    # Named apps are a batch or two: no progress for the exact-app hosts to parse.
+    line = None if args.appid else ProgressLine("queue-refetch")
+    last = RefetchProgress()
+
+    def status(progress: RefetchProgress) -> str:
+        # A walk's total is the planner's estimate of the table's rows.
+        estimate = "" if args.limit else "~"
+        total = "" if progress.total is None else f" of {estimate}{progress.total}"
+        return (
+            f"{progress.selected} apps {verb}, {progress.examined}{total} examined,"
+            f" {progress.batches} batches committed"
+        )
+
+    def show(rows: list[dict[str, str]], progress: RefetchProgress) -> None:
+        nonlocal last
+        last = progress
+        for row in rows:
+            outcome = f": {REFETCH_OUTCOMES[row['outcome']]}" if "outcome" in row else ""
+            print(f"  {row['appid']} ({row['status']}){outcome}")
+        found.extend(rows if args.appid else ())
+        if line is not None:
+            line.update(progress.examined, progress.total, status(progress))
+
+    try:
+        progress = refetch_in_batches(
+            database(),
+            args.appid,
+            args.failed,
+            args.include_non_retryable,
+            args.limit,
+            args.apply,
+            show,
+            policy=settings().policy,
+            force=args.force,
+        )
+    except BaseException:
+        if line is not None and last.batches:
+            line.finish(last.examined, last.total, f"stopped: {status(last)}")
+        raise
+    if line is not None:  # a walk that went through is all the way, whatever the estimate
+        line.finish(progress.examined, progress.examined or 1, f"done: {status(progress)}")
     if args.apply:
         # The exact-app hosts check for this line before they process the app, so it
         # counts only apps queued now, never one still leased to another analyser.
-        queued = sum(row["outcome"] != "waiting" for row in selected)
-        print(f"Queued {queued} apps for refetch.")
-        waiting = len(selected) - queued
-        if waiting:
-            print(f"{waiting} apps wait for their leases to end (see above).")
+        print(f"Queued {progress.selected - progress.waiting} apps for refetch.")
+        if progress.waiting:
+            print(f"{progress.waiting} apps wait for their leases to end (see above).")
     else:
-        print(f"Would queue {len(selected)} apps for refetch (dry run; add --apply).")
-    unknown = unknown_app_ids(args.appid, selected) if args.limit is None else []
+        print(f"Would queue {progress.selected} apps for refetch (dry run; add --apply).")
+    unknown = unknown_app_ids(args.appid, found) if args.limit is None else []
     for app_id in unknown:
         print(f"unknown app: {app_id}", file=sys.stderr)
     return 1 if unknown else 0
@@ -3668,6 +4153,41 @@ def _exit_on_signal(number: int, frame: Any) -> None:
 
 # An undefined table, column or function: the database is older than this code.
 UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
+CLI_ERROR_LIMIT = 500  # characters of the one error line
+
+
+def cli_error_line(error: BaseException) -> str:
+    """Any error of a CLI command as one line, for `error: <line>` on stderr: the one
+    place where commands' errors are turned into text, so none ends in a traceback."""
+    state = sqlstate(error)
+    if isinstance(error, ConfigError):
+        text = f"misconfigured: {error}"
+    elif isinstance(error, (MigrationFailed, MigrationRefused, DatabaseUnavailable)):
+        text = _migration_error_text(error)
+    elif state in UNMIGRATED_SQLSTATES:
+        text = (
+            f"the database is not at the head of the ledger ({_error_text(error)});"
+            " run `python handler.py migrate` first"
+        )
+    elif state == "57014":
+        text = (
+            f"statement timeout ({_error_text(error)}): a statement ran longer than"
+            " STATEMENT_TIMEOUT_MS; what was committed before it stays"
+        )
+    elif state == "55P03":
+        text = (
+            f"lock timeout ({_error_text(error)}): another session held a lock longer than"
+            " LOCK_TIMEOUT_MS; try again"
+        )
+    elif state == "25006":
+        text = f"the database is read-only ({_error_text(error)})"
+    elif isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        text = f"{error.strerror}{where}"
+    else:
+        text = _error_text(error)
+    line = " ".join(text.split())
+    return line if len(line) <= CLI_ERROR_LIMIT else line[: CLI_ERROR_LIMIT - 1] + "…"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -3706,6 +4226,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="break a live lease (its holder's claim token is refused) instead of waiting",
     )
+    refetch.add_argument(
+        "--yes", action="store_true", help="confirm a bulk --apply (no --appid) off a terminal"
+    )
     refetch.set_defaults(run=_cli_queue_refetch)
     invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")
     invoke.add_argument("function", choices=["api", "migrate", "report"])
@@ -3720,21 +4243,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    except ConfigError as error:
-        print(f"error: misconfigured: {error}", file=sys.stderr)
+    except Exception as error:  # noqa: BLE001 - every command's error ends here, as one line
+        print(f"error: {cli_error_line(error)}", file=sys.stderr)
         return 1
-    except (MigrationRefused, MigrationFailed, DatabaseUnavailable) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except pg8000.native.DatabaseError as error:
-        if sqlstate(error) in UNMIGRATED_SQLSTATES:
-            print(
-                f"error: the database is not at the head of the ledger ({_error_text(error)});"
-                " run `python handler.py migrate` first",
-                file=sys.stderr,
-            )
-            return 1
-        raise
 
 
 if __name__ == "__main__":

@@ -64,12 +64,12 @@ def test_refetch_failed_apps(database_url, sql):
         analysed=days_ago(1),
     )
     insert_app(sql, "analysed.app", status="analysed", version=4, analysed=days_ago(1))
-    only_retryable = cli(database_url, "queue-refetch", "--failed", "--apply")
+    only_retryable = cli(database_url, "queue-refetch", "--failed", "--apply", "--yes")
     assert "Queued 1 apps for refetch." in only_retryable.stdout
     assert app_row(sql, "failed.retry")["status"] == "queued"
     assert app_row(sql, "failed.final")["status"] == "failed"
     everything = cli(
-        database_url, "queue-refetch", "--failed", "--include-non-retryable", "--apply"
+        database_url, "queue-refetch", "--failed", "--include-non-retryable", "--apply", "--yes"
     )
     assert "Queued 1 apps for refetch." in everything.stdout
     assert app_row(sql, "failed.final")["status"] == "queued"
@@ -82,7 +82,7 @@ def test_refetch_limit_takes_the_most_popular(database_url, sql):
         insert_app(
             sql, f"app.{n}", status="analysed", version=4, analysed=days_ago(1), reviews=reviews
         )
-    done = cli(database_url, "queue-refetch", "--limit=2", "--apply")
+    done = cli(database_url, "queue-refetch", "--limit=2", "--apply", "--yes")
     assert "Queued 2 apps for refetch." in done.stdout
     assert app_row(sql, "app.1")["status"] == "queued"
     assert app_row(sql, "app.2")["status"] == "queued"

@@ -374,6 +374,9 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         "command": "queue-refetch",
         "applied": False,
         "apps": ["com.example.done"],
+        "count": 1,
+        "batches": 1,
+        "complete": True,
         "unknown": ["com.example.nope"],  # named, not in the queue
     }
     assert table_digest(sql) == before
@@ -394,6 +397,10 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         "applied": True,
         "apps": ["com.example.done"],
         "outcomes": {"com.example.done": "queued"},
+        "waiting": 0,
+        "count": 1,
+        "batches": 1,
+        "complete": True,
         "unknown": [],
     }
     logs, _ = output_records(capsys.readouterr())
