@@ -248,6 +248,14 @@ class QueueModel(RuleBasedStateMachine):
             token = answer.headers["x-analysis-claim-token"]
             self._handed_out(analyser, self.apps[answer.text], token, now)
 
+    @rule(analyser=st.sampled_from(ANALYSERS))
+    def claim_and_hang(self, analyser):
+        """A hanging analyser: it claims, and its lease runs out with no result."""
+        self.claim(analyser)
+        if analyser in self.holding:
+            appid, _ = self.holding[analyser]
+            self._expire_lease(appid)
+
     @precondition(lambda self: self.apps)
     @rule(analyser=st.sampled_from(ANALYSERS), data=st.data())
     def claim_named(self, analyser, data):
@@ -404,6 +412,9 @@ class QueueModel(RuleBasedStateMachine):
         appid = data.draw(
             st.sampled_from(sorted(a.appid for a in self.apps.values() if a.status == "processing"))
         )
+        self._expire_lease(appid)
+
+    def _expire_lease(self, appid: str) -> None:
         self.sql.run(
             "UPDATE apps SET processing_started = processing_started - make_interval(mins => :m)"
             " WHERE appid = :a",
