@@ -56,13 +56,12 @@ MUTATIONS = {
 
 
 def mutated_checkout(old: str, new: str) -> Path:
-    copy = Path(tempfile.mkdtemp(prefix="mutation-"))
-    for name in ("handler.py", "pyproject.toml", "sql", "tests", "events", "template.yaml"):
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
-        elif source.exists():
-            shutil.copy(source, copy / name)
+    """A copy of the checkout (without .git and the embedded PostgreSQL's data) whose
+    handler.py has `old` replaced by `new`."""
+    copy = Path(tempfile.mkdtemp(prefix="mutation-")) / "checkout"
+    shutil.copytree(
+        ROOT, copy, ignore=shutil.ignore_patterns(".git", ".local", "__pycache__", ".hypothesis")
+    )
     text = (copy / "handler.py").read_text()
     if text.count(old) != 1:
         raise SystemExit(f"the mutation's text is not in handler.py once: {old!r}")
