@@ -79,7 +79,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 HERE = Path(__file__).resolve().parent
 
 
-class ConfigError(Exception):
+class ServiceError(Exception):
+    """The base of the service's own exceptions: each says what went wrong in words."""
+
+
+class ConfigError(ServiceError):
     """A setting is missing or malformed; the message names it."""
 
 
@@ -788,15 +792,15 @@ TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 # when PostgreSQL dropped it; the process's Runtime holds it.
 
 
-class DatabaseUnavailable(Exception):
+class DatabaseUnavailable(ServiceError):
     """PostgreSQL cannot be reached or dropped the connection; the API answers 503."""
 
 
-class BadInput(Exception):
+class BadInput(ServiceError):
     """The request is well-formed HTTP but its data is unusable; the API answers 400."""
 
 
-class PlanChanged(Exception):
+class PlanChanged(ServiceError):
     """A prepared statement's plan was invalidated (0A000) inside a transaction, which
     the error aborted; Database runs the transaction once more."""
 
@@ -1965,11 +1969,11 @@ def claim_next_app(
     return (rows[0]["appid"], str(token)) if rows else None
 
 
-class ResultRefused(Exception):
+class ResultRefused(ServiceError):
     """judge_result refused the result (409): nothing was written; the message says why."""
 
 
-class UnknownApp(Exception):
+class UnknownApp(ServiceError):
     pass
 
 
@@ -2407,11 +2411,11 @@ FOREIGN_LEDGER_FILES = frozenset(
 NO_TRANSACTION_MARKER = "-- ledger: no-transaction"
 
 
-class MigrationRefused(Exception):
+class MigrationRefused(ServiceError):
     """The ledger and sql/ disagree in a way no runner should paper over."""
 
 
-class MigrationFailed(Exception):
+class MigrationFailed(ServiceError):
     """A ledger file failed and was rolled back; the message names the file."""
 
     def __init__(self, filename: str, error: BaseException):
@@ -2663,7 +2667,7 @@ def apply_migrations(
 MIGRATE_PROMOTION_SLICE_SECONDS = 2
 
 
-def migrate_and_promote(db: Database, progress: Callable[[str], None] | None = None) -> list[str]:
+def upgrade_database(db: Database, progress: Callable[[str], None] | None = None) -> list[str]:
     """apply_migrations, then the promoter to the end: the first claim after a deploy
     (after an upgrade that found 100k stale analyses, say) does not pay for flagging them.
     After a mass flagging, VACUUM clears the index entries of the rows' old versions,
@@ -2676,10 +2680,14 @@ def migrate_and_promote(db: Database, progress: Callable[[str], None] | None = N
     while True:
         step = promote_due_apps(db, policy, MIGRATE_PROMOTION_SLICE_SECONDS, force=True)
         done.cleared += step.cleared
+        done.abandoned += step.abandoned
         done.leases += step.leases
         done.stale += step.stale
-        flagged = f"{done.leases} expired leases and {done.stale} stale analyses flagged"
-        if step.complete or not (step.cleared or step.leases or step.stale):
+        flagged = (
+            f"{done.leases} expired leases and {done.stale} stale analyses flagged,"
+            f" {done.abandoned} leases expired too often failed as lease_expired"
+        )
+        if step.complete or not (step.cleared or step.abandoned or step.leases or step.stale):
             break  # done, or nothing to gain from another slice now (a row locked elsewhere)
         _say(progress, f"promotion: {flagged} so far ({time.monotonic() - started:.1f} s)")
     _say(
@@ -2696,11 +2704,12 @@ def migrate_and_promote(db: Database, progress: Callable[[str], None] | None = N
     return applied
 
 
-def apply_ledger(dry_run: bool = False, progress: Callable[[str], None] | None = None) -> list[str]:
-    """The ledger on a connection of its own, closed afterwards (CLI and local server)."""
+@contextmanager
+def owner_database() -> Iterator[Database]:
+    """A ledger-runner Database (the tables' owner) for one command, closed afterwards."""
     db = migration_database()
     try:
-        return dry_run_migrations(db) if dry_run else migrate_and_promote(db, progress)
+        yield db
     finally:
         db.discard()
 
@@ -3265,11 +3274,6 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     return JSONResponse({"detail": problems or "invalid request"}, status_code=400)
 
 
-@app.exception_handler(BadInput)
-async def _bad_input(request: Request, error: BadInput) -> Response:
-    return JSONResponse({"detail": str(error)}, status_code=400)
-
-
 # PostgreSQL errors that say "not now" (a statement or lock timeout, a conflict with
 # another session, a server short of something or shutting down, a read-only server
 # during a failover): 503, try again.
@@ -3277,6 +3281,11 @@ TRANSIENT_SQLSTATES = ("40", "53", "55", "57", "58", "25006")
 # Errors about a value (class 22: data exception, 54: program limit, such as an index
 # entry too large). Input checks should have caught it: 400, and logged so we add one.
 VALUE_SQLSTATE_CLASSES = ("22", "54")
+
+
+@app.exception_handler(BadInput)
+async def _bad_input(request: Request, error: BadInput) -> Response:
+    return JSONResponse({"detail": str(error)}, status_code=400)
 
 
 @app.exception_handler(DatabaseUnavailable)
@@ -3354,6 +3363,11 @@ def _unreadable_event(event: dict[str, Any], context: Any) -> str | None:
     return None
 
 
+# Every log line of an invocation carries the Lambda request id, the cold-start flag and
+# API Gateway's request id (correlation_id).
+@logger.inject_lambda_context(
+    correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
+)
 def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
     """API Gateway (HTTP API) entry point: FastAPI through Mangum, lifespan off."""
     problem = _unreadable_event(event, context)
@@ -3569,7 +3583,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
                     ((session["pid"],),) = runner.run(BACKEND_PID)
                     if stopped.is_set():
                         raise TimeoutError("stopped before the migrations began")
-                    return migrate_and_promote(runner, _log_migration_progress)
+                    return upgrade_database(runner, _log_migration_progress)
                 finally:
                     runner.discard()
 
@@ -3710,13 +3724,6 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     return status
 
 
-# The API entry as Lambda calls it: every log line of an invocation carries the Lambda
-# request id, the cold-start flag and API Gateway's request id (correlation_id).
-api = logger.inject_lambda_context(
-    api, correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
-)
-
-
 # == CLI ================================================================================
 # python handler.py serve | migrate | queue-status | priority-report | queue-refetch |
 # invoke: a developer's and an operator's commands.
@@ -3810,7 +3817,8 @@ def _local_database(apply: bool) -> None:
     print("embedded PostgreSQL:", os.environ["DATABASE_URL"], file=sys.stderr)
     use_runtime(None)
     if apply:
-        applied = apply_ledger()
+        with owner_database() as db:
+            applied = upgrade_database(db)
         print(f"migrations applied: {', '.join(applied) or 'none pending'}", file=sys.stderr)
 
 
@@ -4029,7 +4037,8 @@ def _print_progress(text: str) -> None:
 
 def _cli_migrate(args: argparse.Namespace) -> int:
     _local_database(apply=False)
-    names = apply_ledger(dry_run=args.dry_run, progress=_print_progress)
+    with owner_database() as db:
+        names = dry_run_migrations(db) if args.dry_run else upgrade_database(db, _print_progress)
     verb = "Pending" if args.dry_run else "Applied"
     print(f"{verb}: {', '.join(names) if names else 'nothing'}")
     return 0

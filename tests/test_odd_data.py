@@ -168,6 +168,6 @@ def test_every_reader_survives_what_the_schema_allows(
     reported = handler.report(load_event("schedule.json"), LambdaContext())
     json.dumps(reported)
     handler.queue_refetch(db, ["odd.app"], False, False, None, True, policy, force=True)
-    assert handler.migrate_and_promote(db) == []
+    assert handler.upgrade_database(db) == []
     ((recorded,),) = sql.run("SELECT count(*) FROM queue_policy")
     assert recorded == 1, "the promoter puts the policy row back"
