@@ -447,7 +447,19 @@ class QueueModel(RuleBasedStateMachine):
     @precondition(lambda self: self.apps)
     @rule(data=st.data(), force=st.booleans())
     def refetch(self, data, force):
-        appid = data.draw(st.sampled_from(sorted(self.apps)))
+        self._refetch(data.draw(st.sampled_from(sorted(self.apps))), force)
+
+    @precondition(lambda self: self.holding)
+    @rule(data=st.data(), force=st.booleans(), then_claim=st.booleans())
+    def refetch_while_held(self, data, force, then_claim):
+        """The exact-app host's workflow on an app another analyser works on: a refetch,
+        then (maybe) a claim at once."""
+        appid, _ = self.holding[data.draw(st.sampled_from(sorted(self.holding)))]
+        self._refetch(appid, force)
+        if then_claim:
+            self.claim(data.draw(st.sampled_from(ANALYSERS)))
+
+    def _refetch(self, appid: str, force: bool) -> None:
         app = self.apps[appid]
         now = self.now()
         live = app.status == "processing" and app.started >= now - timedelta(
