@@ -3807,15 +3807,28 @@ def start_embedded_postgres(data_dir: Path) -> str:
     return embedded_postgres_server(data_dir).get_uri()
 
 
+# What a command decided on top of the environment (the embedded database's URL, local
+# tokens): its Runtime is built from both, and os.environ is left as it was.
+_cli_choices: dict[str, str] = {}
+
+
+def use_cli_runtime(worker_threads: int = 0, **choices: str) -> Runtime:
+    """Install the command's Runtime: the environment's settings with `choices` (and the
+    command's earlier ones) on top."""
+    _cli_choices.update(choices)
+    settings = load_settings({**os.environ, **_cli_choices})
+    return use_runtime(Runtime(settings, worker_threads=worker_threads))
+
+
 def _local_database(apply: bool) -> None:
     """The embedded PostgreSQL when no database is configured, with the ledger applied to
     it when `apply` (a configured database is migrated by `migrate` only)."""
     config = settings()
     if config.database_url or config.db_host:
         return
-    os.environ["DATABASE_URL"] = start_embedded_postgres(LOCAL_DATA_DIR)
-    print("embedded PostgreSQL:", os.environ["DATABASE_URL"], file=sys.stderr)
-    use_runtime(None)
+    url = start_embedded_postgres(LOCAL_DATA_DIR)
+    print("embedded PostgreSQL:", url, file=sys.stderr)
+    use_cli_runtime(DATABASE_URL=url)
     if apply:
         with owner_database() as db:
             applied = upgrade_database(db)
@@ -3838,9 +3851,8 @@ def _local_defaults() -> None:
         ("ADMIN_TOKEN", config.admin_token or config.admin_token_secret, "local-admin-token"),
     ):
         if not configured:
-            os.environ[name] = local_value
+            use_cli_runtime(**{name: local_value})
             print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
-    use_runtime(None)
 
 
 # `serve`: the routes' blocking work on this many worker threads, each with a database
@@ -3901,7 +3913,7 @@ def _cli_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     _local_defaults()
-    use_runtime(Runtime(load_settings(), worker_threads=SERVE_WORKER_THREADS))
+    use_cli_runtime(worker_threads=SERVE_WORKER_THREADS)
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
     # with the handlers main() installed, so the process ends through Python's exit.
     uvicorn.run(
@@ -4244,6 +4256,8 @@ def main(argv: list[str] | None = None) -> int:
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")
     invoke.set_defaults(run=_cli_invoke)
     args = parser.parse_args(argv)
+    _cli_choices.clear()  # a new command (tests call main() more than once per process)
+    use_cli_runtime()
     # SIGTERM (kill, a service manager) and SIGHUP (its terminal closed) end a command as
     # Ctrl+C does, through Python's exit, which lets go of the embedded PostgreSQL.
     for number in (signal.SIGTERM, signal.SIGHUP):

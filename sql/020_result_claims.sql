@@ -17,7 +17,7 @@
 --                             app: the app is queued again when that lease's result
 --                             arrives, or when the lease expires.
 --
--- Safe while the previous release or the old server runs:
+-- Safe while the previous release runs, and the old server's releases:
 -- * ADD COLUMN with a constant default, or none, changes only the catalog (PostgreSQL
 --   11+): no rewrite, no scan; the ACCESS EXCLUSIVE lock is held for a moment, and the
 --   runner's lock_timeout bounds the wait for it.
@@ -31,5 +31,8 @@
 ALTER TABLE apps
     ADD COLUMN IF NOT EXISTS result_claim_token uuid,
     ADD COLUMN IF NOT EXISTS result_claim_verified boolean NOT NULL DEFAULT false,
+-- lease_attempts counts a few claims in a row (MAX_LEASE_ATTEMPTS, 3 by default), never
+-- near 2^31, like the integer analysisversion beside it.
+-- squawk-ignore prefer-bigint-over-int
     ADD COLUMN IF NOT EXISTS lease_attempts integer NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS refetch_requested boolean NOT NULL DEFAULT false;

@@ -241,6 +241,8 @@ def test_batches_refetch_exactly_the_apps_one_read_selects(
         lambda rows, _: seen.extend(rows),
         batch_size=batch,
     )
+    # Only analysed or failed apps are selected, never one under a lease: each is queued.
+    assert [row.pop("outcome") for row in seen] == ["queued"] * len(seen)
     assert seen == expected
     assert done.complete and done.selected == len(expected)
     queued = {row["appid"] for row in expected}

@@ -71,7 +71,10 @@ def large_analysis() -> bytes:
 
 def test_queue_is_answered_while_large_uploads_are_in_flight(served, sql):
     for n in range(UPLOADS):
-        insert_app(sql, f"up.{n}", status="analysed", version=4)
+        # Failed, so a tokenless success is stored (docs/queue.md, "Results"); not a
+        # candidate (current version, fresh), so /queue hands out com.example.next.
+        insert_app(sql, f"up.{n}", status="failed", version=4, retryable=True)
+        sql.run("UPDATE apps SET analysed = now() WHERE appid = :a", a=f"up.{n}")
     insert_app(sql, "com.example.next", reviews="5")
     body = large_analysis()
     finished: list[float] = []
