@@ -49,9 +49,17 @@ def readme_grants() -> str:
     return re.search(r"```sql\n(.*?)```", section, re.S).group(1)
 
 
+def analysers_grant() -> str:
+    """The GRANT docs/analysers.md gives for the analysers table (sql/022) on a database
+    whose grants were made after it existed, as the README's block is here."""
+    text = (handler.HERE / "docs" / "analysers.md").read_text()
+    section = text.split("## Database grants", 1)[1]
+    return re.search(r"```sql\n(.*?)```", section, re.S).group(1)
+
+
 def grant_role(admin: pg8000.native.Connection, role: str, password: str, database: str) -> None:
     owner = admin.run("SELECT current_user")[0][0]
-    block = readme_grants()
+    block = readme_grants() + analysers_grant()
     block = re.sub(r"\bqueue_app\b", role, block)
     block = re.sub(r"\bqueue_owner\b", owner, block)
     block = re.sub(r"\bON DATABASE analysis\b", f"ON DATABASE {database}", block)
@@ -273,6 +281,33 @@ def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
     )
     assert refetch["apps"] == ["com.example.app"]
     assert handler.report({"command": "priority-report"}, LambdaContext())["apps"]
+
+
+@pytest.mark.private_database  # queue_role grants on its schema and tables
+def test_named_analysers_work_as_the_queue_role(queue_role, sql):
+    """The admin API's analyser routes and a named analyser's whole cycle, as queue_app
+    with only the documented grants (which include no DELETE)."""
+    from fastapi.testclient import TestClient
+
+    sql.run("INSERT INTO apps (appid, details) VALUES ('role.app', '{}')")
+    with TestClient(handler.app, raise_server_exceptions=False) as client:
+        added = client.post("/analysers", json={"name": "pi-role"}, headers=ADMIN)
+        assert added.status_code == 201, added.text
+        named = {"Authorization": f"Bearer {added.json()['token']}"}
+        assert client.get("/ping", headers=named).status_code == 200
+        assert client.get("/queue", headers=named).text == "role.app"
+        upload = "/uploadAnalysis?appId=role.app&analysisVersion=4"
+        assert client.post(upload, json={"success": True}, headers=named).status_code == 200
+        rotated = client.post("/analysers/pi-role/rotate", json={"overlap": "0"}, headers=ADMIN)
+        assert rotated.status_code == 200
+        listed = client.get("/analysers", headers=ADMIN)
+        assert listed.status_code == 200 and listed.json()["analysers"][0]["results24h"] == 1
+        assert client.get("/healthz/analyser").status_code == 200
+        assert client.delete("/analysers/pi-role", headers=ADMIN).status_code == 200
+        # Its heartbeat no longer counts: the only analyser there was is revoked.
+        assert client.get("/healthz/analyser").status_code == 503
+    status = handler.report(load_event("schedule.json"), LambdaContext())
+    assert [row["name"] for row in status["analysers"]] == ["pi-role"]
 
 
 @pytest.mark.private_database  # queue_role grants on its schema and tables

@@ -196,6 +196,7 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
     assert status["eta_hours"] == 27.4  # 8 apps at 7 finished per 24 h: 27.43 h
     assert abs(status["minutes_since_last_ping"] - 12.0) <= 0.2
     assert status["analysers_last_hour"] == 1
+    assert status["analysers"] == []  # no named analyser: the fleet uses the shared password
     processing = status["processing"]
     assert [(p["appid"], p["expired"]) for p in processing] == [
         ("app.processing.expired", True),
@@ -231,6 +232,7 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "ExpiredLeases": 1,
         "Failed": 5,
         "AnalysedLast24h": 6,
+        "ActiveAnalysers": 1,
         "EtaHours": 27.4,
     }
     assert set(units) == {*expected, "MinutesSinceLastPing"}
