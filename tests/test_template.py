@@ -52,6 +52,10 @@ ROUTES = {
     ("GET", "/apps/{appId}"),
     ("GET", "/healthz"),
     ("GET", "/healthz/analyser"),
+    ("POST", "/analysers"),
+    ("GET", "/analysers"),
+    ("DELETE", "/analysers/{name}"),
+    ("POST", "/analysers/{name}/rotate"),
 }
 ANALYSER_ROUTES = {
     "GET /ping",
