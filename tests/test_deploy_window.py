@@ -306,3 +306,78 @@ def test_previous_release_of_this_service_keeps_working_after_013(empty_database
         assert (row["status"], row["claim_token"]) == ("queued", None)
         check_holds(sql)
         sql.close()
+
+
+# --- Named analysers (sql/022) while the older releases still run ---------------------
+
+
+@pytest.mark.parametrize("state", ["head", "old013"])
+def test_older_releases_and_named_analysers_share_the_migrated_database(
+    empty_database, monkeypatch, state
+):
+    """During the deploy window the previous release (text claim tokens) or the old
+    server's release (its own uuid tokens) still claim and complete apps, knowing nothing
+    of analysers: their writes work beside named claims, a named claim they hand out
+    again is no longer the named analyser's (its tokenless result: 409), and a named
+    analyser's claim is fenced from them as any claim of this release is."""
+    from conftest import ADMIN
+
+    with adopted(empty_database, state, monkeypatch) as client:
+        sql = connect(empty_database)
+        added = client.post("/analysers", json={"name": "pi-new"}, headers=ADMIN)
+        named = {"Authorization": f"Bearer {added.json()['token']}"}
+        # This release's named claim; the older release cannot take it while it is live.
+        claim = client.get("/queue?appId=old.queued", headers=named)
+        assert claim.text == "old.queued"
+        if state == "old013":
+            assert sql.run(legacy.OLD_CLAIM_NAMED, appid="old.queued", token=uuid.uuid4()) == []
+        # The named lease expires; the older release hands the app out again.
+        sql.run(
+            "UPDATE apps SET processing_started = now() - interval '3 hours'"
+            " WHERE appid = 'old.queued'"
+        )
+        if state == "head":
+            sql.run(legacy.PREVIOUS_CLAIM_NAMED, appid="old.queued", token="previous-again")
+        else:
+            theirs = uuid.uuid4()
+            assert sql.run(legacy.OLD_CLAIM_NAMED, appid="old.queued", token=theirs) == [
+                ["old.queued"]
+            ]
+        late = client.post(
+            "/uploadAnalysis?appId=old.queued&analysisVersion=4",
+            json={"success": True},
+            headers=named,
+        )
+        assert late.status_code == 409  # the lease is the older release's now
+        assert app_row(sql, "old.queued")["status"] == "processing"
+        # ... and that release completes it with its own statements.
+        if state == "head":
+            assert sql.run(
+                legacy.PREVIOUS_STORE_RESULT,
+                appid="old.queued",
+                analysis='{"success": true}',
+                status="analysed",
+                reason=None,
+                retryable=None,
+            ) == [["old.queued"]]
+        else:
+            done = legacy.old_server_complete(
+                sql, "old.queued", theirs, {"success": True}, legacy.OLD_RECORD_HISTORY_013
+            )
+            assert done == [["old.queued"]]
+        assert app_row(sql, "old.queued")["status"] == "analysed"
+        # The older release's history rows name no analyser; this release's do.
+        sql.run("UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = 'old.done'")
+        assert client.get("/queue?appId=old.done", headers=named).text == "old.done"
+        upload = client.post(
+            "/uploadAnalysis?appId=old.done&analysisVersion=4",
+            json={"success": True, "new": 1},
+            headers=named,
+        )
+        assert upload.status_code == 200
+        newest = "SELECT analyser FROM app_analyses WHERE appid = :a ORDER BY id DESC LIMIT 1"
+        assert sql.run(newest, a="old.done") == [["pi-new"]]
+        if state == "old013":
+            assert sql.run(newest, a="old.queued") == [[None]]
+        check_holds(sql)
+        sql.close()
