@@ -2571,7 +2571,7 @@ def _require_content_type(request: Request, accepted: tuple[str, ...]) -> None:
 # hold some of it.
 PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
 DIGITS = re.compile(r"[0-9]{1,15}")
-ANALYSER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+ANALYSER_ID = ANALYSER_NAME  # an X-Analyser-Id label is spelt as a name is
 
 
 def _header(request: Request, name: str, max_length: int) -> str | None:

@@ -336,3 +336,26 @@ def test_a_public_answer_holds_no_failure_record(client, sql):
         "success": True,
         "trackers": ["a"],
     }
+
+
+# --- the docs page's checkable claims --------------------------------------------------
+
+
+def test_docs_analysers_states_what_the_code_does():
+    text = (handler.HERE / "docs" / "analysers.md").read_text()
+    assert handler.DEFAULT_ROTATION_OVERLAP == "24h" and "default 24 h" in text
+    assert handler.MAX_ROTATION_OVERLAP_SECONDS == 30 * 86400 and "at most 30 days" in text
+    assert f"`{handler.ANALYSER_TOKEN_PREFIX}` followed by 43" in text
+    assert len(handler.new_analyser_token()) == len(handler.ANALYSER_TOKEN_PREFIX) + 43
+    assert handler.ANALYSER_NAME.pattern == r"[A-Za-z0-9._:@-]{1,64}"
+    assert "1 to 64 letters, digits or `._:@-`" in text
+    assert "ACCEPT_SHARED_UPLOAD_PASSWORD=false" in text
+    assert "AcceptSharedUploadPassword=false" in text
+    template = (handler.HERE / "template.yaml").read_text()
+    assert "ACCEPT_SHARED_UPLOAD_PASSWORD: !Ref AcceptSharedUploadPassword" in template
+    assert handler.overlap_seconds("0") == 0 and handler.overlap_seconds("90s") == 90
+    assert handler.overlap_seconds("30m") == 1800 and handler.overlap_seconds("7d") == 604800
+    for route in ("POST /analysers", "GET /analysers", "DELETE /analysers/{name}"):
+        assert f"`{route}" in text
+    assert "`POST\n  /analysers/{name}/rotate`" in text or "POST /analysers/{name}/rotate" in text
+    assert "`ActiveAnalysers`" in text
