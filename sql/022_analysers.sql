@@ -15,7 +15,7 @@
 -- claim without having to clear it. apps.analysed_by: who stored the row's result;
 -- app_analyses.analyser: the same, copied into history with the result.
 --
--- Safe while the previous release (and the old server's releases) run:
+-- Safe while the previous release runs (and the old server's releases):
 -- * analysers is a new table that those releases never name; its indexes and CHECKs are
 --   built on an empty table, in this transaction.
 -- * The four new columns are nullable, with no default: a catalog change, no rewrite and
