@@ -21,7 +21,9 @@
 -- * The four new columns are nullable, with no default: a catalog change, no rewrite and
 --   no scan. Statements that do not name them (every statement of those releases) write
 --   NULL, which reads as "the shared password" / "not known": their leases are fenced
---   and their results accepted exactly as before this file.
+--   and their results accepted exactly as before this file. (Those releases know only
+--   the shared password and do not fence by identity: named analysers are added once the
+--   deploy is done. A result one of them stores leaves analysed_by as it was.)
 -- * No new index on apps or app_analyses (that would need a file of its own, built
 --   CONCURRENTLY): the named-claim lookup goes through apps_processing_started (sql/007,
 --   processing rows only, a few per analyser), and the per-analyser counts through the
