@@ -2908,17 +2908,18 @@ async def create_app(request: Request) -> JSONResponse:
 APP_ID_PATH = {
     "parameters": [{"name": "appId", "in": "path", "required": True, "schema": {"type": "string"}}],
     "responses": _errors(400, 404, 503),
+    # Public; the admin token is optional (it adds what only operators see).
+    "security": [{}, {"AdminToken": []}],
 }
 
 
 @app.get("/apps/{appId}", openapi_extra=APP_ID_PATH)
-async def get_app(
-    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer)
-) -> JSONResponse:
+async def get_app(request: Request) -> JSONResponse:
     """Public: an app's state, failure reason, analysis and queue position. With the
     admin token also a stored failure record (the analyser's raw log) and who claimed and
     stored it; with any other Authorization (or none) the public answer."""
     admin = False
+    credentials = await admin_bearer(request)  # read here: the route is public
     if credentials is not None:
         try:
             await require_admin(credentials)

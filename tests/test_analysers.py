@@ -359,3 +359,14 @@ def test_docs_analysers_states_what_the_code_does():
         assert f"`{route}" in text
     assert "`POST\n  /analysers/{name}/rotate`" in text or "POST /analysers/{name}/rotate" in text
     assert "`ActiveAnalysers`" in text
+
+
+def test_the_schema_says_get_apps_is_public_with_an_optional_admin_token():
+    paths = handler.app.openapi()["paths"]
+    assert paths["/apps/{appId}"]["get"]["security"] == [{}, {"AdminToken": []}]
+    for path in ("/analysers", "/analysers/{name}", "/analysers/{name}/rotate"):
+        for operation in paths[path].values():
+            assert operation["security"] == [{"AdminToken": []}], path
+    for path in ("/ping", "/queue", "/uploadAnalysis", "/reportAnalysisFailure"):
+        for operation in paths[path].values():
+            assert operation["security"] == [{"AnalyserPassword": []}], path
