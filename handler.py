@@ -15,6 +15,7 @@ One file, read top to bottom. Each section opens with a one-line banner `# == <n
   SQL: an app's state        GET /apps/{appId}, with its queue position
   SQL: results and new apps  uploads, their history, POST /apps
   SQL: analysers' pings      GET /ping
+  SQL: analysers             named analysers' credentials and activity
   SQL: reports               queue-status and priority-report
   SQL: refetch               queue-refetch
   SQL: the ledger            the migration runner's bookkeeping
@@ -31,7 +32,7 @@ One file, read top to bottom. Each section opens with a one-line banner `# == <n
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
 schedule). CLI: `python handler.py serve|migrate|queue-status|priority-report|queue-refetch|
-invoke`.
+analysers|invoke`.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class Settings:
     upload_password_secret: str | None
     admin_token: str | None
     admin_token_secret: str | None
+    shared_password_accepted: bool
     secrets_max_age_seconds: int
     policy: QueuePolicy
     max_body_bytes: int
@@ -132,6 +134,15 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_settings(self)
+
+
+def _bool_setting(env: dict[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("true", "false"):
+        raise ConfigError(f"{name} must be true or false, got {raw!r}")
+    return raw == "true"
 
 
 def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
@@ -180,6 +191,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         upload_password_secret=env.get("UPLOAD_PASSWORD_SECRET") or None,
         admin_token=env.get("ADMIN_TOKEN") or None,
         admin_token_secret=env.get("ADMIN_TOKEN_SECRET") or None,
+        # The fleet moves to per-analyser tokens one host at a time; once every host has
+        # its own, false makes the shared UPLOAD_PASSWORD a wrong token (docs/analysers.md).
+        shared_password_accepted=_bool_setting(env, "ACCEPT_SHARED_UPLOAD_PASSWORD", True),
         secrets_max_age_seconds=_int_setting(env, "SECRETS_MAX_AGE_SECONDS", 300),
         policy=QueuePolicy(
             analysis_version=_int_setting(env, "CURRENT_ANALYSIS_VERSION", 4, minimum=1),
@@ -321,7 +335,8 @@ CLAIM_KEYS = "appid, app_popularity(details) AS popularity, added"
 # What a claim writes. lease_attempts counts the claims in a row that took over an
 # expired lease; a refetch asked during a lease is done by the claim that follows it.
 CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
-    analysis_claim_token = :token, refetch_requested = false,
+    analysis_claim_token = :token, claimed_by = :analyser, claimed_with = :token,
+    refetch_requested = false,
     lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
 CLAIM_NEXT_APP = f"""
 WITH RECURSIVE {OLD_VERSIONS}, {STALE_DAYS},
@@ -499,19 +514,28 @@ SELECT (SELECT count(*) FROM examined) AS examined, (SELECT max(appid) FROM exam
 # A document larger than a Lambda answer can carry is not even read: only its size.
 DOCUMENT = """CASE WHEN octet_length({0}::text) <= :document_limit THEN {0}::text END AS {0},
        octet_length({0}::text) AS {0}_bytes"""
+# The analyser holding a row's current lease (NULL: the shared password, or a release
+# that records no analyser): claimed_by, while the lease is still the one it was handed.
+CLAIM_HOLDER = """CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token
+            THEN claimed_by END"""
+# A stored failure record (derive_analysis_state: `success` is false) is what an analyser
+# wrote about its own run, its raw log included: never in a public answer.
+FAILURE_RECORD = "COALESCE(analysis->'success' = 'false'::jsonb, false)"
 FIND_APP = f"""
 SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
        analysisversion, analysed, added, status, processing_started, failure_reason,
-       failure_retryable, analysis_claim_token, app_popularity(details) AS popularity
+       failure_retryable, analysis_claim_token, app_popularity(details) AS popularity,
+       {FAILURE_RECORD} AS failure_record, {CLAIM_HOLDER} AS claim_holder, analysed_by
 FROM apps WHERE lower(appid) = lower(:appid)
 """
-# What judge_result needs of the app a result names, under the row's lock.
+# What judge_result and check_result_identity need of the app a result names, under the
+# row's lock.
 FIND_RESULT_TARGET = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
        COALESCE(analysis = CAST(:analysis AS jsonb)
                 AND analysisversion IS NOT DISTINCT FROM :version, false) AS same_result,
        analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
-       {DOCUMENT.format("details")}, analysed
+       {CLAIM_HOLDER} AS claim_holder, {DOCUMENT.format("details")}, analysed
 FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
 """
 
@@ -565,7 +589,7 @@ UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
                 failure_retryable = :failure_retryable, processing_started = NULL,
                 analysis_claim_token = NULL, due = false, lease_attempts = 0,
                 result_claim_token = :result_claim, result_claim_verified = :verified,
-                refetch_requested = false
+                refetch_requested = false, analysed_by = :analyser
 WHERE appid = :appid
 RETURNING appid, {DOCUMENT.format("details")}, analysed
 """
@@ -580,10 +604,10 @@ HISTORY_SOURCE = """CASE
 END"""
 RECORD_HISTORY = f"""
 INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
-                          analysis_source, success)
+                          analysis_source, success, analyser)
 SELECT appid, analysis, analysisversion, analysed,
        COALESCE(analysis->>'version', details->>'version'), {HISTORY_SOURCE},
-       status = 'analysed'
+       status = 'analysed', analysed_by
 FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
   AND analysis IS NOT NULL AND analysed IS NOT NULL
 ON CONFLICT DO NOTHING
@@ -610,12 +634,82 @@ ON CONFLICT (analyser_id) DO UPDATE
 SET last_seen = now(), source_address = EXCLUDED.source_address,
     user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
 """
-# Ages come from the database's clock, the one that wrote the times; a time the service
-# cannot have written (infinite, or in the future) is not a ping.
+# Heartbeats: the shared password's (by X-Analyser-Id, or address and User-Agent) and
+# the named analysers' (their own row, not revoked). Ages come from the database's clock,
+# the one that wrote the times; a time the service cannot have written (infinite, or in
+# the future) is not a heartbeat.
 LAST_PING = """
+WITH seen AS (
+    SELECT last_seen FROM analyser_heartbeats
+    UNION ALL SELECT last_seen FROM analysers WHERE revoked IS NULL AND last_seen IS NOT NULL
+)
 SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_ping,
        count(*) FILTER (WHERE last_seen > now() - interval '1 hour') AS analysers_last_hour
-FROM analyser_heartbeats WHERE isfinite(last_seen) AND last_seen <= now()
+FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
+"""
+
+# == SQL: analysers =====================================================================
+#
+# Named analysers' credentials (sql/022): a token is known by its SHA-256 only. A request
+# finds its analyser with one probe of a unique index; a rotation's previous token works
+# until previous_token_expires; a revoked analyser's tokens never work again.
+ADD_ANALYSER = """
+INSERT INTO analysers (name, token_hash) VALUES (:name, :token_hash)
+ON CONFLICT DO NOTHING
+RETURNING name, created
+"""
+ANALYSER_BY_HASH = """
+SELECT name, token_hash, previous_token_hash FROM analysers
+WHERE revoked IS NULL
+  AND (token_hash = :token_hash
+       OR (previous_token_hash = :token_hash AND previous_token_expires > now()))
+"""
+REVOKE_ANALYSER = """
+UPDATE analysers SET revoked = COALESCE(revoked, now()), previous_token_hash = NULL,
+                     previous_token_expires = NULL
+WHERE name = :name
+RETURNING name, revoked
+"""
+# The token in use becomes the previous one for the overlap (none with no overlap); a
+# previous token still in its overlap is dropped. A revoked analyser stays revoked.
+ROTATE_ANALYSER = """
+UPDATE analysers
+SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
+    previous_token_expires = CASE WHEN :overlap_seconds > 0
+                                  THEN now() + make_interval(secs => :overlap_seconds) END,
+    token_hash = :token_hash, rotated = now()
+WHERE name = :name AND revoked IS NULL
+RETURNING name, rotated, previous_token_expires
+"""
+FIND_ANALYSER = "SELECT name, revoked FROM analysers WHERE name = :name"
+RECORD_ANALYSER_SEEN = "UPDATE analysers SET last_seen = now() WHERE name = :name"
+RECORD_ANALYSER_RESULT = """
+UPDATE analysers SET last_result_app = :appid, last_result_at = now(),
+                     last_result_success = :success, last_result_version = :version
+WHERE name = :name
+"""
+# Each analyser as the operators see it: its lease (the most recent, if a crash left it
+# an older one too), its results in the last day, and whether it sends an old format.
+ANALYSER_ACTIVITY = f"""
+SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
+       a.revoked IS NULL AND a.last_seen > now() - interval '1 hour' AS online,
+       a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
+       a.last_result_version < :analysis_version AS outdated_version,
+       held.appid AS holding, held.processing_started AS holding_since,
+       COALESCE(day.results, 0) AS results_24h, COALESCE(day.failures, 0) AS failures_24h
+FROM analysers a
+LEFT JOIN LATERAL (
+    SELECT appid, processing_started FROM apps
+    WHERE status = 'processing' AND claimed_by = a.name AND {CLAIM_HOLDER} = a.name
+    ORDER BY processing_started DESC LIMIT 1
+) held ON true
+LEFT JOIN (
+    SELECT analyser, count(*) FILTER (WHERE success) AS results,
+           count(*) FILTER (WHERE NOT success) AS failures
+    FROM app_analyses WHERE analysed > now() - interval '24 hours' AND analyser IS NOT NULL
+    GROUP BY analyser
+) day ON day.analyser = a.name
+ORDER BY a.name
 """
 
 # == SQL: reports =======================================================================
@@ -888,6 +982,25 @@ def fetch_secret(
             name, decrypt=True, max_age=max_age, transform=transform, force_fetch=fresh
         )
     raise ConfigError(f"a secret reference must be secretsmanager:<id> or ssm:<name>: {scheme}:…")
+
+
+def fetch_previous_secret(reference: str) -> str | None:
+    """The version before the current one of a Secrets Manager secret (AWSPREVIOUS), or
+    None when it has none (never rotated) or lives in SSM (one value, no stages). Read
+    with boto3 itself: Powertools' cache keys a secret by name alone, so it would answer
+    the current version. The caller caches it (Runtime.previous_secret)."""
+    scheme, _, name = reference.partition(":")
+    if scheme != "secretsmanager" or not name:
+        return None
+    import boto3
+
+    client = boto3.client("secretsmanager")
+    try:
+        answer = client.get_secret_value(SecretId=name, VersionStage="AWSPREVIOUS")
+    except client.exceptions.ResourceNotFoundException:
+        return None
+    value = answer.get("SecretString")
+    return value if isinstance(value, str) and value else None
 
 
 def connection_arguments(
@@ -1187,6 +1300,15 @@ class Runtime:
         self._thread_local = threading.local()
         self._limiters: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._previous_secrets: dict[str, tuple[float, str | None]] = {}
+
+    def previous_secret(self, reference: str) -> str | None:
+        """fetch_previous_secret, cached for SECRETS_MAX_AGE_SECONDS like the current."""
+        now = time.monotonic()
+        cached = self._previous_secrets.get(reference)
+        if cached is None or now - cached[0] >= self.settings.secrets_max_age_seconds:
+            cached = self._previous_secrets[reference] = (now, fetch_previous_secret(reference))
+        return cached[1]
 
     def database(self) -> Database:
         """The API's Database, created on first use: the process's, or with worker
@@ -1585,6 +1707,42 @@ def judge_result(target: ResultTarget, version: int, success: bool, token: str |
     )
 
 
+# A named analyser's bearer token: the prefix (so the service knows at a glance to look
+# it up, and an operator knows what it is) and 256 random bits, URL-safe base64: safe to
+# paste into a shell or an .env file unquoted.
+ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
+ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
+DEFAULT_ROTATION_OVERLAP = "24h"
+
+
+def new_analyser_token() -> str:
+    import secrets
+
+    return ANALYSER_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def token_hash(token: str) -> bytes:
+    """What the database keeps of a token. SHA-256 without salt or stretching is right
+    for 256 random bits (a slow hash protects guessable passwords); and it lets a
+    request find its analyser by an index probe on the hash."""
+    return hashlib.sha256(token.encode("utf-8", "replace")).digest()
+
+
+def overlap_seconds(text: str) -> int:
+    """A rotation's overlap: whole seconds, or with a unit (90s, 30m, 12h, 7d); 0 ends
+    the old token at once. At most MAX_ROTATION_OVERLAP_SECONDS."""
+    match = DURATION.fullmatch(text.strip())
+    if not match:
+        raise BadInput(f"the overlap must be a duration such as 30m, 12h or 7d, not {text!r}"[:200])
+    seconds = int(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
+    if seconds > MAX_ROTATION_OVERLAP_SECONDS:
+        raise BadInput(f"the overlap is at most {MAX_ROTATION_OVERLAP_SECONDS // 86400} days")
+    return seconds
+
+
 def unknown_app_ids(named: list[str], selected: list[dict[str, str]]) -> list[str]:
     """The bundle IDs a refetch named that it did not select (any letter case matches),
     when it selected fewer than it was given."""
@@ -1686,6 +1844,11 @@ def format_queue_status(status: dict[str, Any]) -> str:
             else "never"
         ),
         "",
+        f"Named analysers ({len(status['analysers'])})",
+    ]
+    lines += _format_analyser_rows(status["analysers"])
+    lines += [
+        "",
         f"Being processed ({counts.get('processing', 0)})",
     ]
     for app in status["processing"]:
@@ -1750,6 +1913,9 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
         "AnalysedLastHour": throughput["analysed_1h"],
         "FailedLastHour": throughput["failed_1h"],
         "OutdatedResultsLast24h": throughput["outdated_24h"],
+        # Analysers that sent a heartbeat in the last hour, named or under the shared
+        # password: one dead host of several shows as a drop (template.yaml alarms on it).
+        "ActiveAnalysers": status["analysers_last_hour"],
     }
     for reason, name in BACKLOG_REASON_METRICS.items():
         values[name] = status["backlog"].get(reason, 0)
@@ -1782,6 +1948,21 @@ def queue_status_document(status: dict[str, Any]) -> dict[str, Any]:
         for reason, apps in sorted(status["failed_by_reason"].items())
     ]
     return document
+
+
+def _format_analyser_rows(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["  (none: every analyser uses the shared password)"]
+    lines = []
+    for row in rows:
+        state = "revoked" if row["revoked"] else "online" if row["online"] else "offline"
+        holding = row["holding"]["appId"] if row["holding"] else "-"
+        flag = "  outdated analysis version" if row["outdatedVersion"] else ""
+        lines.append(
+            f"  {row['name']:<24} {state:<8} holding {holding:<40}"
+            f" 24h {row['results24h']:>4} ok / {row['failures24h']} failed{flag}"
+        )
+    return lines
 
 
 def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
@@ -1936,11 +2117,13 @@ def claim_next_app(
     policy: QueuePolicy,
     app_id: str | None = None,
     promotion_budget_seconds: float | None = None,
+    analyser: str | None = None,
 ) -> tuple[str, str] | None:
     """Hand out the next app (or the named one, if it is a candidate): (appid, token).
 
     The token is a random UUID in apps.analysis_claim_token, the column and type the old
-    server's claim-token release uses too (sql/018), so both releases fence one token."""
+    server's claim-token release uses too (sql/018), so both releases fence one token.
+    The claim records its analyser (None: the shared password) bound to that token."""
     try:
         promote_due_apps(db, policy, promotion_budget_seconds)
     except pg8000.native.DatabaseError as error:
@@ -1961,9 +2144,10 @@ def claim_next_app(
             mine = session.records(FIND_OWN_CLAIM, token=token)
             if mine:
                 return mine
+        params = {"token": token, "analyser": analyser, **policy.sql_params()}
         if app_id is None:
-            return session.records(CLAIM_NEXT_APP, token=token, **policy.sql_params())
-        return session.records(CLAIM_NAMED_APP, token=token, appid=app_id, **policy.sql_params())
+            return session.records(CLAIM_NEXT_APP, **params)
+        return session.records(CLAIM_NAMED_APP, appid=app_id, **params)
 
     rows = db.autocommit(claim)
     return (rows[0]["appid"], str(token)) if rows else None
@@ -1973,8 +2157,35 @@ class ResultRefused(ServiceError):
     """judge_result refused the result (409): nothing was written; the message says why."""
 
 
+class IdentityConflict(ServiceError):
+    """A result without a claim token from a credential whose claim is not the app's
+    current one (check_result_identity)."""
+
+    detail = "the app's current claim is not this analyser's; send its X-Analysis-Claim-Token"
+
+
 class UnknownApp(ServiceError):
     pass
+
+
+def check_result_identity(
+    found: dict[str, Any], analyser: str | None, claim_token: str | None
+) -> None:
+    """Whose result this may be, before anything is written (`found`: the app's row, locked;
+    `analyser`: the request's credential, None for the shared password).
+
+    With a claim token the token decides (judge_result), for every credential, as
+    ever. Without one: a named analyser's result is taken only while the app's current
+    lease is that analyser's claim; a shared-password result only while no named analyser
+    holds it. Anything else is someone else's lease or result: IdentityConflict (409)."""
+    if claim_token is not None:
+        return
+    holder = found["claim_holder"]
+    if analyser is None:
+        if holder is not None:
+            raise IdentityConflict(found["appid"])
+    elif holder is None or not hmac.compare_digest(holder.encode(), analyser.encode()):
+        raise IdentityConflict(found["appid"])
 
 
 def store_result(
@@ -1983,10 +2194,13 @@ def store_result(
     version: int,
     payload: dict[str, Any],
     claim_token: str | None,
+    analyser: str | None = None,
 ) -> list[dict[str, Any]]:
     """Write an analysis or failure record, snapshot it into history, end the lease, as
     judge_result decides; a result that is stored already is answered as the first time
-    (a retry after a lost reply, the service's own or the analyser's)."""
+    (a retry after a lost reply, the service's own or the analyser's). `analyser`: the
+    credential it came with (None: the shared password), which check_result_identity
+    holds a tokenless result to."""
     state = derive_analysis_state(payload)
     document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
@@ -2014,6 +2228,7 @@ def store_result(
         if verdict.action == "refuse":
             raise ResultRefused(verdict.why)
         if verdict.action == "store":
+            check_result_identity(found, analyser, claim_token)
             (found,) = session.records(
                 STORE_RESULT,
                 document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
@@ -2025,10 +2240,19 @@ def store_result(
                 failure_retryable=state.failure_retryable,
                 result_claim=verdict.claim,
                 verified=verdict.verified,
+                analyser=analyser,
             )
             session.run(RECORD_HISTORY, appids=[found["appid"]])
             if target.status == "processing" and rows[0]["refetch_requested"]:
                 session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
+            if analyser is not None:
+                session.run(
+                    RECORD_ANALYSER_RESULT,
+                    name=analyser,
+                    appid=found["appid"],
+                    success=state.status == "analysed",
+                    version=version,
+                )
         return [
             {
                 "appid": found["appid"],
@@ -2059,7 +2283,7 @@ def add_app(db: Database, app_id: str, details: dict[str, Any] | None) -> tuple[
             )
         )
         (row,) = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
-        return created, _app_view(row)
+        return created, _app_view(row, admin=True)
 
     return db.transaction(work)
 
@@ -2076,7 +2300,12 @@ def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
     return {name: _plain(value) for name, value in row.items()}
 
 
-def _app_view(row: dict[str, Any]) -> dict[str, Any]:
+def _app_view(row: dict[str, Any], admin: bool = False, identities: bool = False) -> dict:
+    """An app as GET /apps answers it. Public: what the website shows (state, failure
+    reason and retryable, the analysis). A stored failure record (the analyser's raw log,
+    whatever else it wrote about its own run): admin only; with `identities` too, who
+    holds its lease and who stored its result (GET /apps with the admin token)."""
+    withheld = row["failure_record"] and not admin
     view = {
         "appId": row["appid"],
         "status": row["status"],
@@ -2084,12 +2313,19 @@ def _app_view(row: dict[str, Any]) -> dict[str, Any]:
         "analysisVersion": row["analysisversion"],
         "added": _plain(row["added"]),
         **_document("details", row["details"], row["details_bytes"]),
-        **_document("analysis", row["analysis"], row["analysis_bytes"]),
+        **(
+            {"analysis": None}
+            if withheld
+            else _document("analysis", row["analysis"], row["analysis_bytes"])
+        ),
     }
     if row["status"] == "failed":
         view["failure"] = {"reason": row["failure_reason"], "retryable": row["failure_retryable"]}
     if row["status"] == "processing":
         view["processingStarted"] = _plain(row["processing_started"])
+    if admin and identities:
+        view["claimedBy"] = row["claim_holder"]
+        view["analysedBy"] = row["analysed_by"]
     return view
 
 
@@ -2111,13 +2347,15 @@ def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
     return view
 
 
-def app_status(db: Database, policy: QueuePolicy, app_id: str) -> dict[str, Any] | None:
+def app_status(
+    db: Database, policy: QueuePolicy, app_id: str, admin: bool = False
+) -> dict[str, Any] | None:
     def work(session: Session) -> dict[str, Any] | None:
         rows = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
         if not rows:
             return None
         (row,) = rows
-        view = _app_view(row)
+        view = _app_view(row, admin, identities=admin)
         if row["status"] == "queued":
             ((ahead, unflagged_stale),) = session.run(
                 QUEUE_POSITION,
@@ -2156,10 +2394,123 @@ def record_ping(db: Database, analyser_id: str, source_address: str, user_agent:
     )
 
 
-def minutes_since_last_ping(db: Database) -> float | None:
+def last_ping(db: Database) -> tuple[float | None, int]:
+    """Minutes since the last heartbeat of any analyser (None: never), and how many
+    analysers (named or under the shared password) sent one in the last hour."""
     (ping,) = db.records(LAST_PING)
     minutes = ping["minutes_since_last_ping"]
-    return None if minutes is None else float(minutes)
+    return (None if minutes is None else float(minutes)), ping["analysers_last_hour"]
+
+
+# Named analysers' credentials (sql/022, docs/analysers.md).
+
+
+class UnknownAnalyser(Exception):
+    pass
+
+
+class AnalyserExists(Exception):
+    pass
+
+
+class AnalyserRevoked(Exception):
+    pass
+
+
+def _analyser_name(name: str) -> str:
+    if not isinstance(name, str) or not ANALYSER_NAME.fullmatch(name):
+        raise BadInput("an analyser's name is 1-64 letters, digits or ._:@-")
+    return name
+
+
+def add_analyser(db: Database, name: str) -> dict[str, Any]:
+    """A new analyser and its token: {"name", "created", "token"}. The token exists only
+    in this answer; the database keeps its hash."""
+    token = new_analyser_token()
+    rows = db.records(ADD_ANALYSER, name=_analyser_name(name), token_hash=token_hash(token))
+    if not rows:
+        raise AnalyserExists(name)
+    return {"name": rows[0]["name"], "created": _plain(rows[0]["created"]), "token": token}
+
+
+def rotate_analyser(db: Database, name: str, overlap: int) -> dict[str, Any]:
+    """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
+    token = new_analyser_token()
+
+    def work(session: Session) -> dict[str, Any]:
+        found = session.records(FIND_ANALYSER, name=_analyser_name(name))
+        if not found:
+            raise UnknownAnalyser(name)
+        if found[0]["revoked"] is not None:
+            raise AnalyserRevoked(name)
+        (row,) = session.records(
+            ROTATE_ANALYSER, name=name, token_hash=token_hash(token), overlap_seconds=overlap
+        )
+        return {
+            "name": row["name"],
+            "rotated": _plain(row["rotated"]),
+            "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+            "token": token,
+        }
+
+    return db.transaction(work)
+
+
+def revoke_analyser(db: Database, name: str) -> dict[str, Any]:
+    """The analyser's tokens (current and previous) stop working with this commit."""
+    rows = db.records(REVOKE_ANALYSER, name=_analyser_name(name))
+    if not rows:
+        raise UnknownAnalyser(name)
+    return {"name": rows[0]["name"], "revoked": _plain(rows[0]["revoked"])}
+
+
+def authenticate_analyser(db: Database, token: str) -> str | None:
+    """The name of the analyser whose current (or still overlapping previous) token this
+    is, or None. One index probe per request, no cache: a revocation or the end of an
+    overlap holds from the next request on, in every process."""
+    digest = token_hash(token)
+    for row in db.records(ANALYSER_BY_HASH, token_hash=digest):
+        for stored in (row["token_hash"], row["previous_token_hash"]):
+            if stored is not None and hmac.compare_digest(bytes(stored), digest):
+                return row["name"]
+    return None
+
+
+def record_analyser_seen(db: Database, name: str) -> None:
+    db.run(RECORD_ANALYSER_SEEN, name=name)
+
+
+def _analyser_view(row: dict[str, Any]) -> dict[str, Any]:
+    last = None
+    if row["last_result_at"] is not None:
+        last = {
+            "appId": row["last_result_app"],
+            "at": _plain(row["last_result_at"]),
+            "success": row["last_result_success"],
+            "analysisVersion": row["last_result_version"],
+        }
+    return {
+        "name": row["name"],
+        "created": _plain(row["created"]),
+        "rotated": _plain(row["rotated"]),
+        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+        "revoked": _plain(row["revoked"]),
+        "lastSeen": _plain(row["last_seen"]),
+        "online": bool(row["online"]),
+        "holding": None
+        if row["holding"] is None
+        else {"appId": row["holding"], "since": _plain(row["holding_since"])},
+        "lastResult": last,
+        "results24h": row["results_24h"],
+        "failures24h": row["failures_24h"],
+        "outdatedVersion": bool(row["outdated_version"]),
+    }
+
+
+def list_analysers(db: Database | Session, policy: QueuePolicy) -> list[dict[str, Any]]:
+    """Every named analyser (revoked ones too), by name: never a token or its hash."""
+    rows = db.records(ANALYSER_ACTIVITY, analysis_version=policy.analysis_version)
+    return [_analyser_view(row) for row in rows]
 
 
 def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
@@ -2196,6 +2547,7 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
             )
         ]
         top_rows = [_plain_row(row) for row in connection.records(TOP_BACKLOG, limit=top, **params)]
+        analysers = list_analysers(connection, policy)
         backlog_total = sum(backlog.values())
         minutes = ping["minutes_since_last_ping"]
         return {
@@ -2213,6 +2565,7 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
             "minutes_since_last_ping": None if minutes is None else round(float(minutes), 1),
             "analysers_last_hour": ping["analysers_last_hour"],
             "held_back": held_back,
+            "analysers": analysers,
             "processing": processing,
             "top_backlog": top_rows,
             "policy": dataclasses.asdict(policy),
@@ -2769,24 +3122,76 @@ def _configured_secret(plain: str | None, reference: str | None) -> str | None:
     return None
 
 
-def _check_bearer(credentials: HTTPAuthorizationCredentials | None, expected: str | None):
+def _previous_secret(reference: str | None) -> Callable[[], str | None] | None:
+    """The secret's previous version (Secrets Manager's AWSPREVIOUS), read only when the
+    current one did not match: during a rotation both are accepted. Unreadable: none."""
+    if not reference:
+        return None
+
+    def read() -> str | None:
+        try:
+            return runtime().previous_secret(reference)
+        except Exception as error:  # noqa: BLE001 - the current version still works
+            logger.warning(
+                "previous secret version unavailable",
+                extra={"secret": reference, "error": f"{type(error).__name__}"},
+            )
+            return None
+
+    return read
+
+
+def _unauthorized() -> HTTPException:
+    return HTTPException(
+        401, "Please provide correct password.", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def _check_bearer(
+    credentials: HTTPAuthorizationCredentials | None,
+    expected: str | None,
+    previous: Callable[[], str | None] | None = None,
+):
     if expected is None:
         raise HTTPException(503, "the server has no token configured for this route")
     given = credentials.credentials.encode() if credentials else b""
-    if not hmac.compare_digest(given, expected.encode()):
-        raise HTTPException(
-            401,
-            "Please provide correct password.",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    if hmac.compare_digest(given, expected.encode()):
+        return
+    older = previous() if previous is not None else None
+    if older is not None and hmac.compare_digest(given, older.encode()):
+        return
+    raise _unauthorized()
 
 
-def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Credential:
+    """Who sent an analyser request: a named analyser (its own token), or, with
+    analyser None, a host using the shared UPLOAD_PASSWORD."""
+
+    analyser: str | None = None
+
+
+SHARED_PASSWORD = Credential()
+
+
+def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credential:
+    """A named analyser's token (found by its hash, on every request: revocation holds
+    from the next request), or the shared password while ACCEPT_SHARED_UPLOAD_PASSWORD."""
+    given = credentials.credentials if credentials else ""
+    if given.startswith(ANALYSER_TOKEN_PREFIX):
+        name = authenticate_analyser(database(), given)
+        if name is None:
+            raise _unauthorized()
+        return Credential(name)
     config = settings()
+    if not config.shared_password_accepted:
+        raise _unauthorized()
     _check_bearer(
         credentials,
         _configured_secret(config.upload_password, config.upload_password_secret),
+        _previous_secret(config.upload_password_secret),
     )
+    return SHARED_PASSWORD
 
 
 def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
@@ -2796,13 +3201,14 @@ def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
 
 async def require_analyser(
     credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
-):
-    # A token set in the environment is checked inline; one read from Secrets Manager or
-    # SSM (a network call on a cache miss) is blocking work.
-    if settings().upload_password:
-        _check_analyser(credentials)
-    else:
-        await blocking(_check_analyser, credentials)
+) -> Credential:
+    # The shared password set in the environment is checked inline; a named analyser's
+    # token (a database lookup) and a secret read from Secrets Manager or SSM (a network
+    # call on a cache miss) are blocking work.
+    given = credentials.credentials if credentials else ""
+    if settings().upload_password and not given.startswith(ANALYSER_TOKEN_PREFIX):
+        return _check_analyser(credentials)
+    return await blocking(_check_analyser, credentials)
 
 
 async def require_admin(
@@ -2860,7 +3266,7 @@ def _require_content_type(request: Request, accepted: tuple[str, ...]) -> None:
 # hold some of it.
 PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
 DIGITS = re.compile(r"[0-9]{1,15}")
-ANALYSER_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+ANALYSER_ID = ANALYSER_NAME  # an X-Analyser-Id label is spelt as a name is
 
 
 def _header(request: Request, name: str, max_length: int) -> str | None:
@@ -2992,13 +3398,16 @@ def _json_answer(
     )
 
 
-def _store(app_id: str, version: int, payload: dict, token: str | None) -> Response:
+def _store(
+    app_id: str, version: int, payload: dict, token: str | None, credential: Credential
+) -> Response:
     try:
-        rows = store_result(database(), app_id, version, payload, token)
+        rows = store_result(database(), app_id, version, payload, token, credential.analyser)
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
-    except ResultRefused as refused:
-        raise HTTPException(409, f"{refused}; nothing was written") from None
+    except (ResultRefused, IdentityConflict) as refused:
+        detail = getattr(refused, "detail", str(refused))
+        raise HTTPException(409, f"{detail}; nothing was written") from None
     fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
     return _json_answer({"rowCount": len(rows), "rows": fitted})
 
@@ -3009,8 +3418,9 @@ ERROR_ANSWERS = {
     401: "A wrong or missing bearer token.",
     404: "No such app (bundle IDs match in any letter case); nothing was written.",
     409: "The result is refused, and `detail` says why (a stale X-Analysis-Claim-Token, a"
-    " result of a newer analysisVersion stored, a claim answered already): nothing was"
-    " written, and this result is not the stored one.",
+    " result of a newer analysisVersion stored, a claim answered already, or, sent without"
+    " a token, another credential's claim): nothing was written, and this result is not"
+    " the stored one.",
     413: "The body is larger than MAX_BODY_BYTES.",
     415: "The Content-Type is not one the route takes.",
     503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"
@@ -3033,11 +3443,16 @@ def _errors(*codes: int) -> dict[str, dict]:
 @app.get(
     "/ping",
     response_class=PlainTextResponse,
-    dependencies=[Depends(require_analyser)],
     openapi_extra={"responses": _errors(400, 401, 503)},
 )
-async def ping(request: Request) -> PlainTextResponse:
-    """Heartbeat. The analyser is known by X-Analyser-Id, else address and User-Agent."""
+async def ping(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> PlainTextResponse:
+    """Heartbeat. A named analyser is its token's; under the shared password it is known
+    by X-Analyser-Id (a label), else address and User-Agent."""
+    if credential.analyser is not None:
+        record_analyser_seen(database(), credential.analyser)
+        return PlainTextResponse("online")
     source = request.client.host if request.client else "unknown"
     if len(source) > 100 or not PRINTABLE_ASCII.fullmatch(source):
         raise HTTPException(400, "the request's source address is not printable ASCII")
@@ -3120,10 +3535,11 @@ RESULT_ERRORS = (400, 401, 404, 409, 413, 415, 503)
 @app.get(
     "/queue",
     response_class=PlainTextResponse,
-    dependencies=[Depends(require_analyser)],
     openapi_extra=_documented({"appId": False}, claim="issued", errors=(400, 401, 503)),
 )
-async def next_app(request: Request) -> PlainTextResponse:
+async def next_app(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> PlainTextResponse:
     """The next bundle ID as the whole body, or an empty body when there is no work."""
     _only_query(request, ("appId",))
     wanted = _single_query_value(request, "appId", required=False)
@@ -3131,7 +3547,13 @@ async def next_app(request: Request) -> PlainTextResponse:
         wanted = _bundle_id(wanted)
     config = settings()
     claimed = await blocking(
-        lambda: claim_next_app(database(), config.policy, wanted, config.promotion_budget_ms / 1000)
+        lambda: claim_next_app(
+            database(),
+            config.policy,
+            wanted,
+            config.promotion_budget_ms / 1000,
+            credential.analyser,
+        )
     )
     if claimed is None:
         return PlainTextResponse("")
@@ -3141,7 +3563,6 @@ async def next_app(request: Request) -> PlainTextResponse:
 
 @app.post(
     "/uploadAnalysis",
-    dependencies=[Depends(require_analyser)],
     openapi_extra=_documented(
         RESULT_QUERY,
         ("application/json", {"type": "object"}),
@@ -3149,27 +3570,30 @@ async def next_app(request: Request) -> PlainTextResponse:
         errors=RESULT_ERRORS,
     ),
 )
-async def upload_analysis(request: Request) -> JSONResponse:
+async def upload_analysis(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("application/json",))
     payload = await blocking(_parse_json, await _read_body(request), "the analysis", parse=True)
     if not isinstance(payload, dict):
         raise HTTPException(400, "the analysis must be a JSON object")
-    return await blocking(_store, app_id, version, payload, token)
+    return await blocking(_store, app_id, version, payload, token, credential)
 
 
 @app.post(
     "/reportAnalysisFailure",
-    dependencies=[Depends(require_analyser)],
     openapi_extra=_documented(
         RESULT_QUERY, ("text/plain", {"type": "string"}), claim="returned", errors=RESULT_ERRORS
     ),
 )
-async def report_analysis_failure(request: Request) -> JSONResponse:
+async def report_analysis_failure(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("text/plain", "application/octet-stream"))
     record = await blocking(failure_record, await _read_body(request), parse=True)
-    return await blocking(_store, app_id, version, record, token)
+    return await blocking(_store, app_id, version, record, token, credential)
 
 
 NEW_APP_SCHEMA = {
@@ -3213,21 +3637,176 @@ def _create_app(body: Any) -> Response:
 APP_ID_PATH = {
     "parameters": [{"name": "appId", "in": "path", "required": True, "schema": {"type": "string"}}],
     "responses": _errors(400, 404, 503),
+    # Public; the admin token is optional (it adds what only operators see).
+    "security": [{}, {"AdminToken": []}],
 }
 
 
 @app.get("/apps/{appId}", openapi_extra=APP_ID_PATH)
 async def get_app(request: Request) -> JSONResponse:
-    """Public: an app's state, analysis or failure, and its queue position."""
+    """Public: an app's state, failure reason, analysis and queue position. With the
+    admin token also a stored failure record (the analyser's raw log) and who claimed and
+    stored it; with any other Authorization (or none) the public answer."""
+    admin = False
+    credentials = await admin_bearer(request)  # read here: the route is public
+    if credentials is not None:
+        try:
+            await require_admin(credentials)
+            admin = True
+        except HTTPException as refused:
+            if refused.status_code != 401:
+                raise
     app_id = _bundle_id(request.path_params["appId"])
 
     def answer() -> Response:
-        view = app_status(database(), settings().policy, app_id)
+        view = app_status(database(), settings().policy, app_id, admin)
         if view is None:
             raise HTTPException(404, f"unknown app {app_id}")
         return _json_answer(view, droppable=("analysis", "details"))
 
     return await blocking(answer)
+
+
+def _analyser_errors(**answers: str) -> dict[str, dict]:
+    """The OpenAPI responses of an admin analyser route: 401 and 503 as every route's,
+    and its own (`e404="..."` for 404)."""
+    responses = _errors(401, 503)
+    for code, description in answers.items():
+        responses[code.lstrip("e")] = {
+            "description": description,
+            "content": {"application/json": {"schema": DETAIL_SCHEMA}},
+        }
+    return responses
+
+
+ANALYSER_NAME_PATH = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": ANALYSER_NAME.pattern},
+}
+NO_SUCH_ANALYSER = "No such analyser; nothing was changed."
+
+
+def _analyser_name_param(request: Request) -> str:
+    name = request.path_params["name"]
+    if not ANALYSER_NAME.fullmatch(name):
+        raise HTTPException(400, "an analyser's name is 1-64 letters, digits or ._:@-")
+    return name
+
+
+@app.post(
+    "/analysers",
+    status_code=201,
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    }
+                }
+            },
+        },
+        "responses": _analyser_errors(
+            e400="Bad input (the name); nothing was written.",
+            e409="An analyser of that name exists (revoked ones too); nothing was written.",
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
+    },
+)
+async def create_analyser(request: Request) -> JSONResponse:
+    """A new named analyser: {"name": ...}. Its token is in this answer and nowhere else,
+    ever: the database keeps its SHA-256."""
+    _require_content_type(request, ("application/json",))
+    body = _parse_json(await _read_body(request), "the body")
+    if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
+        raise HTTPException(400, 'the body must be {"name": "..."}')
+    try:
+        created = add_analyser(database(), body["name"])
+    except AnalyserExists:
+        raise HTTPException(409, f"an analyser named {body['name']} exists") from None
+    return JSONResponse(created, status_code=201)
+
+
+@app.get(
+    "/analysers",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={"responses": _errors(401, 503)},
+)
+async def get_analysers() -> JSONResponse:
+    """Every named analyser: created, last seen, online, the app it holds and since when,
+    its last result, results and failures in the last 24 hours, revoked or not. Never a
+    token."""
+    return JSONResponse({"analysers": list_analysers(database(), settings().policy)})
+
+
+@app.delete(
+    "/analysers/{name}",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "parameters": [ANALYSER_NAME_PATH],
+        "responses": _analyser_errors(e400="Bad input (the name).", e404=NO_SUCH_ANALYSER),
+    },
+)
+async def delete_analyser(request: Request) -> JSONResponse:
+    """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
+    name = _analyser_name_param(request)
+    try:
+        return JSONResponse(revoke_analyser(database(), name))
+    except UnknownAnalyser:
+        raise HTTPException(404, f"no analyser named {name}") from None
+
+
+@app.post(
+    "/analysers/{name}/rotate",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "parameters": [ANALYSER_NAME_PATH],
+        "requestBody": {
+            "required": False,
+            "content": {
+                "application/json": {
+                    "schema": {"type": "object", "properties": {"overlap": {"type": "string"}}}
+                }
+            },
+        },
+        "responses": _analyser_errors(
+            e400="Bad input (the name or the overlap); nothing was changed.",
+            e404=NO_SUCH_ANALYSER,
+            e409="The analyser is revoked; nothing was changed.",
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
+    },
+)
+async def rotate_analyser_token(request: Request) -> JSONResponse:
+    """A new token for the analyser (in this answer only); the old one keeps working for
+    the overlap: {"overlap": "24h"} (the default, also for an empty body); "0" ends it at
+    once."""
+    name = _analyser_name_param(request)
+    body = await _read_body(request)
+    overlap = DEFAULT_ROTATION_OVERLAP
+    if body:
+        _require_content_type(request, ("application/json",))
+        parsed = _parse_json(body, "the body")
+        if not isinstance(parsed, dict) or not set(parsed) <= {"overlap"}:
+            raise HTTPException(400, 'the body must be {"overlap": "24h"} or empty')
+        overlap = parsed.get("overlap", overlap)
+        if not isinstance(overlap, str):
+            raise HTTPException(400, 'overlap is a duration such as "30m" or "7d"')
+    seconds = overlap_seconds(overlap)
+    try:
+        return JSONResponse(rotate_analyser(database(), name, seconds))
+    except UnknownAnalyser:
+        raise HTTPException(404, f"no analyser named {name}") from None
+    except AnalyserRevoked:
+        raise HTTPException(409, f"the analyser {name} is revoked") from None
 
 
 HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` says why."}}
@@ -3250,11 +3829,14 @@ async def healthz() -> JSONResponse:
 
 @app.get("/healthz/analyser", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz_analyser() -> JSONResponse:
-    minutes = await blocking(lambda: minutes_since_last_ping(database()))
+    """Public: whether any analyser sent a heartbeat in the last hour, and how many did
+    (named or under the shared password; never which)."""
+    minutes, last_hour = await blocking(lambda: last_ping(database()))
     online = minutes is not None and minutes < 60
     body = {
         "status": "online" if online else "offline",
         "minutesSinceLastPing": None if minutes is None else round(minutes, 1),
+        "analysersLastHour": last_hour,
     }
     return JSONResponse(body, status_code=200 if online else 503)
 
@@ -3726,7 +4308,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
 
 # == CLI ================================================================================
 # python handler.py serve | migrate | queue-status | priority-report | queue-refetch |
-# invoke: a developer's and an operator's commands.
+# analysers | invoke: a developer's and an operator's commands.
 
 # With nothing configured (no DATABASE_URL, no DB_HOST), every command uses the embedded
 # PostgreSQL of this checkout, in .local/pgdata: one server per checkout, shared by the
@@ -4161,6 +4743,70 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
     return 1 if unknown else 0
 
 
+def _print_analyser(row: dict[str, Any]) -> None:
+    state = "revoked " + row["revoked"] if row["revoked"] else "online" if row["online"] else ""
+    print(f"{row['name']}  {state or 'offline'}")
+    print(f"  created {row['created']}, last seen {row['lastSeen'] or 'never'}")
+    if row["previousTokenValidUntil"]:
+        print(f"  previous token valid until {row['previousTokenValidUntil']}")
+    if row["holding"]:
+        print(f"  holding {row['holding']['appId']} since {row['holding']['since']}")
+    last = row["lastResult"]
+    if last:
+        outcome = "analysed" if last["success"] else "failed"
+        print(
+            f"  last result {last['appId']} {outcome} at {last['at']}"
+            f" (analysis version {last['analysisVersion']}"
+            f"{', outdated' if row['outdatedVersion'] else ''})"
+        )
+    print(f"  last 24 hours: {row['results24h']} analysed, {row['failures24h']} failed")
+
+
+def _cli_analysers(args: argparse.Namespace) -> int:
+    """Named analysers' credentials. A new token is printed once, alone on the last line
+    of stdout (`| tail -n 1` gives it to a script); nothing else ever shows it."""
+    _local_database(apply=True)
+    db = database()
+    try:
+        if args.action == "list":
+            rows = list_analysers(db, settings().policy)
+            for row in rows:
+                _print_analyser(row)
+            if not rows:
+                print("No named analysers.")
+            return 0
+        if args.action == "add":
+            created = add_analyser(db, args.name)
+            print(f"Added analyser {created['name']}. Its token (shown only now):")
+            print(created["token"])
+            return 0
+        if args.action == "revoke":
+            revoked = revoke_analyser(db, args.name)
+            print(f"Revoked analyser {revoked['name']} at {revoked['revoked']}.")
+            return 0
+        rotated = rotate_analyser(db, args.name, overlap_seconds(args.overlap))
+        until = rotated["previousTokenValidUntil"]
+        print(
+            f"Rotated analyser {rotated['name']}; the previous token "
+            + (f"works until {until}." if until else "no longer works.")
+        )
+        print("Its new token (shown only now):")
+        print(rotated["token"])
+        return 0
+    except BadInput as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except AnalyserExists:
+        print(f"error: an analyser named {args.name} exists", file=sys.stderr)
+        return 1
+    except UnknownAnalyser:
+        print(f"error: no analyser named {args.name}", file=sys.stderr)
+        return 1
+    except AnalyserRevoked:
+        print(f"error: the analyser {args.name} is revoked", file=sys.stderr)
+        return 1
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -4251,6 +4897,24 @@ def main(argv: list[str] | None = None) -> int:
         "--yes", action="store_true", help="confirm a bulk --apply (no --appid) off a terminal"
     )
     refetch.set_defaults(run=_cli_queue_refetch)
+    analysers = commands.add_parser("analysers", help="named analysers' credentials")
+    actions = analysers.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="every analyser, its state and activity (never a token)")
+    for action, text in (
+        ("add", "a new analyser; prints its token once, on the last line"),
+        ("revoke", "its tokens stop working at once"),
+        ("rotate", "a new token, printed once; the old one works for the overlap"),
+    ):
+        command = actions.add_parser(action, help=text)
+        command.add_argument("name", help="1-64 letters, digits or ._:@-")
+        if action == "rotate":
+            command.add_argument(
+                "--overlap",
+                default=DEFAULT_ROTATION_OVERLAP,
+                help="how long the old token keeps working: 0, 90s, 30m, 12h, 7d"
+                " (default: %(default)s)",
+            )
+    analysers.set_defaults(run=_cli_analysers)
     invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")
     invoke.add_argument("function", choices=["api", "migrate", "report"])
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")

@@ -509,7 +509,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
 
         # --- plans ---------------------------------------------------------------------
         claim_plan = bench.explain(
-            handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, **policy.sql_params()
+            handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, analyser=None, **policy.sql_params()
         )
         result.claim_plan_ms = (
             _plan_time(claim_plan, "Planning Time"),
@@ -687,7 +687,12 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         bench.print_explain(
             f"CLAIM_NEXT_APP at version {bumped}",
             handler.CLAIM_NEXT_APP,
-            bench.explain(handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, **bump_policy.sql_params()),
+            bench.explain(
+                handler.CLAIM_NEXT_APP,
+                token=EXPLAIN_TOKEN,
+                analyser=None,
+                **bump_policy.sql_params(),
+            ),
             result,
         )
         for scan in _seq_scan_check(bench, bump_policy):
@@ -901,7 +906,11 @@ def _seq_scan_check(bench: Bench, policy) -> list[str]:
     promotion (plain EXPLAIN: the planner's current choice, nothing runs)."""
     found = []
     for title, statement, params in (
-        ("CLAIM_NEXT_APP", bench.handler.CLAIM_NEXT_APP, {"token": EXPLAIN_TOKEN}),
+        (
+            "CLAIM_NEXT_APP",
+            bench.handler.CLAIM_NEXT_APP,
+            {"token": EXPLAIN_TOKEN, "analyser": None},
+        ),
         (
             "PROMOTE_EXPIRED_LEASES",
             bench.handler.PROMOTE_EXPIRED_LEASES,

@@ -181,13 +181,15 @@ def breakdown(service: ServiceClaimer, count: int) -> dict[str, float]:
 
     def raw() -> None:
         with db.session() as connection:
-            connection.run(handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), **params)
+            connection.run(
+                handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), analyser=None, **params
+            )
 
     layers = {
         "GET /queue via handler.api": lambda: service.claim(),
         "handler.claim_next_app": lambda: handler.claim_next_app(db, policy),
         "handler.Database.run(CLAIM_NEXT_APP)": lambda: db.run(
-            handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), **params
+            handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), analyser=None, **params
         ),
         "pg8000 connection.run(CLAIM_NEXT_APP), unprepared": raw,
         "pg8000 to_statement(CLAIM_NEXT_APP) (client-side parse)": lambda: to_statement(

@@ -119,6 +119,55 @@ UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = N
 WHERE appid = :appid
 """
 
+# --- this service's release before named analysers (ledger up to 019), verbatim -------
+RELEASE_019_CLAIM_NAMED = """
+UPDATE apps SET status = 'processing', processing_started = now(), due = false,
+                analysis_claim_token = :token
+WHERE appid = (
+    SELECT appid FROM apps
+    WHERE lower(appid) = lower(:appid) AND (
+    status = 'queued'
+    OR (status = 'processing'
+        AND COALESCE(processing_started, '-infinity')
+            < now() - make_interval(mins => :timeout_minutes))
+    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
+        AND (COALESCE(analysisversion, 0) < :analysis_version
+             OR COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days)))
+)
+    FOR UPDATE SKIP LOCKED)
+RETURNING appid
+"""
+RELEASE_019_STORE_RESULT = """
+UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
+                analysed = now(), status = :status, failure_reason = :failure_reason,
+                failure_retryable = :failure_retryable, processing_started = NULL,
+                analysis_claim_token = NULL, due = false
+WHERE appid = :appid
+RETURNING appid,
+       CASE WHEN octet_length(details::text) <= :document_limit THEN details::text END AS details,
+       octet_length(details::text) AS details_bytes, analysed
+"""
+RELEASE_019_RECORD_HISTORY = """
+INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
+                          analysis_source, success)
+SELECT appid, analysis, analysisversion, analysed,
+       COALESCE(analysis->>'version', details->>'version'), analysis->>'analysis_source',
+       status = 'analysed'
+FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
+  AND analysis IS NOT NULL AND analysed IS NOT NULL
+ON CONFLICT DO NOTHING
+"""
+RELEASE_019_REFETCH_APPLY = """
+UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
+                failure_retryable = NULL, analysis_claim_token = NULL, due = false
+WHERE appid = ANY(CAST(:appids AS text[]))
+"""
+RELEASE_019_LAST_PING = """
+SELECT max(last_seen) AS last_seen,
+       count(*) FILTER (WHERE last_seen > now() - interval '1 hour') AS analysers_last_hour
+FROM analyser_heartbeats
+"""
+
 FAILURE = {"success": False, "logs": "usb error", "reason": "analysis_failed", "retryable": True}
 
 

@@ -278,6 +278,33 @@ def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
 
 
 @pytest.mark.private_database  # queue_role grants on its schema and tables
+def test_named_analysers_work_as_the_queue_role(queue_role, sql):
+    """The admin API's analyser routes and a named analyser's whole cycle, as queue_app
+    with only the documented grants (which include no DELETE)."""
+    from fastapi.testclient import TestClient
+
+    sql.run("INSERT INTO apps (appid, details) VALUES ('role.app', '{}')")
+    with TestClient(handler.app, raise_server_exceptions=False) as client:
+        added = client.post("/analysers", json={"name": "pi-role"}, headers=ADMIN)
+        assert added.status_code == 201, added.text
+        named = {"Authorization": f"Bearer {added.json()['token']}"}
+        assert client.get("/ping", headers=named).status_code == 200
+        assert client.get("/queue", headers=named).text == "role.app"
+        upload = "/uploadAnalysis?appId=role.app&analysisVersion=4"
+        assert client.post(upload, json={"success": True}, headers=named).status_code == 200
+        rotated = client.post("/analysers/pi-role/rotate", json={"overlap": "0"}, headers=ADMIN)
+        assert rotated.status_code == 200
+        listed = client.get("/analysers", headers=ADMIN)
+        assert listed.status_code == 200 and listed.json()["analysers"][0]["results24h"] == 1
+        assert client.get("/healthz/analyser").status_code == 200
+        assert client.delete("/analysers/pi-role", headers=ADMIN).status_code == 200
+        # Its heartbeat no longer counts: the only analyser there was is revoked.
+        assert client.get("/healthz/analyser").status_code == 503
+    status = handler.report(load_event("schedule.json"), LambdaContext())
+    assert [row["name"] for row in status["analysers"]] == ["pi-role"]
+
+
+@pytest.mark.private_database  # queue_role grants on its schema and tables
 @pytest.mark.parametrize(
     "ddl",
     [

@@ -306,3 +306,137 @@ def test_previous_release_of_this_service_keeps_working_after_013(empty_database
         assert (row["status"], row["claim_token"]) == ("queued", None)
         check_holds(sql)
         sql.close()
+
+
+# --- Named analysers (sql/022) while the older releases still run ---------------------
+
+
+@pytest.mark.parametrize("state", ["head", "old013"])
+def test_older_releases_and_named_analysers_share_the_migrated_database(
+    empty_database, monkeypatch, state
+):
+    """During the deploy window the previous release (text claim tokens) or the old
+    server's release (its own uuid tokens) still claim and complete apps, knowing nothing
+    of analysers: their writes work beside named claims, a named claim they hand out
+    again is no longer the named analyser's (its tokenless result: 409), and a named
+    analyser's claim is fenced from them as any claim of this release is."""
+    from conftest import ADMIN
+
+    with adopted(empty_database, state, monkeypatch) as client:
+        sql = connect(empty_database)
+        added = client.post("/analysers", json={"name": "pi-new"}, headers=ADMIN)
+        named = {"Authorization": f"Bearer {added.json()['token']}"}
+        # This release's named claim; the older release cannot take it while it is live.
+        claim = client.get("/queue?appId=old.queued", headers=named)
+        assert claim.text == "old.queued"
+        if state == "old013":
+            assert sql.run(legacy.OLD_CLAIM_NAMED, appid="old.queued", token=uuid.uuid4()) == []
+        # The named lease expires; the older release hands the app out again.
+        sql.run(
+            "UPDATE apps SET processing_started = now() - interval '3 hours'"
+            " WHERE appid = 'old.queued'"
+        )
+        if state == "head":
+            sql.run(legacy.PREVIOUS_CLAIM_NAMED, appid="old.queued", token="previous-again")
+        else:
+            theirs = uuid.uuid4()
+            assert sql.run(legacy.OLD_CLAIM_NAMED, appid="old.queued", token=theirs) == [
+                ["old.queued"]
+            ]
+        late = client.post(
+            "/uploadAnalysis?appId=old.queued&analysisVersion=4",
+            json={"success": True},
+            headers=named,
+        )
+        assert late.status_code == 409  # the lease is the older release's now
+        assert app_row(sql, "old.queued")["status"] == "processing"
+        # ... and that release completes it with its own statements.
+        if state == "head":
+            assert sql.run(
+                legacy.PREVIOUS_STORE_RESULT,
+                appid="old.queued",
+                analysis='{"success": true}',
+                status="analysed",
+                reason=None,
+                retryable=None,
+            ) == [["old.queued"]]
+        else:
+            done = legacy.old_server_complete(
+                sql, "old.queued", theirs, {"success": True}, legacy.OLD_RECORD_HISTORY_013
+            )
+            assert done == [["old.queued"]]
+        assert app_row(sql, "old.queued")["status"] == "analysed"
+        # The older release's history rows name no analyser; this release's do.
+        sql.run("UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = 'old.done'")
+        assert client.get("/queue?appId=old.done", headers=named).text == "old.done"
+        upload = client.post(
+            "/uploadAnalysis?appId=old.done&analysisVersion=4",
+            json={"success": True, "new": 1},
+            headers=named,
+        )
+        assert upload.status_code == 200
+        newest = "SELECT analyser FROM app_analyses WHERE appid = :a ORDER BY id DESC LIMIT 1"
+        assert sql.run(newest, a="old.done") == [["pi-new"]]
+        if state == "old013":
+            assert sql.run(newest, a="old.queued") == [[None]]
+        check_holds(sql)
+        sql.close()
+
+
+def release_019_store(sql, appid: str, payload: dict) -> list:
+    state = handler.derive_analysis_state(payload)
+    sql.run("BEGIN")
+    rows = sql.run(
+        legacy.RELEASE_019_STORE_RESULT,
+        appid=appid,
+        analysis=json.dumps(payload),
+        version=4,
+        status=state.status,
+        failure_reason=state.failure_reason,
+        failure_retryable=state.failure_retryable,
+        document_limit=handler.LAMBDA_PAYLOAD_LIMIT_BYTES,
+    )
+    sql.run(legacy.RELEASE_019_RECORD_HISTORY, appids=[appid])
+    sql.run("COMMIT")
+    return rows
+
+
+def test_the_release_before_named_analysers_keeps_working_after_022(client, sql):
+    """This service's release before sql/022 (its statements verbatim) serves requests
+    beside this one during the deploy: its claims, results, history and refetches work on
+    the migrated schema, and a lease it hands out is nobody's by name, so a named
+    analyser's tokenless result for it is refused. What does not hold in the window: that
+    release does not fence by identity, so its tokenless result ends a named lease; which
+    is why named analysers are added only once the deploy is done (docs/analysers.md)."""
+    from conftest import ADMIN, ANALYSER
+
+    policy = handler.QueuePolicy().sql_params()
+    for appid in ("w.one", "w.two"):
+        sql.run(OLD_ADD_APP, appid=appid, details="{}")
+    token = uuid.uuid4()
+    assert sql.run(legacy.RELEASE_019_CLAIM_NAMED, appid="w.one", token=token, **policy) == [
+        ["w.one"]
+    ]
+    added = client.post("/analysers", json={"name": "pi-w"}, headers=ADMIN)
+    named = {"Authorization": f"Bearer {added.json()['token']}"}
+    upload = "/uploadAnalysis?appId=w.one&analysisVersion=4"
+    assert client.post(upload, json={"success": True}, headers=named).status_code == 409
+    assert release_019_store(sql, "w.one", {"success": True})[0][0] == "w.one"
+    assert app_row(sql, "w.one")["status"] == "analysed"
+    assert sql.run("SELECT analyser FROM app_analyses WHERE appid = 'w.one'") == [[None]]
+    # The window's gap: a named lease of this release, ended by that release's result.
+    assert client.get("/queue?appId=w.two", headers=named).text == "w.two"
+    assert release_019_store(sql, "w.two", {"success": True, "by": "old"})
+    assert (
+        client.post(
+            "/uploadAnalysis?appId=w.two&analysisVersion=4", json={}, headers=named
+        ).status_code
+        == 409
+    )  # it is no longer the named analyser's lease
+    sql.run(legacy.RELEASE_019_REFETCH_APPLY, appids=["w.one", "w.two"])
+    assert {app_row(sql, a)["status"] for a in ("w.one", "w.two")} == {"queued"}
+    client.get("/ping", headers=named)
+    client.get("/ping", headers=ANALYSER)
+    # Its heartbeat count reads the shared password's table only.
+    assert sql.run(legacy.RELEASE_019_LAST_PING)[0][1] == 1
+    check_holds(sql)

@@ -272,9 +272,17 @@ def test_event_healthz(api, monkeypatch):
 def test_event_healthz_analyser(api):
     before = api("healthz-analyser.json")
     assert before["statusCode"] == 503
-    assert json_answer(before) == {"status": "offline", "minutesSinceLastPing": None}
+    assert json_answer(before) == {
+        "status": "offline",
+        "minutesSinceLastPing": None,
+        "analysersLastHour": 0,
+    }
 
     assert api("ping.json")["statusCode"] == 200
     after = api("healthz-analyser.json")
     assert after["statusCode"] == 200
-    assert json_answer(after) == {"status": "online", "minutesSinceLastPing": 0.0}
+    assert json_answer(after) == {
+        "status": "online",
+        "minutesSinceLastPing": 0.0,
+        "analysersLastHour": 1,
+    }

@@ -205,6 +205,7 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
     assert status["eta_hours"] == 27.4  # 8 apps at 7 finished per 24 h: 27.43 h
     assert abs(status["minutes_since_last_ping"] - 12.0) <= 0.2
     assert status["analysers_last_hour"] == 1
+    assert status["analysers"] == []  # no named analyser: the fleet uses the shared password
     processing = status["processing"]
     assert [(p["appid"], p["expired"]) for p in processing] == [
         ("app.processing.expired", True),
@@ -241,6 +242,7 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "Failed": 5,
         "AnalysedLast24h": 6,
         "OutdatedResultsLast24h": 0,
+        "ActiveAnalysers": 1,
         "EtaHours": 27.4,
         # The dashboard's: the backlog by reason, results in the last hour, failed apps
         # by class (zero for the classes no app is in).

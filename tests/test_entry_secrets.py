@@ -103,10 +103,44 @@ def test_secrets_are_read_again_after_max_age(secret_api, aws, monkeypatch):
     aws.client("ssm").put_parameter(
         Name="/queue/admin", Value="rotated-admin", Type="SecureString", Overwrite=True
     )
+    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
+    # Secrets Manager's previous version (AWSPREVIOUS) overlaps until the next rotation.
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    aws.client("secretsmanager").put_secret_value(
+        SecretId="queue/upload", SecretString="rotated-twice"
+    )
     assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 401
     assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
+    assert secret_api("ping.json", "rotated-twice")["statusCode"] == 200
+    # An SSM parameter has one value: no overlap.
     assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 401
     assert secret_api("add-app.json", "rotated-admin")["statusCode"] == 201
+
+
+def test_admin_token_rotation_in_secrets_manager_overlaps(aws, database_url, monkeypatch):
+    """ADMIN_TOKEN rotated in Secrets Manager: the current and the previous version both
+    work (no 401 window while the operators' tools switch), the one before them not; a
+    secret never rotated has no previous version and only its value works."""
+    client = aws.client("secretsmanager")
+    client.create_secret(Name="queue/admin", SecretString="admin-v1")
+    configure_function(
+        monkeypatch,
+        "ApiFunction",
+        database_url,
+        ADMIN_TOKEN="",
+        ADMIN_TOKEN_SECRET="secretsmanager:queue/admin",
+        SECRETS_MAX_AGE_SECONDS="0",
+    )
+
+    def status(token: str) -> int:
+        return invoke_api("add-app.json", {"authorization": f"Bearer {token}"})["statusCode"]
+
+    assert status("admin-v1") == 201
+    assert status("admin-v0") == 401
+    client.put_secret_value(SecretId="queue/admin", SecretString="admin-v2")
+    assert (status("admin-v2"), status("admin-v1")) == (200, 200)
+    client.put_secret_value(SecretId="queue/admin", SecretString="admin-v3")
+    assert (status("admin-v3"), status("admin-v2"), status("admin-v1")) == (200, 200, 401)
 
 
 def test_unreadable_secret_answers_503(secret_api, aws, capsys):

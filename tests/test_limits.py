@@ -60,7 +60,16 @@ def test_the_largest_failure_log_gives_an_answer_that_fits(database_url, sql, lo
     )
     assert stored["statusCode"] == 200
     assert invocation_bytes(stored) < LIMIT
-    answer = call_api(gateway_event("GET", "/apps/big.app"))
+    # Public: a failure record is never answered, whatever its size.
+    public = call_api(gateway_event("GET", "/apps/big.app"))
+    assert public["statusCode"] == 200
+    view = json.loads(public["body"])
+    assert view["status"] == "failed" and view["analysis"] is None
+    assert view["failure"] == {"reason": "analysis_failed", "retryable": True}
+    # With the admin token it is, and one too large for an answer is left out, said so.
+    answer = call_api(
+        gateway_event("GET", "/apps/big.app", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+    )
     assert answer["statusCode"] == 200
     assert invocation_bytes(answer) < LIMIT
     view = json.loads(answer["body"])

@@ -166,10 +166,14 @@ def queue_statements(sql, policy: handler.QueuePolicy) -> dict[str, tuple[str, d
         "batch": handler.PROMOTION_BATCH,
     }
     return {
-        "CLAIM_NEXT_APP": (handler.CLAIM_NEXT_APP, {**policy_params, "token": token}, False),
+        "CLAIM_NEXT_APP": (
+            handler.CLAIM_NEXT_APP,
+            {**policy_params, "token": token, "analyser": None},
+            False,
+        ),
         "CLAIM_NAMED_APP": (
             handler.CLAIM_NAMED_APP,
-            {**policy_params, "token": token, "appid": appid.upper()},
+            {**policy_params, "token": token, "appid": appid.upper(), "analyser": None},
             False,
         ),
         "FIND_APP": (

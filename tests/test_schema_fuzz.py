@@ -27,7 +27,7 @@ def test_no_server_errors(case, database_url, sql):
     if not sql.run("SELECT 1 FROM apps WHERE appid = 'com.example.app'"):
         insert_app(sql, "com.example.app")
     sql.run("INSERT INTO analyser_heartbeats (analyser_id) VALUES ('pi') ON CONFLICT DO NOTHING")
-    auth = ADMIN if case.path == "/apps" else ANALYSER
+    auth = ADMIN if case.path == "/apps" or case.path.startswith("/analysers") else ANALYSER
     response = case.call(headers={**(case.headers or {}), **auth})
     assert response.status_code < 500, (case.method, case.path, response.text)
     # Every answer it gets is one the schema documents for that route.
@@ -45,6 +45,9 @@ def test_every_route_is_in_the_schema():
         "/apps/{appId}",
         "/healthz",
         "/healthz/analyser",
+        "/analysers",
+        "/analysers/{name}",
+        "/analysers/{name}/rotate",
     }
 
 
@@ -91,6 +94,19 @@ def test_the_error_answers_are_in_the_schema():
         ("GET", "/apps/{appId}"): ["200", "400", "404", "503"],
         ("GET", "/healthz"): ["200", "503"],
         ("GET", "/healthz/analyser"): ["200", "503"],
+        ("GET", "/analysers"): ["200", "401", "503"],
+        ("POST", "/analysers"): ["201", "400", "401", "409", "413", "415", "503"],
+        ("DELETE", "/analysers/{name}"): ["200", "400", "401", "404", "503"],
+        ("POST", "/analysers/{name}/rotate"): [
+            "200",
+            "400",
+            "401",
+            "404",
+            "409",
+            "413",
+            "415",
+            "503",
+        ],
     }
     conflict = paths["/uploadAnalysis"]["post"]["responses"]["409"]["description"]
     assert "stale X-Analysis-Claim-Token" in conflict and "newer analysisVersion" in conflict

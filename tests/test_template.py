@@ -52,6 +52,10 @@ ROUTES = {
     ("GET", "/apps/{appId}"),
     ("GET", "/healthz"),
     ("GET", "/healthz/analyser"),
+    ("POST", "/analysers"),
+    ("GET", "/analysers"),
+    ("DELETE", "/analysers/{name}"),
+    ("POST", "/analysers/{name}/rotate"),
 }
 ANALYSER_ROUTES = {
     "GET /ping",
@@ -376,6 +380,7 @@ def test_environment_variables(source_template, transformed):
     }
     api_only = {
         "MAX_BODY_BYTES",
+        "ACCEPT_SHARED_UPLOAD_PASSWORD",
         "UPLOAD_PASSWORD_SECRET",
         "ADMIN_TOKEN_SECRET",
         "UPLOAD_PASSWORD",
@@ -410,6 +415,8 @@ def test_environment_variables(source_template, transformed):
         "MaxBodyBytes": handler.DEFAULT_MAX_BODY_BYTES,
     }.items():
         assert int(params[param]["Default"]) == default
+    assert api_env["ACCEPT_SHARED_UPLOAD_PASSWORD"] == {"Ref": "AcceptSharedUploadPassword"}
+    assert params["AcceptSharedUploadPassword"]["Default"] == "true"
 
 
 def test_api_url_output(transformed):
