@@ -9,7 +9,7 @@ its result, and a claim token works for every credential."""
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -21,9 +21,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from kit import ADMIN, ANALYSER, configure_service, time_passes
+from test_model import verdict
 
 import handler
-from conftest import ADMIN, ANALYSER, configure_service, time_passes
 from helpers import is_candidate
 
 NAMED = ("pi-1", "pi-2", "pi-3")
@@ -45,6 +46,11 @@ class App:
     token: str | None = None
     holder: str | None = None  # the named analyser whose claim the lease is
     analysed_by: str | None = None
+    # What the queue's result rules read (tests/test_model.py's verdict).
+    result: tuple | None = None
+    result_claim: str | None = None
+    result_verified: bool = False
+    attempts: int = 0
 
     def row(self) -> dict:
         """As helpers.is_candidate reads a row."""
@@ -54,6 +60,7 @@ class App:
             "failure_retryable": self.retryable,
             "analysisversion": self.version,
             "analysed": self.analysed,
+            "lease_attempts": self.attempts,
         }
 
 
@@ -110,27 +117,46 @@ class FleetModel(RuleBasedStateMachine):
         answer = self.client.get("/queue", headers=self.headers[host])
         assert answer.status_code == 200
         assert answer.text == (ready[0].appid if ready else "")
+        self.backed_off(now)
         if not ready:
             return
         app = self.apps[answer.text]
+        app.attempts = app.attempts + 1 if app.status == "processing" else 1
         app.status, app.token = "processing", answer.headers["x-analysis-claim-token"]
         app.holder = self.named(host)
         _, app.started = self.times(app.appid)
         self.leases[host] = (app.appid, app.token)  # a host remembers its last lease only
 
-    def expected(self, host: str, app: App, token: str | None) -> int:
-        """The rule: a claim token decides when sent; without one, a named host's result
-        needs its own claim, a shared-password one needs no named claim."""
-        if token is not None:
-            return 200 if app.status == "processing" and token == app.token else 409
+    def backed_off(self, now: datetime) -> None:
+        """The promoter, which the claim ran first: leases that expired max_lease_attempts
+        times in a row became lease_expired failures (docs/queue.md, "Backing off")."""
+        lease_ago = now - timedelta(minutes=self.policy.processing_timeout_minutes)
+        for app in self.apps.values():
+            expired = app.status == "processing" and app.started < lease_ago
+            if expired and app.attempts >= self.policy.max_lease_attempts:
+                app.status, app.reason, app.retryable = "failed", "lease_expired", True
+                app.version, app.result = self.policy.analysis_version, ("server",)
+                app.token, app.holder, app.started, app.attempts = None, None, None, 0
+                app.result_claim, app.result_verified = None, False
+                app.analysed, _ = self.times(app.appid)
+
+    def expected(self, host: str, app: App, key: tuple, token: str | None) -> tuple:
+        """The queue's result rules (verdict), then identity: a claim token decides when
+        sent; without one, a named host's result needs its own claim, a shared-password
+        one needs no named claim."""
+        judged = verdict(app, key, self.policy.analysis_version, token)
+        if judged[0] != "store" or token is not None:
+            return judged
         leased = app.status == "processing"
         if host in NAMED:
-            return 200 if leased and app.holder == host else 409
-        return 409 if leased and app.holder is not None else 200
+            return judged if leased and app.holder == host else ("refuse",)
+        return ("refuse",) if leased and app.holder is not None else judged
 
     def send(self, host: str, appid: str, token: str | None, success: bool) -> None:
         app = self.apps[appid]
-        want = self.expected(host, app, token)
+        key = ("success" if success else "retry", host)
+        judged = self.expected(host, app, key, token)
+        want = 409 if judged[0] == "refuse" else 200
         headers = dict(self.headers[host])
         if token is not None:
             headers["X-Analysis-Claim-Token"] = token
@@ -146,8 +172,10 @@ class FleetModel(RuleBasedStateMachine):
                 headers={**headers, "Content-Type": "text/plain"},
             )
         assert answer.status_code == want, (host, app, token, answer.text)
-        if want != 200:
+        if judged[0] != "store":
             return
+        app.result, app.result_claim, app.result_verified = key, judged[1], judged[2]
+        app.attempts = 0
         app.status = "analysed" if success else "failed"
         app.version = self.policy.analysis_version
         app.reason, app.retryable = (None, None) if success else ("analysis_failed", True)
@@ -198,10 +226,14 @@ class FleetModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def refetch(self, data):
         appid = data.draw(st.sampled_from(sorted(self.apps)))
-        handler.queue_refetch(handler.database(), [appid], False, False, None, True)
+        # --force: this model's operator breaks leases; refetches that wait for a live
+        # lease are tests/test_model.py's.
+        handler.queue_refetch(
+            handler.database(), [appid], False, False, None, True, self.policy, force=True
+        )
         app = self.apps[appid]
         app.status, app.started, app.reason, app.retryable = "queued", None, None, None
-        app.token, app.holder = None, None
+        app.token, app.holder, app.attempts = None, None, 0
 
     # --- invariants -------------------------------------------------------------------
 
