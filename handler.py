@@ -73,6 +73,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from mangum import Mangum
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 # == Configuration ======================================================================
 # Every environment variable is read here, and only here.
@@ -145,7 +146,19 @@ def _bool_setting(env: dict[str, str], name: str, default: bool) -> bool:
     return raw == "true"
 
 
+# PostgreSQL's integer: every number setting reaches SQL as one, so none may be larger.
+INT32_MAX = 2**31 - 1
+# The queue's knobs end up in now() - interval arithmetic, which must stay within
+# PostgreSQL's timestamps: a century is far past any useful policy and safely inside.
+SETTING_MAXIMUMS = {
+    "STALE_ANALYSIS_DAYS": 36_500,
+    "PROCESSING_TIMEOUT_MINUTES": 52_560_000,
+    "MAX_LEASE_ATTEMPTS": 1_000,
+}
+
+
 def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
+    """An integer setting between `minimum` and SETTING_MAXIMUMS (else INT32_MAX)."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -155,6 +168,9 @@ def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0)
         raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
     if value < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+    maximum = SETTING_MAXIMUMS.get(name, INT32_MAX)
+    if value > maximum:
+        raise ConfigError(f"{name} must be at most {maximum}, got {value}")
     return value
 
 
@@ -440,6 +456,7 @@ WITH abandoned AS (
         SELECT appid FROM apps
         WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
           AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF}
+          AND NOT refetch_requested
         LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING appid, analysis, analysisversion, analysed, details
 ), recorded AS (
@@ -452,6 +469,22 @@ WITH abandoned AS (
     RETURNING 1
 )
 SELECT count(*) AS flagged FROM abandoned
+"""
+# Such a lease with an operator's refetch waiting for it: the refetch wins, and the app
+# is queued (an operator asked for it) instead of backing off.
+REQUEUE_REFETCHED_LEASES = f"""
+WITH requeued AS (
+    UPDATE apps SET status = 'queued', processing_started = NULL, analysis_claim_token = NULL,
+                    due = false, lease_attempts = 0, refetch_requested = false
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps
+        WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
+          AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF}
+          AND refetch_requested
+        LIMIT :batch FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM requeued
 """
 PROMOTE_STALE_BATCH = f"""
 WITH flagged AS (
@@ -532,6 +565,7 @@ FROM apps WHERE lower(appid) = lower(:appid)
 # row's lock.
 FIND_RESULT_TARGET = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
+       NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
        COALESCE(analysis = CAST(:analysis AS jsonb)
                 AND analysisversion IS NOT DISTINCT FROM :version, false) AS same_result,
        analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
@@ -804,17 +838,25 @@ APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 
 # that lease's result arrives or the lease expires (refetch_requested), unless `force`
 # breaks the lease, which fences its holder (its claim token no longer matches). What
 # happened to each app is the outcome: queued, waiting (for the lease) or lease_broken.
-REFETCH_APPLY = f"""
+# A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
+# the one the serving API recorded (queue_policy): an operator's command run with other
+# settings than the API's must not break a lease the API still honours. A refetched app's
+# stored result becomes verified: the token of the claim that stored it may send it again
+# (answered as the first time), but no longer replace it.
+REFETCH_APPLY = """
 WITH chosen AS (
     SELECT appid, status = 'processing' AS leased,
            status = 'processing' AND NOT :force
-               AND COALESCE(processing_started, '-infinity') >= {LEASE_CUTOFF} AS waits
+               AND COALESCE(processing_started, '-infinity') >= now() - make_interval(
+                   mins => GREATEST(:timeout_minutes, COALESCE(
+                       (SELECT processing_timeout_minutes FROM queue_policy), 0))) AS waits
     FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
     FOR UPDATE
 ), requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
                     failure_retryable = NULL, analysis_claim_token = NULL, due = false,
-                    refetch_requested = false, lease_attempts = 0
+                    refetch_requested = false, lease_attempts = 0,
+                    result_claim_verified = true
     FROM chosen WHERE apps.appid = chosen.appid AND NOT chosen.waits
     RETURNING apps.appid, chosen.leased
 ), deferred AS (
@@ -1645,6 +1687,7 @@ class ResultTarget:
     status: str
     version: int | None  # the stored result's analysisVersion
     has_result: bool  # a result (analysis or failure record) is stored
+    stored_success: bool  # ... and it is a success, not a failure record
     same_result: bool  # the stored result is this request's, version and all
     claim: uuid.UUID | None  # the open claim's token (while processing)
     result_claim: uuid.UUID | None  # the claim whose result is stored
@@ -1687,8 +1730,10 @@ def judge_result(target: ResultTarget, version: int, success: bool, token: str |
         if tokens_match(token, target.result_claim):
             if target.same_result:
                 return Verdict("stored")
-            replaceable = finished and not target.result_verified
-            if replaceable and (success or target.status == "failed"):
+            # A result that came without the token, while the app is finished or was
+            # queued again by a refetch that waited for this claim (REQUEUE_AFTER_RESULT).
+            replaceable = target.status != "processing" and not target.result_verified
+            if replaceable and (success or not target.stored_success):
                 return refused_as_older if newer else Verdict("store", target.result_claim, True)
             return Verdict("refuse", why="this claim's result is stored already")
         return Verdict("refuse", why="this claim is no longer the app's current claim")
@@ -1998,6 +2043,7 @@ class Promotion:
     """What one run of the promoter did; `complete` is False when its budget ran out."""
 
     cleared: int = 0
+    requeued: int = 0
     abandoned: int = 0
     leases: int = 0
     stale: int = 0
@@ -2081,10 +2127,12 @@ class PromotionPass:
             done.cleared, cleared_all = self.clear_unsupported_flags()
             done.complete = cleared_all and bool(self.db.run(RECORD_QUEUE_POLICY, **params))
         # The lease rescuer, then the staleness scheduler.
+        done.requeued, requeued_all = self._repeat(REQUEUE_REFETCHED_LEASES)
         done.abandoned, abandoned_all = self._repeat(ABANDON_EXPIRED_LEASES)
         done.leases, leases_all = self._repeat(PROMOTE_EXPIRED_LEASES)
         done.stale, stale_all = self._repeat(PROMOTE_STALE_BATCH)
-        done.complete = done.complete and abandoned_all and leases_all and stale_all
+        done.complete = done.complete and requeued_all and abandoned_all
+        done.complete = done.complete and leases_all and stale_all
         return done
 
 
@@ -2219,6 +2267,7 @@ def store_result(
             status=found["status"],
             version=found["analysisversion"],
             has_result=found["has_result"],
+            stored_success=found["stored_success"],
             same_result=found["same_result"],
             claim=found["analysis_claim_token"],
             result_claim=found["result_claim_token"],
@@ -2243,7 +2292,10 @@ def store_result(
                 analyser=analyser,
             )
             session.run(RECORD_HISTORY, appids=[found["appid"]])
-            if target.status == "processing" and rows[0]["refetch_requested"]:
+            # A refetch asked during this claim: queued again once its result is in (and
+            # still queued when its holder replaces a result stored without the token).
+            waited = target.status == "processing" and rows[0]["refetch_requested"]
+            if waited or (target.status == "queued" and verdict.claim is not None):
                 session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
             if analyser is not None:
                 session.run(
@@ -3290,11 +3342,16 @@ async def _read_body(request: Request) -> bytes:
         if int(declared) > limit:
             raise HTTPException(413, f"body larger than {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"body larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(413, f"body larger than {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client went away mid-body (serve): nothing to answer, nothing written, and
+        # not the service's error.
+        raise HTTPException(400, "the client disconnected before sending its body") from None
     return b"".join(chunks)
 
 
@@ -4234,7 +4291,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         if unknown:
             raise ValueError(f"{command} takes no {', '.join(unknown)}; only {sorted(allowed)}")
         limit = event.get("limit")
-        if limit is not None and (type(limit) is not int or limit < 1):
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= INT32_MAX):
             raise ValueError(f"limit must be a positive integer, got {limit!r}")
         for flag in flags:
             if not isinstance(event.get(flag, False), bool):
@@ -4248,7 +4305,13 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         if not isinstance(app_ids, list) or not all(
             isinstance(a, str) and is_valid_bundle_id(a) for a in app_ids
         ):
-            raise ValueError(f"appIds must be a list of bundle IDs, got {app_ids!r}")
+            raise ValueError(f"appIds must be a list of bundle IDs, got {app_ids!r}"[:300])
+        if "appIds" in event and not app_ids:
+            # An empty list (a script's empty selection) names no app: it must not widen
+            # into a refetch of every analysed app, which is what leaving it out asks for.
+            raise ValueError("appIds names no app; leave it out to select apps by state")
+        if event.get("includeNonRetryable") and not event.get("failed"):
+            raise ValueError("includeNonRetryable goes with failed: true")
         listed: list[dict[str, str]] = []
         named: list[dict[str, str]] = []  # every named app found, to tell the unknown ones
 
@@ -4554,7 +4617,7 @@ def _cli_invoke(args: argparse.Namespace) -> int:
     try:
         event = json.loads(Path(args.event).read_text())
     except (OSError, ValueError) as error:
-        print(f"cannot read the event {args.event}: {error}", file=sys.stderr)
+        print(f"error: cannot read the event {args.event}: {error}", file=sys.stderr)
         return 2
     if not isinstance(event, dict):
         print(f"the event {args.event} is not a JSON object", file=sys.stderr)
@@ -4681,7 +4744,7 @@ def _bulk_refetch_confirmed(args: argparse.Namespace) -> bool:
 def _cli_queue_refetch(args: argparse.Namespace) -> int:
     for app_id in args.appid:
         if not is_valid_bundle_id(app_id):
-            print(f"invalid bundle ID: {app_id!r}", file=sys.stderr)
+            print(f"error: invalid bundle ID: {app_id!r}", file=sys.stderr)
             return 2
     if not _bulk_refetch_confirmed(args):
         return 2
@@ -4809,8 +4872,15 @@ def _cli_analysers(args: argparse.Namespace) -> int:
 
 def _positive_int(text: str) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
+    if not 1 <= value <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {INT32_MAX}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65_535:
+        raise argparse.ArgumentTypeError("must be a TCP port, 1 to 65535")
     return value
 
 
@@ -4862,7 +4932,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the API locally (uvicorn)")
     serve.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
-    serve.add_argument("--port", type=int, default=3000, help="default: %(default)s")
+    serve.add_argument("--port", type=_port, default=3000, help="default: %(default)s")
     serve.set_defaults(run=_cli_serve)
     migrate_cmd = commands.add_parser("migrate", help="apply the SQL ledger in sql/")
     migrate_cmd.add_argument("--dry-run", action="store_true", help="list pending files only")

@@ -261,7 +261,7 @@ def test_invoke_with_an_unreadable_event_says_so_in_one_line(database_url, tmp_p
     assert (
         missing.stderr.strip()
         .splitlines()[-1]
-        .startswith(f"cannot read the event {tmp_path / 'nope.json'}:")
+        .startswith(f"error: cannot read the event {tmp_path / 'nope.json'}:")
     )
     assert "Traceback" not in missing.stderr
     (tmp_path / "list.json").write_text("[]")

@@ -108,7 +108,9 @@ def verdict(app: App, key: tuple, version: int, token: str | None) -> tuple:
         if token == app.result_claim:
             if same:
                 return ("stored",)
-            if finished and not app.result_verified and (success or app.status == "failed"):
+            stored_success = app.result is not None and app.result[0] == "success"
+            replaceable = app.status != "processing" and not app.result_verified
+            if replaceable and (success or not stored_success):
                 return ("refuse",) if newer else ("store", app.result_claim, True)
         return ("refuse",)
     if newer:
@@ -197,11 +199,18 @@ class QueueModel(RuleBasedStateMachine):
         max_lease_attempts times in a row become lease_expired failures."""
         lease_ago = now - timedelta(minutes=self.policy.processing_timeout_minutes)
         for app in self.apps.values():
-            if (
+            at_limit = (
                 app.status == "processing"
                 and app.started < lease_ago
                 and app.attempts >= self.policy.max_lease_attempts
-            ):
+            )
+            if at_limit and app.refetch_requested:  # the operator's refetch wins
+                app.status, app.started, app.token = "queued", None, None
+                app.attempts, app.refetch_requested = 0, False
+                app.handouts_since_result = app.handouts_since_time = 0
+                app.epoch += 1
+                continue
+            if at_limit:
                 self.counter += 1
                 self._stored(app, ("server", self.counter), self.policy.analysis_version)
                 app.status, app.reason, app.retryable = "failed", "lease_expired", True
@@ -316,6 +325,7 @@ class QueueModel(RuleBasedStateMachine):
             return answer
         _, claim, verified = expected
         was_processing, refetch = app.status == "processing", app.refetch_requested
+        was_queued = app.status == "queued"
         self._stored(app, key, version)
         if key[0] == "success":
             app.status, app.reason, app.retryable = "analysed", None, None
@@ -325,9 +335,9 @@ class QueueModel(RuleBasedStateMachine):
             app.status, app.reason, app.retryable = "failed", "app_not_found", False
         app.result_claim, app.result_verified = claim, verified
         app.handouts_since_result = 0
-        if was_processing and refetch:
+        if (was_processing and refetch) or (was_queued and claim is not None):
             app.status, app.reason, app.retryable = "queued", None, None
-            app.epoch += 1
+            app.epoch += was_processing
         self.acks.setdefault(appid, []).append(
             Ack(key, claim_epoch, key[0] == "success", token is not None)
         )
@@ -486,6 +496,7 @@ class QueueModel(RuleBasedStateMachine):
             None,
         )
         app.attempts, app.refetch_requested, app.handouts_since_result = 0, False, 0
+        app.result_verified = True
         app.epoch += 1
         for analyser, (held, _) in list(self.holding.items()):
             if held == appid:  # its claim is broken (fenced) or had expired

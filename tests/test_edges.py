@@ -1,0 +1,176 @@
+"""The queue's edges an outside attack found (docs/queue.md): an operator's command run
+with other settings than the API's, an empty list of apps, a tokenless result stored while
+a refetch waited, a waiting refetch and back-off, out-of-range settings, a client that
+disconnects mid-upload. Each on real PostgreSQL; the wide ones with generated cases."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kit import ANALYSER, configure_service, time_passes
+
+import handler
+from helpers import LambdaContext, app_row, insert_app, run_cli, table_digest
+from live import LiveServer
+
+
+def claim(client, appid: str) -> str:
+    answer = client.get(f"/queue?appId={appid}", headers=ANALYSER)
+    assert answer.text == appid
+    return answer.headers["x-analysis-claim-token"]
+
+
+def upload(client, appid: str, body: dict, token: str | None = None):
+    headers = dict(ANALYSER) if token is None else {**ANALYSER, "X-Analysis-Claim-Token": token}
+    return client.post(
+        f"/uploadAnalysis?appId={appid}&analysisVersion=4", json=body, headers=headers
+    )
+
+
+def test_a_refetch_run_with_a_shorter_lease_waits_for_the_apis(client, sql):
+    """The API (120 minutes, recorded in queue_policy by its promoter) leased the app five
+    minutes ago; an operator's command configured with a one-minute lease still waits."""
+    insert_app(sql, "com.example.app")
+    claim(client, "com.example.app")
+    sql.run("UPDATE apps SET processing_started = processing_started - interval '5 minutes'")
+    short = handler.QueuePolicy(processing_timeout_minutes=1)
+    selected = handler.queue_refetch(
+        handler.database(), ["com.example.app"], False, False, None, True, short
+    )
+    assert selected == [{"appid": "com.example.app", "status": "processing", "outcome": "waiting"}]
+    time_passes()
+    assert client.get("/queue?appId=com.example.app", headers=ANALYSER).text == ""
+    assert app_row(sql, "com.example.app")["status"] == "processing"
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"command": "queue-refetch", "appIds": [], "apply": True},
+        {"command": "queue-refetch", "includeNonRetryable": True, "apply": True},
+    ],
+)
+def test_the_reports_refetch_refuses_a_selection_that_would_widen(database_url, sql, event):
+    insert_app(sql, "com.example.done", status="analysed", version=4)
+    before = table_digest(sql)
+    with pytest.raises(ValueError, match=r"appIds names no app|goes with failed"):
+        handler.report(event, LambdaContext())
+    assert table_digest(sql) == before
+
+
+def test_the_holder_replaces_a_tokenless_result_stored_while_a_refetch_waited(client, sql):
+    insert_app(sql, "com.example.app")
+    token = claim(client, "com.example.app")
+    (waiting,) = handler.queue_refetch(
+        handler.database(), ["com.example.app"], False, False, None, True, handler.QueuePolicy()
+    )
+    assert waiting["outcome"] == "waiting"
+    stale = upload(client, "com.example.app", {"success": True, "stale": 1})
+    assert stale.status_code == 200
+    assert app_row(sql, "com.example.app")["status"] == "queued"  # the refetch is done
+    mine = upload(client, "com.example.app", {"success": True, "mine": 1}, token)
+    assert mine.status_code == 200, mine.text
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysis"]) == ("queued", {"success": True, "mine": 1})
+    # The same result sent again is answered as stored; a failure cannot replace it.
+    assert upload(client, "com.example.app", {"success": True, "mine": 1}, token).json() == (
+        mine.json()
+    )
+    failed = client.post(
+        "/reportAnalysisFailure?appId=com.example.app&analysisVersion=4",
+        content=b"usb error",
+        headers={**ANALYSER, "X-Analysis-Claim-Token": token, "Content-Type": "text/plain"},
+    )
+    assert failed.status_code == 409
+
+
+def test_a_waiting_refetch_wins_over_back_off(client, sql):
+    insert_app(sql, "com.example.app")
+    claim(client, "com.example.app")
+    sql.run("UPDATE apps SET lease_attempts = 3")  # its third lease in a row
+    handler.queue_refetch(
+        handler.database(), ["com.example.app"], False, False, None, True, handler.QueuePolicy()
+    )
+    sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    promotion = handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    assert (promotion.requeued, promotion.abandoned) == (1, 0)
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["failure_reason"]) == ("queued", None)
+
+
+def test_without_a_refetch_the_third_expired_lease_backs_off(client, sql):
+    insert_app(sql, "com.example.app")
+    claim(client, "com.example.app")
+    sql.run("UPDATE apps SET lease_attempts = 3")
+    sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    promotion = handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    assert (promotion.requeued, promotion.abandoned) == (0, 1)
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["failure_reason"]) == ("failed", "lease_expired")
+
+
+NUMBER_SETTINGS = {
+    "CURRENT_ANALYSIS_VERSION": handler.INT32_MAX,
+    "STALE_ANALYSIS_DAYS": handler.SETTING_MAXIMUMS["STALE_ANALYSIS_DAYS"],
+    "PROCESSING_TIMEOUT_MINUTES": handler.SETTING_MAXIMUMS["PROCESSING_TIMEOUT_MINUTES"],
+    "MAX_LEASE_ATTEMPTS": handler.SETTING_MAXIMUMS["MAX_LEASE_ATTEMPTS"],
+    "STATEMENT_TIMEOUT_MS": handler.INT32_MAX,
+    "PROMOTION_BUDGET_MS": handler.INT32_MAX,
+    "MAX_BODY_BYTES": handler.INT32_MAX,
+}
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(NUMBER_SETTINGS)), over=st.integers(1, 10**30))
+def test_a_number_setting_past_its_maximum_is_refused_naming_it(name, over):
+    value = NUMBER_SETTINGS[name] + over
+    with pytest.raises(handler.ConfigError, match=f"{name} must be at most"):
+        handler.load_settings({name: str(value)})
+
+
+def test_the_queue_works_at_every_settings_maximum(client, sql, database_url, monkeypatch):
+    insert_app(sql, "com.example.app")
+    insert_app(sql, "com.example.done", status="analysed", version=4)
+    maxima = {k: str(v) for k, v in NUMBER_SETTINGS.items() if k != "STATEMENT_TIMEOUT_MS"}
+    configure_service(monkeypatch, database_url, **maxima)
+    for path in ("/queue", "/queue", "/apps/com.example.done"):
+        headers = ANALYSER if path == "/queue" else {}
+        assert client.get(path, headers=headers).status_code == 200, path
+    status = handler.queue_status(handler.database(), handler.settings().policy)
+    assert status["counts"]["processing"] == 2
+
+
+def test_cli_numbers_out_of_range_are_one_usage_error(tmp_path):
+    for args in (
+        ("serve", "--port", "99999"),
+        ("priority-report", "--limit", "99999999999999999999"),
+        ("queue-status", "--top", "0"),
+    ):
+        done = run_cli(*args, env={"DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
+        assert done.returncode == 2, args
+        assert "Traceback" not in done.stderr, args
+        assert done.stderr.splitlines()[-1].startswith("handler.py"), done.stderr
+
+
+def test_a_client_that_leaves_mid_upload_is_not_an_error(database_url, sql, capsys):
+    insert_app(sql, "com.example.app")
+    with LiveServer(handler.app) as server:
+        capsys.readouterr()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+            raw.sendall(
+                b"POST /uploadAnalysis?appId=com.example.app&analysisVersion=4 HTTP/1.1\r\n"
+                b"Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                + f"Authorization: {ANALYSER['Authorization']}\r\n".encode()
+                + b"Content-Length: 100000\r\n\r\n"
+                + b'{"success": true, "pad": "'
+            )
+        # Another request through, so the first one's handling has finished.
+        import httpx
+
+        assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200
+    logged = capsys.readouterr().err
+    assert "unhandled error" not in logged
+    assert app_row(sql, "com.example.app")["status"] == "queued"
