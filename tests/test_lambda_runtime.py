@@ -16,7 +16,15 @@ import copy
 import re
 
 import pytest
-from lambda_emulator import Emulator, build, check_namespaces, lambda_python, prepare_kit
+from lambda_emulator import (
+    KIT_REQUIREMENTS,
+    SAM_REQUIREMENTS,
+    Emulator,
+    build,
+    check_namespaces,
+    lambda_python,
+    prepare_kit,
+)
 
 import handler
 from conftest import configure_function
@@ -175,3 +183,23 @@ def test_the_report_function_answers_the_schedule_as_in_process(
     assert_same(emulated, in_process, log)
     (_, status) = emulated[0]
     assert status["total"] == 1 and status["counts"] == {"processing": 1}, log
+
+
+def test_the_sam_local_page_names_what_make_sam_local_uses():
+    """docs/local-lambda.md's bridge address, image tag and requirement files are those of
+    tools/sam_local.py and tests/lambda_emulator.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "sam_local", handler.HERE / "tools" / "sam_local.py"
+    )
+    sam_local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sam_local)
+    page = (handler.HERE / "docs" / "local-lambda.md").read_text()
+    assert f"ip addr add {sam_local.GATEWAY}/24 dev sam0" in page
+    assert f"--add-host host.docker.internal:{sam_local.GATEWAY}" in page
+    assert f"`{sam_local.GATEWAY}:5432`" in page
+    assert page.count(sam_local.IMAGE) >= 4
+    for path in (KIT_REQUIREMENTS, SAM_REQUIREMENTS):
+        assert f"`{path.relative_to(handler.HERE)}`" in page
+    assert "python3 tools/sam_local.py --stand-in" in (handler.HERE / "Makefile").read_text()
