@@ -40,7 +40,7 @@ INVOKE_PATH = "/2015-03-31/functions/function/invocations"
 # (its children) run under the CPU quota from their first instruction.
 NAMESPACE_SCRIPT = r"""
 set -eu
-if [ -n "$CGROUP_PROCS" ]; then echo $$ > "$CGROUP_PROCS"; fi
+for procs in $CGROUP_PROCS; do echo $$ > "$procs"; done
 mount --make-rprivate /
 mount -t tmpfs -o size=1m,mode=755 lambda-var /var
 mkdir /var/task /var/runtime
@@ -199,42 +199,59 @@ def lambda_environment(
 
 
 class CpuQuota:
-    """A cgroup whose CPU quota is `share` of one CPU (cgroup v1's cpu controller, or v2's
-    cpu.max); `procs` is the file a process writes its pid to, to join it."""
+    """A cgroup whose CPU quota is `share` of one CPU (None: no quota), and which counts
+    the CPU time its processes use (cgroup v1's cpu and cpuacct controllers, or v2's
+    cpu.max and cpu.stat); `procs` are the files a process writes its pid to, to join."""
 
     PERIOD_US = 100_000
 
-    def __init__(self, share: float):
-        quota = max(1000, round(share * self.PERIOD_US))
+    def __init__(self, share: float | None):
+        quota = -1 if share is None else max(1000, round(share * self.PERIOD_US))
         name = f"lambda-emulator-{os.getpid()}-{time.monotonic_ns()}"
-        v1 = Path("/sys/fs/cgroup/cpu")
-        v2 = Path("/sys/fs/cgroup")
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        self.paths: list[Path] = []
         try:
-            if (v1 / "cpu.cfs_quota_us").exists():
-                self.path = v1 / name
-                self.path.mkdir()
-                (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
-                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            if (v1 / "cpu.cfs_quota_us").exists() and Path("/sys/fs/cgroup/cpuacct").is_dir():
+                self.paths = [v1 / name, Path("/sys/fs/cgroup/cpuacct") / name]
+                for path in self.paths:
+                    path.mkdir()
+                (self.paths[0] / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (self.paths[0] / "cpu.cfs_quota_us").write_text(str(quota))
+                self._usage = lambda: int((self.paths[1] / "cpuacct.usage").read_text()) / 1e6
             elif "cpu" in (v2 / "cgroup.controllers").read_text().split():
-                self.path = v2 / name
-                self.path.mkdir()
-                (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+                self.paths = [v2 / name]
+                self.paths[0].mkdir()
+                limit = "max" if quota < 0 else str(quota)
+                (self.paths[0] / "cpu.max").write_text(f"{limit} {self.PERIOD_US}")
+                self._usage = lambda: self._v2_usage_ms()
             else:
                 raise OSError("no cgroup cpu controller is mounted")
         except OSError as error:
+            self.close()
             raise EmulatorUnavailable(
                 f"cannot make a cgroup with a CPU quota here ({error}): the cold-start"
                 " figure at a function's CPU share needs one (root, cgroup cpu controller)"
             ) from None
-        self.procs = self.path / "cgroup.procs"
+        self.procs = [path / "cgroup.procs" for path in self.paths]
+
+    def _v2_usage_ms(self) -> float:
+        stat = dict(line.split() for line in (self.paths[0] / "cpu.stat").read_text().splitlines())
+        return int(stat["usage_usec"]) / 1000
+
+    def cpu_ms(self) -> float:
+        """The CPU time the cgroup's processes have used so far, in milliseconds."""
+        return self._usage()
 
     def close(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:  # its processes are still leaving
-                time.sleep(0.1)
+        for path in reversed(self.paths):
+            for _ in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # its processes are still leaving
+                    time.sleep(0.1)
 
 
 class Emulator:
@@ -292,7 +309,7 @@ class Emulator:
                 "FUNCTION_DIR": str(function_dir),
                 "LAYER_DIR": str(layer_dir),
                 "RUNTIME_DIR": str(kit["runtime"]),
-                "CGROUP_PROCS": str(cpu_quota.procs) if cpu_quota else "",
+                "CGROUP_PROCS": " ".join(map(str, cpu_quota.procs)) if cpu_quota else "",
             },
             stdout=self._log,
             stderr=subprocess.STDOUT,
