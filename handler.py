@@ -3002,9 +3002,9 @@ def after_snapshot_restore() -> None:
 def lambda_init() -> None:
     """A Lambda container's Init (its import of this module), which SnapStart snapshots:
     the secret stores' clients are built now rather than at the first request (which then
-    only fetches), and a restored snapshot drops what a container held. No I/O: nothing is
-    sent and no connection is opened. A configuration error is left to the first request,
-    which answers it."""
+    only fetches), and a restored snapshot drops what a container held. Nothing is sent
+    and no connection is opened (botocore only reads its service models from the runtime's
+    files). A configuration error is left to the first request, which answers it."""
     try:
         prepare_secret_clients(load_settings())
     except ConfigError:

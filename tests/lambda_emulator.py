@@ -316,7 +316,11 @@ class Emulator:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        self._wait_listening(20)
+        try:
+            self._wait_listening(20)
+        except BaseException:
+            self.close()
+            raise
 
     def _wait_listening(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
