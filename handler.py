@@ -37,7 +37,6 @@ analysers|invoke`.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import functools
@@ -60,7 +59,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pg8000.native
@@ -74,6 +73,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from mangum import Mangum
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+
+if TYPE_CHECKING:  # the CLI imports argparse when it runs, not at a Lambda cold start
+    import argparse
 
 # == Configuration ======================================================================
 # Every environment variable is read here, and only here.
@@ -271,6 +273,9 @@ class _LazyStderr:
 
 
 SERVICE_NAME = os.environ.get("POWERTOOLS_SERVICE_NAME") or "analysis-queue"
+# Lambda sets it in every function's environment: this process is a Lambda container, and
+# its import is the function's Init (see "Lambda entry points", at the end).
+LAMBDA_FUNCTION_NAME = os.environ.get("AWS_LAMBDA_FUNCTION_NAME") or None
 logger = Logger(service=SERVICE_NAME, stream=_LazyStderr())
 metrics = Metrics(
     service=SERVICE_NAME,
@@ -1043,6 +1048,27 @@ def fetch_previous_secret(reference: str) -> str | None:
         return None
     value = answer.get("SecretString")
     return value if isinstance(value, str) and value else None
+
+
+def prepare_secret_clients(config: Settings) -> list[str]:
+    """Build the clients (Powertools' providers, boto3 underneath) of the secret stores
+    `config` reads from, as fetch_secret would at its first call; the stores prepared.
+    Building sends nothing and reads no secret; boto3 resolves credentials only when a
+    request is signed. Done at a Lambda Init, so the first request only fetches."""
+    from aws_lambda_powertools.utilities import parameters
+    from aws_lambda_powertools.utilities.parameters.constants import DEFAULT_PROVIDERS
+
+    references = [config.upload_password_secret, config.admin_token_secret]
+    if config.db_secret_id or config.db_migration_secret_id:
+        references.append("secretsmanager:database")
+    stores = sorted({r.partition(":")[0] for r in references if r})
+    providers = {"secretsmanager": ("secrets", parameters.SecretsProvider)}
+    providers["ssm"] = ("ssm", parameters.SSMProvider)
+    for store in stores:
+        key, provider = providers[store]
+        if key not in DEFAULT_PROVIDERS:  # the one fetch_secret's get_secret/get_parameter use
+            DEFAULT_PROVIDERS[key] = provider()
+    return stores
 
 
 def connection_arguments(
@@ -4369,6 +4395,38 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     return status
 
 
+def after_snapshot_restore() -> None:
+    """SnapStart: this container is one of many restored from the same snapshot, taken
+    after Init. Init opens no connection and reads no secret (the clients hold no
+    credentials yet); whatever a container holds is dropped all the same, so each
+    restored one connects and reads its secrets afresh."""
+    from aws_lambda_powertools.utilities import parameters
+
+    use_runtime(None)
+    parameters.clear_caches()
+
+
+def lambda_init() -> None:
+    """A Lambda container's Init (its import of this module), which SnapStart snapshots:
+    the secret stores' clients are built now rather than at the first request (which then
+    only fetches), and a restored snapshot drops what a container held. Nothing is sent
+    and no connection is opened (botocore only reads its service models from the runtime's
+    files). A configuration error is left to the first request, which answers it."""
+    try:
+        prepare_secret_clients(load_settings())
+    except ConfigError:
+        pass
+    try:
+        from snapshot_restore_py import register_after_restore
+    except ImportError:  # not Lambda's python3.12 runtime
+        return
+    register_after_restore(after_snapshot_restore)
+
+
+if LAMBDA_FUNCTION_NAME:
+    lambda_init()
+
+
 # == CLI ================================================================================
 # python handler.py serve | migrate | queue-status | priority-report | queue-refetch |
 # analysers | invoke: a developer's and an operator's commands.
@@ -4871,6 +4929,8 @@ def _cli_analysers(args: argparse.Namespace) -> int:
 
 
 def _positive_int(text: str) -> int:
+    import argparse
+
     value = int(text)
     if not 1 <= value <= INT32_MAX:
         raise argparse.ArgumentTypeError(f"must be from 1 to {INT32_MAX}")
@@ -4928,6 +4988,8 @@ def cli_error_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     parser = argparse.ArgumentParser(prog="handler.py", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the API locally (uvicorn)")

@@ -1,21 +1,35 @@
-"""Cold start: `import handler` from the BUILT function package and layer.
+"""Cold start of the BUILT function package and layer: Lambda's Init, and `import handler`.
 
-    python bench/cold_start.py [--runs 9] [--python /path/to/python3.12] [--build-dir DIR]
+    python bench/cold_start.py [--runs 9] [--emulator-runs 5] [--memory 512,1024]
+                               [--python /path/to/python3.12] [--build-dir DIR]
 
 Builds the function package and the layer with the real Makefile (`make
 build-ApiFunction`, `make build-DependenciesLayer`, pip from PyPI; ALLOW_MISSING_RDS_CA=1)
-unless --build-dir holds a build, then times `import handler` in a fresh interpreter of
-the runtime's Python (3.12), one process per run, in three trees:
+unless --build-dir holds a build. Then, in one run:
 
-* shipped: the build as it is, made read-only, PYTHONDONTWRITEBYTECODE=1 (what Lambda
-  does with /var/task and /opt: nothing compiled at a cold start is kept);
-* warm: a writable copy without the shipped bytecode, imported once first so Python
-  writes its own (the best case: every later process starts warm);
-* no_bytecode: a read-only copy without any bytecode (as layers were built before
-  bytecode was shipped: every cold start compiles fastapi, pydantic and the rest).
-
-Runs alternate between the trees; medians are reported, then `name=value` lines:
-cold_import_vs_warm (shipped / warm, target <= 1.15) and no_bytecode_vs_shipped.
+1. Init as Lambda measures it: handler.api run by awslambdaric under the Runtime Interface
+   Emulator, /var/task and /opt read-only (tests/lambda_emulator.py), one fresh emulator
+   per run, its `INIT REPORT(durationMs: ...)` line; at full CPU, and under a cgroup CPU
+   quota equal to the CPU Lambda gives the function: MemorySize/1769 of one vCPU, for the
+   MemorySize template.yaml gives ApiFunction (and for each --memory size). Then its first
+   requests (GET /ping, events/ping.json) on an embedded PostgreSQL: the first one's
+   duration (the emulator's INVOKE RTDONE) less a warm one's. As deployed, the tokens are
+   read from Secrets Manager (moto's server on 127.0.0.1); `share-plain` has them in the
+   environment instead (as `sam local` does), for comparison. Prints
+   `init_configured_share_ms` (target <= 1000), `init_configured_memory_mb`,
+   `init_full_ms`, `first_secret_request_extra_ms` (target <= 150), and
+   `init_configured_share_plain_ms` and `first_request_extra_ms` (tokens in the
+   environment): medians, at the configured share unless named otherwise.
+2. `import handler` in a fresh interpreter of the runtime's Python (3.12), one process per
+   run, in three trees:
+   * shipped: the build as it is, made read-only, PYTHONDONTWRITEBYTECODE=1 (what Lambda
+     does with /var/task and /opt: nothing compiled at a cold start is kept);
+   * warm: a writable copy without the shipped bytecode, imported once first so Python
+     writes its own (the best case: every later process starts warm);
+   * no_bytecode: a read-only copy without any bytecode (as layers were built before
+     bytecode was shipped: every cold start compiles fastapi, pydantic and the rest).
+   Runs alternate between the trees; medians are reported, then `name=value` lines:
+   cold_import_vs_warm (shipped / warm, target <= 1.15) and no_bytecode_vs_shipped.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -31,8 +46,17 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# The build helpers of tests/test_template.py, which imports handler from the checkout.
+# The build helpers of tests/ (test_template.py imports handler from the checkout).
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from lambda_emulator import (  # noqa: E402
+    MB_PER_VCPU,
+    CpuQuota,
+    Emulator,
+    build,
+    free_port,
+    prepare_kit,
+)
 
 PROBE = """
 import importlib.machinery, json, sys, time
@@ -56,29 +80,6 @@ def find_python(explicit: str | None) -> str:
     if not found:
         sys.exit("no Python 3.12 found: pass --python /path/to/python3.12")
     return found
-
-
-def build(python: str, base: Path) -> tuple[Path, Path]:
-    checkout = base / "checkout"
-    checkout.mkdir(parents=True)
-    for name in ("handler.py", "Makefile", "requirements.txt", "requirements.lock"):
-        shutil.copy2(REPO / name, checkout / name)
-    shutil.copytree(REPO / "sql", checkout / "sql")
-    for target, out in (("build-ApiFunction", "fn"), ("build-DependenciesLayer", "layer")):
-        subprocess.run(
-            [
-                "make",
-                "--no-print-directory",
-                target,
-                f"ARTIFACTS_DIR={base / out}",
-                f"LAMBDA_PYTHON={python}",
-                "ALLOW_MISSING_RDS_CA=1",
-            ],
-            cwd=checkout,
-            check=True,
-            capture_output=True,
-        )
-    return base / "fn", base / "layer"
 
 
 def copy_tree(function: Path, layer: Path, destination: Path, bytecode: bool) -> tuple[Path, Path]:
@@ -113,11 +114,158 @@ def import_once(python: str, function: Path, layer: Path, write_bytecode: bool) 
     return json.loads(done.stdout)
 
 
+RTDONE = re.compile(r"INVOKE RTDONE\(status: (\w+), produced bytes: \d+, duration: ([0-9.]+)ms")
+SECRET_NAME = "analysis-queue/upload-password"
+
+
+def template_memory_mb() -> int:
+    """The MemorySize template.yaml gives ApiFunction (after Globals), as deployed."""
+    from test_template import translate
+
+    (function,) = [
+        r
+        for name, r in translate()["Resources"].items()
+        if r["Type"] == "AWS::Lambda::Function" and name.startswith("ApiFunction")
+    ]
+    return int(function["Properties"]["MemorySize"])
+
+
+def cold_start_once(python, kit, function, layer, variables, memory_mb, quota, log_path) -> dict:
+    """One new emulator: its Init, and its first request's duration less a warm one's."""
+    with Emulator(
+        kit,
+        python,
+        function,
+        layer,
+        "handler.api",
+        variables,
+        function_name="analysis-queue-ApiFunction",
+        memory_mb=memory_mb,
+        timeout_s=25,
+        cpu_quota=quota,
+        log_path=log_path,
+    ) as emulator:
+        ping = json.loads((REPO / "events" / "ping.json").read_text())
+        # CPU time: before the first request (the emulator idle, the runtime not yet
+        # started: Init runs at the first request), after it, after a warm one.
+        cpu = [quota.cpu_ms()]
+        answers = []
+        for _ in range(2):
+            answers.append(emulator.invoke(ping))
+            cpu.append(quota.cpu_ms())
+        answers += [emulator.invoke(ping) for _ in range(2)]
+        log = emulator.log()
+        inits = emulator.init_reports_ms()
+    if any(a.get("statusCode") != 200 for a in answers) or len(inits) != 1:
+        raise SystemExit(f"the function did not answer GET /ping with 200:\n{answers}\n{log}")
+    durations = [float(ms) for status, ms in RTDONE.findall(log) if status == "success"]
+    assert len(durations) == 4, log
+    # Init's CPU time: the first request's interval less a warm request's.
+    init_cpu = (cpu[1] - cpu[0]) - (cpu[2] - cpu[1])
+    return {
+        "init": inits[0],
+        "extra": durations[0] - statistics.median(durations[1:]),
+        "init_cpu": init_cpu,
+    }
+
+
+def emulator_figures(python, function, layer, runs, more_memory, work) -> None:
+    from moto.server import ThreadedMotoServer
+
+    import handler
+    from helpers import env_json, migrate
+
+    kit = prepare_kit(python)
+    configured = template_memory_mb()
+    server = handler.embedded_postgres_server(work / "pgdata")
+    moto_port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)
+    moto.start()
+    try:
+        url = server.get_uri()
+        migrate(url)
+        import boto3
+
+        boto3.client(
+            "secretsmanager",
+            region_name="us-east-1",
+            endpoint_url=f"http://127.0.0.1:{moto_port}",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_secret(Name=SECRET_NAME, SecretString="local-upload-password")
+        plain = {**env_json("ApiFunction"), "DATABASE_URL": url}
+        secret = {
+            **plain,
+            "UPLOAD_PASSWORD": "",
+            "UPLOAD_PASSWORD_SECRET": f"secretsmanager:{SECRET_NAME}",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        # As deployed, the API reads its tokens (and the database's) from Secrets Manager.
+        settings = [("full", configured, secret, None), ("share", configured, secret, configured)]
+        settings += [("share-plain", configured, plain, configured)]
+        settings += [("share", m, secret, m) for m in more_memory]
+        seen: dict[tuple, list[dict]] = {}
+        for run in range(runs):
+            for name, memory, variables, quota_mb in settings:
+                quota = CpuQuota(quota_mb / MB_PER_VCPU if quota_mb else None)
+                try:
+                    figures = cold_start_once(
+                        python,
+                        kit,
+                        function,
+                        layer,
+                        variables,
+                        memory,
+                        quota,
+                        work / f"emulator-{name}-{memory}-{run}.log",
+                    )
+                finally:
+                    quota.close()
+                seen.setdefault((name, memory), []).append(figures)
+    finally:
+        moto.stop()
+        server.cleanup()
+
+    def median(key, field) -> float:
+        return statistics.median(f[field] for f in seen[key])
+
+    print(f"Init (the emulator's INIT REPORT) and first requests, {runs} emulators each:")
+    for (name, memory), figures in seen.items():
+        inits = [f["init"] for f in figures]
+        share = "full CPU" if name == "full" else f"{memory / MB_PER_VCPU:.0%} of a CPU"
+        print(
+            f"  {name:12} {memory:5} MB ({share}): Init median {statistics.median(inits):.0f} ms"
+            f" (range {min(inits):.0f}-{max(inits):.0f}), first request"
+            f" +{median((name, memory), 'extra'):.0f} ms over a warm one;"
+            f" Init's CPU time {median((name, memory), 'init_cpu'):.0f} ms"
+        )
+    print(f"init_configured_memory_mb={configured}")
+    print(f"init_configured_share_ms={median(('share', configured), 'init'):.0f}")
+    print(f"init_full_ms={median(('full', configured), 'init'):.0f}")
+    # What Init takes at the configured share when nothing else competes for the CPU
+    # (it is CPU-bound): its CPU time over the share. On a busy machine the wall-clock
+    # figures above are longer than Lambda's; this one is not.
+    cpu = median(("full", configured), "init_cpu")
+    print(f"init_cpu_ms={cpu:.0f}")
+    print(f"init_configured_share_from_cpu_ms={cpu / (configured / MB_PER_VCPU):.0f}")
+    print(f"init_configured_share_plain_ms={median(('share-plain', configured), 'init'):.0f}")
+    print(f"first_secret_request_extra_ms={median(('share', configured), 'extra'):.0f}")
+    print(f"first_request_extra_ms={median(('share-plain', configured), 'extra'):.0f}")
+    for memory in more_memory:
+        print(f"init_{memory}mb_share_ms={median(('share', memory), 'init'):.0f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--runs", type=int, default=9, help="`import handler` runs per tree")
+    parser.add_argument("--emulator-runs", type=int, default=5, help="emulators per setting")
+    parser.add_argument(
+        "--memory", default="", help="more MemorySize values to measure Init at, e.g. 1024,1769"
+    )
     parser.add_argument("--python", help="the Lambda runtime's Python (3.12)")
     parser.add_argument("--build-dir", type=Path, help="reuse a build (fn/ and layer/ in it)")
+    parser.add_argument("--emulator-only", action="store_true", help="skip `import handler`")
     args = parser.parse_args()
     python = find_python(args.python)
     version = subprocess.run(
@@ -130,6 +278,16 @@ def main() -> int:
         else:
             print(f"building with the Makefile ({version}) ...", file=sys.stderr)
             function, layer = build(python, work / "build")
+        emulator_figures(
+            python,
+            function,
+            layer,
+            args.emulator_runs,
+            [int(m) for m in args.memory.split(",") if m.strip()],
+            work,
+        )
+        if args.emulator_only:
+            return 0
         trees = {
             "shipped": copy_tree(function, layer, work / "shipped", bytecode=True),
             "warm": copy_tree(function, layer, work / "warm", bytecode=False),

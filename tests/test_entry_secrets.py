@@ -291,3 +291,81 @@ def test_boto3_is_imported_only_when_a_secret_is_read(database_url, sql):
     assert seen["parameters"] is False
     assert seen["after_status"] == 503
     assert seen["after_boto3"] is True
+
+
+INIT_PROBE = """
+import json, socket, sys, threading
+listener = socket.socket()
+listener.bind(("127.0.0.1", int(sys.argv[2])))
+listener.listen()
+listener.settimeout(0.5)
+arrived = []
+def accept():
+    try:
+        arrived.append(listener.accept())
+    except OSError:
+        pass
+watcher = threading.Thread(target=accept)
+watcher.start()
+sys.path.insert(0, sys.argv[1])
+import handler
+from aws_lambda_powertools.utilities.parameters.constants import DEFAULT_PROVIDERS
+watcher.join()
+print(json.dumps({"boto3": "boto3" in sys.modules, "providers": sorted(DEFAULT_PROVIDERS),
+                  "requests": len(arrived), "runtime": handler.use_runtime(None) is not None}))
+"""
+
+
+def free_loopback_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_lambda_init_builds_the_secret_clients_and_sends_nothing():
+    """Lambda's Init (the import, with AWS_LAMBDA_FUNCTION_NAME set) builds the clients
+    of the stores the secrets are in, so the first request only fetches (and SnapStart
+    snapshots them); it sends no request, opens no connection, reads no secret."""
+    port = free_loopback_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+        "AWS_LAMBDA_FUNCTION_NAME": "analysis-queue-ApiFunction",
+        "DATABASE_URL": "postgresql://postgres@127.0.0.1:9/unreachable",
+        "UPLOAD_PASSWORD_SECRET": "secretsmanager:queue/upload",
+        "ADMIN_TOKEN_SECRET": "ssm:/queue/admin",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    probe = run_python(INIT_PROBE, str(handler.HERE), str(port), env=env)
+    assert probe.returncode == 0, probe.stderr
+    seen = json.loads(probe.stdout.splitlines()[-1])
+    assert seen == {"boto3": True, "providers": ["secrets", "ssm"], "requests": 0, "runtime": False}
+    # Outside Lambda (the CLI, the tests) the import builds none.
+    del env["AWS_LAMBDA_FUNCTION_NAME"]
+    probe = run_python(INIT_PROBE, str(handler.HERE), str(free_loopback_port()), env=env)
+    assert probe.returncode == 0, probe.stderr
+    assert json.loads(probe.stdout.splitlines()[-1])["providers"] == []
+
+
+def test_a_restored_snapshot_drops_the_connection_and_the_secrets(aws, database_url, monkeypatch):
+    """SnapStart's after-restore hook: a container restored from the shared snapshot
+    connects and reads its secrets afresh."""
+    aws.client("secretsmanager").create_secret(Name="queue/upload", SecretString="pw-restore")
+    configure_function(
+        monkeypatch,
+        "ApiFunction",
+        database_url,
+        UPLOAD_PASSWORD="",
+        UPLOAD_PASSWORD_SECRET="secretsmanager:queue/upload",
+    )
+    assert invoke_api("ping.json", {"authorization": "Bearer pw-restore"})["statusCode"] == 200
+    before = handler.runtime()
+    aws.client("secretsmanager").put_secret_value(SecretId="queue/upload", SecretString="pw-new")
+    handler.after_snapshot_restore()
+    assert handler.runtime() is not before
+    assert invoke_api("ping.json", {"authorization": "Bearer pw-new"})["statusCode"] == 200

