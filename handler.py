@@ -4938,6 +4938,8 @@ def _positive_int(text: str) -> int:
 
 
 def _port(text: str) -> int:
+    import argparse
+
     value = int(text)
     if not 1 <= value <= 65_535:
         raise argparse.ArgumentTypeError("must be a TCP port, 1 to 65535")

@@ -171,7 +171,8 @@ def table_column(markdown: str, after: str, column: int = 0) -> list[str]:
 
 def test_the_settings_table_names_every_variable_handler_reads():
     source = (ROOT / "handler.py").read_text()
-    read = set(re.findall(r"(?:\.get|_int_setting)\(\s*(?:env,\s*)?\"([A-Z][A-Z0-9_]+)\"", source))
+    setting = r"(?:\.get|_int_setting|_bool_setting)\(\s*(?:env,\s*)?\"([A-Z][A-Z0-9_]+)\""
+    read = set(re.findall(setting, source))
     assert {"DATABASE_URL", "STALE_ANALYSIS_DAYS", "XDG_RUNTIME_DIR"} <= read
     read_by_powertools = {"LOG_LEVEL"}
     documented = set()
