@@ -41,7 +41,7 @@ MUTATIONS = {
         "newer = False and target.version is not None",
     ),
     "a tokenless result spends the open claim's token": (
-        "            replaceable = finished and not target.result_verified",
+        '            replaceable = target.status != "processing" and not target.result_verified',
         "            replaceable = False",
     ),
     "outdated results are due at once": (
