@@ -20,7 +20,7 @@ One file, read top to bottom. Each section opens with a one-line banner `# == <n
   SQL: refetch               queue-refetch
   SQL: the ledger            the migration runner's bookkeeping
   SQL: health and sessions   /healthz, ending a migration's session
-  Database access            Session, Database (one connection), Runtime (per process)
+  Database access            Session, SharedConnection (one connection), Runtime
   Queue logic                pure functions: input checks, failure classes, JSON answers
   Report formatting          the queue-status report as text, JSON and metrics
   Queue operations           the queue logic applied to the database
@@ -943,7 +943,7 @@ class BadInput(ServiceError):
 
 class PlanChanged(ServiceError):
     """A prepared statement's plan was invalidated (0A000) inside a transaction, which
-    the error aborted; Database runs the transaction once more."""
+    the error aborted; SharedConnection runs the transaction once more."""
 
 
 # SQLSTATEs that mean "this connection is gone", not "this statement is wrong".
@@ -1127,14 +1127,14 @@ class Session:
     `in_step` is False once anything but a complete PostgreSQL error reply interrupted a
     statement: a decoding error, a RecursionError, KeyboardInterrupt, a bug in the
     driver. Such an exception can leave part of the server's reply unread on the socket,
-    where the next statement would take it for its own answer, so the Database discards
+    where the next statement would take it for its own answer, so the SharedConnection discards
     the connection. A PostgreSQL error reply is different: pg8000 reads it to the end
     (ReadyForQuery) before raising, so the connection is still in step."""
 
     def __init__(self, connection: pg8000.native.Connection):
         self.connection = connection
         self.in_step = True
-        self.in_transaction = False  # set by Database between its BEGIN and COMMIT
+        self.in_transaction = False  # set by SharedConnection between its BEGIN and COMMIT
         self._prepared: dict[str, Any] = {}
 
     def _guarded(self, action: Callable[[], Any]) -> Any:
@@ -1185,7 +1185,7 @@ class Session:
 class PromoterMemo:
     """What this process's promoter (promote_due_apps) did to one database: when it last
     caught up, per policy, and where its pass clearing flags for a new policy got to (a
-    bundle ID). It describes that database, so it lives and dies with its Database."""
+    bundle ID). It describes that database, so it lives and dies with its SharedConnection."""
 
     clock: Callable[[], float] = time.monotonic
     caught_up_at: dict[QueuePolicy, float] = dataclasses.field(default_factory=dict)
@@ -1196,7 +1196,7 @@ class PromoterMemo:
         self.clear_cursors.clear()
 
 
-class Database:
+class SharedConnection:
     """A lazily opened connection shared by the process, one user at a time."""
 
     # The connection arguments read again bypassing any cache, for one more try after an
@@ -1322,7 +1322,7 @@ class Database:
         return self._attempt(work, in_transaction=False)
 
     @contextmanager
-    def session(self) -> Iterator[pg8000.native.Connection]:
+    def raw_connection(self) -> Iterator[pg8000.native.Connection]:
         """The raw connection, for work that manages its own transactions (migrations).
         Any exception but a PostgreSQL error reply discards it (see Session)."""
         with self._lock:
@@ -1346,7 +1346,7 @@ API_SOCKET_MARGIN_SECONDS = 2
 
 class Runtime:
     """What one process keeps between requests: its settings, the API's connection to the
-    queue database (a Database, with the promoter's memo of what this process did there),
+    queue database (a SharedConnection, with the promoter's memo of what this process did there),
     and the clock the promoter paces itself by. A Lambda container builds one from the
     environment on first use (`runtime()`); the CLI and tests build theirs and install it
     (`use_runtime`)."""
@@ -1363,8 +1363,8 @@ class Runtime:
         # request at a time). N (`serve`): on up to N worker threads, each with a
         # connection of its own, so a slow request never holds up the others.
         self.worker_threads = worker_threads
-        self._database: Database | None = None
-        self._thread_databases: list[Database] = []
+        self._connection: SharedConnection | None = None
+        self._thread_connections: list[SharedConnection] = []
         self._thread_local = threading.local()
         self._limiters: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -1378,20 +1378,20 @@ class Runtime:
             cached = self._previous_secrets[reference] = (now, fetch_previous_secret(reference))
         return cached[1]
 
-    def database(self) -> Database:
-        """The API's Database, created on first use: the process's, or with worker
+    def api_connection(self) -> SharedConnection:
+        """The API's SharedConnection, created on first use: the process's, or with worker
         threads, the calling thread's."""
         if self.worker_threads:
             db = getattr(self._thread_local, "database", None)
             if db is None:
-                db = self._thread_local.database = self._api_database()
+                db = self._thread_local.database = self._new_api_connection()
                 with self._lock:
-                    self._thread_databases.append(db)
+                    self._thread_connections.append(db)
             return db
         with self._lock:
-            if self._database is None:
-                self._database = self._api_database()
-            return self._database
+            if self._connection is None:
+                self._connection = self._new_api_connection()
+            return self._connection
 
     def worker_limiter(self, parse: bool = False) -> Any:
         """The anyio CapacityLimiter of the worker threads (made in the event loop, on
@@ -1408,9 +1408,9 @@ class Runtime:
             self._limiters[kind] = anyio.CapacityLimiter(1 if parse else self.worker_threads)
         return self._limiters[kind]
 
-    def _api_database(self) -> Database:
+    def _new_api_connection(self) -> SharedConnection:
         config = self.settings
-        db = Database(
+        db = SharedConnection(
             lambda: connection_arguments(config),
             config.statement_timeout_ms,
             # A socket timeout a little over the statement timeout: a dead network
@@ -1431,23 +1431,25 @@ class Runtime:
         db.fresh_arguments = lambda: connection_arguments(config, fresh=True)
         return db
 
-    def migration_database(self) -> Database:
+    def owner_connection(self) -> SharedConnection:
         """A connection of its own for the ledger runner, as the tables' owner: no
         statement or socket timeout, since rewriting a large table may take minutes
         (lock_timeout still applies)."""
         config = self.settings
-        runner = Database(lambda: connection_arguments(config, owner=True), clock=self.clock)
+        runner = SharedConnection(
+            lambda: connection_arguments(config, owner=True), clock=self.clock
+        )
         runner.fresh_arguments = lambda: connection_arguments(config, fresh=True, owner=True)
         return runner
 
     def close(self) -> None:
         """Close the connection and forget it, with its promoter memo."""
         with self._lock:
-            for db in [self._database, *self._thread_databases]:
+            for db in [self._connection, *self._thread_connections]:
                 if db is not None:
                     db.discard()
-            self._database = None
-            self._thread_databases.clear()
+            self._connection = None
+            self._thread_connections.clear()
             self._thread_local = threading.local()
 
 
@@ -1481,14 +1483,14 @@ def settings() -> Settings:
     return runtime().settings
 
 
-def database() -> Database:
-    """The process's API Database (its Runtime's)."""
-    return runtime().database()
+def api_connection() -> SharedConnection:
+    """The process's API SharedConnection (its Runtime's)."""
+    return runtime().api_connection()
 
 
-def migration_database() -> Database:
-    """A new ledger-runner Database with the process's settings."""
-    return runtime().migration_database()
+def owner_connection() -> SharedConnection:
+    """A new ledger-runner SharedConnection with the process's settings."""
+    return runtime().owner_connection()
 
 
 # == Queue logic ========================================================================
@@ -2087,7 +2089,7 @@ class PromotionPass:
     checked before each batch, so a pass lasts at most its budget and one full batch.
     """
 
-    def __init__(self, db: Database, policy: QueuePolicy, budget_seconds: float | None):
+    def __init__(self, db: SharedConnection, policy: QueuePolicy, budget_seconds: float | None):
         self.db, self.policy, self.memo = db, policy, db.promoter
         self.started = self.memo.clock()
         self.deadline = None if budget_seconds is None else self.started + budget_seconds
@@ -2163,7 +2165,10 @@ class PromotionPass:
 
 
 def promote_due_apps(
-    db: Database, policy: QueuePolicy, budget_seconds: float | None = None, force: bool = False
+    db: SharedConnection,
+    policy: QueuePolicy,
+    budget_seconds: float | None = None,
+    force: bool = False,
 ) -> Promotion:
     """Flag rows due by time (expired leases, stale analyses) into the claim index, and
     back off apps whose leases keep expiring (PromotionPass).
@@ -2187,7 +2192,7 @@ def promote_due_apps(
 
 
 def claim_next_app(
-    db: Database,
+    db: SharedConnection,
     policy: QueuePolicy,
     app_id: str | None = None,
     promotion_budget_seconds: float | None = None,
@@ -2263,7 +2268,7 @@ def check_result_identity(
 
 
 def store_result(
-    db: Database,
+    db: SharedConnection,
     app_id: str,
     version: int,
     payload: dict[str, Any],
@@ -2342,7 +2347,7 @@ def store_result(
     return db.transaction(work)
 
 
-def add_app(db: Database, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
+def add_app(db: SharedConnection, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
     """Insert as queued, under the listing's casing (listed_bundle_id); (created, app). An
     existing app (any letter case) is unchanged, its bundle ID included. A listing that
     names another app is refused (BadInput) before anything is written."""
@@ -2426,7 +2431,7 @@ def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
 
 
 def app_status(
-    db: Database, policy: QueuePolicy, app_id: str, admin: bool = False
+    db: SharedConnection, policy: QueuePolicy, app_id: str, admin: bool = False
 ) -> dict[str, Any] | None:
     def work(session: Session) -> dict[str, Any] | None:
         rows = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
@@ -2449,7 +2454,7 @@ def app_status(
     return db.transaction(work)
 
 
-def claim_readiness(db: Database) -> str | None:
+def claim_readiness(db: SharedConnection) -> str | None:
     """Why a claim could not run now, or None. A lock it would wait for past the
     lock_timeout raises (55P03: 503 like any claim)."""
 
@@ -2463,7 +2468,9 @@ def claim_readiness(db: Database) -> str | None:
     return db.transaction(work)
 
 
-def record_ping(db: Database, analyser_id: str, source_address: str, user_agent: str) -> None:
+def record_ping(
+    db: SharedConnection, analyser_id: str, source_address: str, user_agent: str
+) -> None:
     db.run(
         RECORD_PING,
         analyser_id=analyser_id,
@@ -2472,7 +2479,7 @@ def record_ping(db: Database, analyser_id: str, source_address: str, user_agent:
     )
 
 
-def last_ping(db: Database) -> tuple[float | None, int]:
+def last_ping(db: SharedConnection) -> tuple[float | None, int]:
     """Minutes since the last heartbeat of any analyser (None: never), and how many
     analysers (named or under the shared password) sent one in the last hour."""
     (ping,) = db.records(LAST_PING)
@@ -2501,7 +2508,7 @@ def _analyser_name(name: str) -> str:
     return name
 
 
-def add_analyser(db: Database, name: str) -> dict[str, Any]:
+def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
     """A new analyser and its token: {"name", "created", "token"}. The token exists only
     in this answer; the database keeps its hash."""
     token = new_analyser_token()
@@ -2511,7 +2518,7 @@ def add_analyser(db: Database, name: str) -> dict[str, Any]:
     return {"name": rows[0]["name"], "created": _plain(rows[0]["created"]), "token": token}
 
 
-def rotate_analyser(db: Database, name: str, overlap: int) -> dict[str, Any]:
+def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, Any]:
     """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
     token = new_analyser_token()
 
@@ -2534,7 +2541,7 @@ def rotate_analyser(db: Database, name: str, overlap: int) -> dict[str, Any]:
     return db.transaction(work)
 
 
-def revoke_analyser(db: Database, name: str) -> dict[str, Any]:
+def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
     """The analyser's tokens (current and previous) stop working with this commit."""
     rows = db.records(REVOKE_ANALYSER, name=_analyser_name(name))
     if not rows:
@@ -2542,7 +2549,7 @@ def revoke_analyser(db: Database, name: str) -> dict[str, Any]:
     return {"name": rows[0]["name"], "revoked": _plain(rows[0]["revoked"])}
 
 
-def authenticate_analyser(db: Database, token: str) -> str | None:
+def authenticate_analyser(db: SharedConnection, token: str) -> str | None:
     """The name of the analyser whose current (or still overlapping previous) token this
     is, or None. One index probe per request, no cache: a revocation or the end of an
     overlap holds from the next request on, in every process."""
@@ -2554,7 +2561,7 @@ def authenticate_analyser(db: Database, token: str) -> str | None:
     return None
 
 
-def record_analyser_seen(db: Database, name: str) -> None:
+def record_analyser_seen(db: SharedConnection, name: str) -> None:
     db.run(RECORD_ANALYSER_SEEN, name=name)
 
 
@@ -2585,30 +2592,30 @@ def _analyser_view(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def list_analysers(db: Database | Session, policy: QueuePolicy) -> list[dict[str, Any]]:
+def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[dict[str, Any]]:
     """Every named analyser (revoked ones too), by name: never a token or its hash."""
     rows = db.records(ANALYSER_ACTIVITY, analysis_version=policy.analysis_version)
     return [_analyser_view(row) for row in rows]
 
 
-def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
+def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
     """Everything the queue-status report says, as data."""
 
-    def work(connection: Session) -> dict[str, Any]:
+    def work(session: Session) -> dict[str, Any]:
         params = policy.sql_params()
-        by_status = connection.records(COUNT_BY_STATUS)
+        by_status = session.records(COUNT_BY_STATUS)
         counts = {row["status"]: row["apps"] for row in by_status}
         failed_retryable = sum(row["retryable"] for row in by_status if row["status"] == "failed")
         failed_by_reason = {
             row["reason"] or "unclassified": row["apps"]
-            for row in connection.records(FAILED_BY_REASON)
+            for row in session.records(FAILED_BY_REASON)
         }
         backlog = {
-            row["reason"]: row["apps"] for row in connection.records(BACKLOG_BY_REASON, **params)
+            row["reason"]: row["apps"] for row in session.records(BACKLOG_BY_REASON, **params)
         }
-        (throughput,) = connection.records(THROUGHPUT, **params)
-        (ping,) = connection.records(LAST_PING)
-        (held_back,) = connection.records(HELD_BACK, **params)
+        (throughput,) = session.records(THROUGHPUT, **params)
+        (ping,) = session.records(LAST_PING)
+        (held_back,) = session.records(HELD_BACK, **params)
         processing = [
             {
                 "appid": row["appid"],
@@ -2618,14 +2625,14 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
                 "lease_attempts": row["lease_attempts"],
                 "refetch_requested": row["refetch_requested"],
             }
-            for row in connection.records(
+            for row in session.records(
                 PROCESSING_APPS,
                 limit=50,
                 timeout_minutes=policy.processing_timeout_minutes,
             )
         ]
-        top_rows = [_plain_row(row) for row in connection.records(TOP_BACKLOG, limit=top, **params)]
-        analysers = list_analysers(connection, policy)
+        top_rows = [_plain_row(row) for row in session.records(TOP_BACKLOG, limit=top, **params)]
+        analysers = list_analysers(session, policy)
         backlog_total = sum(backlog.values())
         minutes = ping["minutes_since_last_ping"]
         return {
@@ -2657,7 +2664,7 @@ def queue_status(db: Database, policy: QueuePolicy, top: int = 10) -> dict[str, 
     return db.transaction(work)
 
 
-def priority_report(db: Database, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
+def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
     return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
 
 
@@ -2709,7 +2716,7 @@ def refetch_apps(
 
 
 def refetch_in_batches(
-    db: Database,
+    db: SharedConnection,
     app_ids: list[str],
     failed: bool,
     include_non_retryable: bool,
@@ -2789,7 +2796,7 @@ def refetch_in_batches(
 
 
 def queue_refetch(
-    db: Database,
+    db: SharedConnection,
     app_ids: list[str],
     failed: bool,
     include_non_retryable: bool,
@@ -2987,13 +2994,13 @@ def _adopted(files: list[MigrationFile], ledger: dict[str, str | None]) -> list[
     return [m for m in files if m.name in ledger and ledger[m.name] is None]
 
 
-def dry_run_migrations(db: Database, directory: Path | None = None) -> list[str]:
+def dry_run_migrations(db: SharedConnection, directory: Path | None = None) -> list[str]:
     """The files apply_migrations would apply, read in a READ ONLY transaction: nothing
     is created, altered, adopted or locked, so it runs on a read-only database too, on
     any ledger (none, the old server's without checksums, ours). MigrationRefused when
     the runner would refuse."""
     files = migration_files(directory)
-    with db.session() as connection:
+    with db.raw_connection() as connection:
         connection.run("BEGIN TRANSACTION READ ONLY")
         try:
             (shape,) = connection.run(LEDGER_SHAPE)
@@ -3015,7 +3022,7 @@ def _say(progress: Callable[[str], None] | None, text: str) -> None:
 
 
 def apply_migrations(
-    db: Database,
+    db: SharedConnection,
     directory: Path | None = None,
     dry_run: bool = False,
     lock_timeout: str | None = None,
@@ -3032,7 +3039,7 @@ def apply_migrations(
     wait_seconds = config.migration_wait_seconds if wait_seconds is None else wait_seconds
     files = migration_files(directory)
     applied: list[str] = []
-    with db.session() as connection:
+    with db.raw_connection() as connection:
         connection.run("SET lock_timeout = " + pg8000.native.literal(lock_timeout))
         deadline = time.monotonic() + wait_seconds
         while True:
@@ -3098,7 +3105,9 @@ def apply_migrations(
 MIGRATE_PROMOTION_SLICE_SECONDS = 2
 
 
-def upgrade_database(db: Database, progress: Callable[[str], None] | None = None) -> list[str]:
+def upgrade_database(
+    db: SharedConnection, progress: Callable[[str], None] | None = None
+) -> list[str]:
     """apply_migrations, then the promoter to the end: the first claim after a deploy
     (after an upgrade that found 100k stale analyses, say) does not pay for flagging them.
     After a mass flagging, VACUUM clears the index entries of the rows' old versions,
@@ -3136,9 +3145,9 @@ def upgrade_database(db: Database, progress: Callable[[str], None] | None = None
 
 
 @contextmanager
-def owner_database() -> Iterator[Database]:
-    """A ledger-runner Database (the tables' owner) for one command, closed afterwards."""
-    db = migration_database()
+def closing_owner_connection() -> Iterator[SharedConnection]:
+    """A ledger-runner SharedConnection (the tables' owner) for one command, closed afterwards."""
+    db = owner_connection()
     try:
         yield db
     finally:
@@ -3257,7 +3266,7 @@ def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credent
     from the next request), or the shared password while ACCEPT_SHARED_UPLOAD_PASSWORD."""
     given = credentials.credentials if credentials else ""
     if given.startswith(ANALYSER_TOKEN_PREFIX):
-        name = authenticate_analyser(database(), given)
+        name = authenticate_analyser(api_connection(), given)
         if name is None:
             raise _unauthorized()
         return Credential(name)
@@ -3485,7 +3494,7 @@ def _store(
     app_id: str, version: int, payload: dict, token: str | None, credential: Credential
 ) -> Response:
     try:
-        rows = store_result(database(), app_id, version, payload, token, credential.analyser)
+        rows = store_result(api_connection(), app_id, version, payload, token, credential.analyser)
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
     except (ResultRefused, IdentityConflict) as refused:
@@ -3534,7 +3543,7 @@ async def ping(
     """Heartbeat. A named analyser is its token's; under the shared password it is known
     by X-Analyser-Id (a label), else address and User-Agent."""
     if credential.analyser is not None:
-        record_analyser_seen(database(), credential.analyser)
+        record_analyser_seen(api_connection(), credential.analyser)
         return PlainTextResponse("online")
     source = request.client.host if request.client else "unknown"
     if len(source) > 100 or not PRINTABLE_ASCII.fullmatch(source):
@@ -3544,7 +3553,9 @@ async def ping(
     if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
         raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
     await blocking(
-        lambda: record_ping(database(), analyser_id or f"{source} {user_agent}", source, user_agent)
+        lambda: record_ping(
+            api_connection(), analyser_id or f"{source} {user_agent}", source, user_agent
+        )
     )
     return PlainTextResponse("online")
 
@@ -3631,7 +3642,7 @@ async def next_app(
     config = settings()
     claimed = await blocking(
         lambda: claim_next_app(
-            database(),
+            api_connection(),
             config.policy,
             wanted,
             config.promotion_budget_ms / 1000,
@@ -3713,7 +3724,7 @@ def _create_app(body: Any) -> Response:
     problem = details_problem(details or {})
     if problem:
         raise HTTPException(400, problem)
-    created, view = add_app(database(), app_id, details)
+    created, view = add_app(api_connection(), app_id, details)
     return _json_answer(view, 201 if created else 200, droppable=("analysis", "details"))
 
 
@@ -3742,7 +3753,7 @@ async def get_app(request: Request) -> JSONResponse:
     app_id = _bundle_id(request.path_params["appId"])
 
     def answer() -> Response:
-        view = app_status(database(), settings().policy, app_id, admin)
+        view = app_status(api_connection(), settings().policy, app_id, admin)
         if view is None:
             raise HTTPException(404, f"unknown app {app_id}")
         return _json_answer(view, droppable=("analysis", "details"))
@@ -3811,7 +3822,7 @@ async def create_analyser(request: Request) -> JSONResponse:
     if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
         raise HTTPException(400, 'the body must be {"name": "..."}')
     try:
-        created = add_analyser(database(), body["name"])
+        created = add_analyser(api_connection(), body["name"])
     except AnalyserExists:
         raise HTTPException(409, f"an analyser named {body['name']} exists") from None
     return JSONResponse(created, status_code=201)
@@ -3826,7 +3837,7 @@ async def get_analysers() -> JSONResponse:
     """Every named analyser: created, last seen, online, the app it holds and since when,
     its last result, results and failures in the last 24 hours, revoked or not. Never a
     token."""
-    return JSONResponse({"analysers": list_analysers(database(), settings().policy)})
+    return JSONResponse({"analysers": list_analysers(api_connection(), settings().policy)})
 
 
 @app.delete(
@@ -3841,7 +3852,7 @@ async def delete_analyser(request: Request) -> JSONResponse:
     """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
     name = _analyser_name_param(request)
     try:
-        return JSONResponse(revoke_analyser(database(), name))
+        return JSONResponse(revoke_analyser(api_connection(), name))
     except UnknownAnalyser:
         raise HTTPException(404, f"no analyser named {name}") from None
 
@@ -3885,7 +3896,7 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
             raise HTTPException(400, 'overlap is a duration such as "30m" or "7d"')
     seconds = overlap_seconds(overlap)
     try:
-        return JSONResponse(rotate_analyser(database(), name, seconds))
+        return JSONResponse(rotate_analyser(api_connection(), name, seconds))
     except UnknownAnalyser:
         raise HTTPException(404, f"no analyser named {name}") from None
     except AnalyserRevoked:
@@ -3899,7 +3910,7 @@ HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` sa
 async def healthz() -> JSONResponse:
     """ok when a claim could run now (see claim_readiness), else 503; with the version
     of the code that answers (package_version)."""
-    problem = await blocking(lambda: claim_readiness(database()))
+    problem = await blocking(lambda: claim_readiness(api_connection()))
     version = package_version()
     if problem:
         return JSONResponse(
@@ -3914,7 +3925,7 @@ async def healthz() -> JSONResponse:
 async def healthz_analyser() -> JSONResponse:
     """Public: whether any analyser sent a heartbeat in the last hour, and how many did
     (named or under the shared password; never which)."""
-    minutes, last_hour = await blocking(lambda: last_ping(database()))
+    minutes, last_hour = await blocking(lambda: last_ping(api_connection()))
     online = minutes is not None and minutes < 60
     body = {
         "status": "online" if online else "offline",
@@ -4241,7 +4252,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
             # session is ended, so its open transaction rolls back and its locks go now,
             # not whenever this (frozen) container next runs and perhaps commits a file
             # this answer called FAILED.
-            runner, session, stopped = migration_database(), {}, threading.Event()
+            runner, session, stopped = owner_connection(), {}, threading.Event()
 
             def work() -> list[str]:
                 try:
@@ -4253,7 +4264,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
                     runner.discard()
 
             def end_session() -> None:
-                killer = migration_database()
+                killer = owner_connection()
                 try:
                     killer.run(TERMINATE_BACKEND, pid=session["pid"])
                 finally:
@@ -4323,7 +4334,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             if not isinstance(event.get(flag, False), bool):
                 raise ValueError(f"{flag} must be true or false, got {event[flag]!r}")
     if command == "priority-report":
-        apps = priority_report(database(), policy, event.get("limit") or 50)
+        apps = priority_report(api_connection(), policy, event.get("limit") or 50)
         logger.info("priority report", extra={"priority_report": apps})
         return {"command": command, "apps": apps}
     if command == "queue-refetch":
@@ -4348,7 +4359,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
 
         remaining = context.get_remaining_time_in_millis() / 1000 if context else 900
         progress = refetch_in_batches(
-            database(),
+            api_connection(),
             app_ids,
             event.get("failed", False),
             event.get("includeNonRetryable", False),
@@ -4387,8 +4398,8 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         raise ValueError(f"unknown command {command!r}")
     # The hourly report also works off promotion (after a mass policy change the API
     # requests do it in small shares; this does a large one).
-    promote_due_apps(database(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
-    status = queue_status(database(), policy)
+    promote_due_apps(api_connection(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
+    status = queue_status(api_connection(), policy)
     status.pop("policy_text")
     logger.info("queue status", extra={"queue_status": status})
     _publish_queue_metrics(status)
@@ -4533,7 +4544,7 @@ def _local_database(apply: bool) -> None:
     print("embedded PostgreSQL:", url, file=sys.stderr)
     use_cli_runtime(DATABASE_URL=url)
     if apply:
-        with owner_database() as db:
+        with closing_owner_connection() as db:
             applied = upgrade_database(db)
         print(f"migrations applied: {', '.join(applied) or 'none pending'}", file=sys.stderr)
 
@@ -4752,7 +4763,7 @@ def _print_progress(text: str) -> None:
 
 def _cli_migrate(args: argparse.Namespace) -> int:
     _local_database(apply=False)
-    with owner_database() as db:
+    with closing_owner_connection() as db:
         names = dry_run_migrations(db) if args.dry_run else upgrade_database(db, _print_progress)
     verb = "Pending" if args.dry_run else "Applied"
     print(f"{verb}: {', '.join(names) if names else 'nothing'}")
@@ -4761,7 +4772,7 @@ def _cli_migrate(args: argparse.Namespace) -> int:
 
 def _cli_queue_status(args: argparse.Namespace) -> int:
     _local_database(apply=True)
-    status = queue_status(database(), settings().policy, top=args.top)
+    status = queue_status(api_connection(), settings().policy, top=args.top)
     if args.json:
         print(json.dumps(queue_status_document(status), indent=2, sort_keys=True))
     else:
@@ -4771,7 +4782,7 @@ def _cli_queue_status(args: argparse.Namespace) -> int:
 
 def _cli_priority_report(args: argparse.Namespace) -> int:
     _local_database(apply=True)
-    rows = priority_report(database(), settings().policy, args.limit)
+    rows = priority_report(api_connection(), settings().policy, args.limit)
     print(f"Next {len(rows)} apps in claim order " + "(most popular first, then oldest added)")
     print("\n".join(_format_backlog_rows(rows)))
     return 0
@@ -4834,7 +4845,7 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
 
     try:
         progress = refetch_in_batches(
-            database(),
+            api_connection(),
             args.appid,
             args.failed,
             args.include_non_retryable,
@@ -4887,7 +4898,7 @@ def _cli_analysers(args: argparse.Namespace) -> int:
     """Named analysers' credentials. A new token is printed once, alone on the last line
     of stdout (`| tail -n 1` gives it to a script); nothing else ever shows it."""
     _local_database(apply=True)
-    db = database()
+    db = api_connection()
     try:
         if args.action == "list":
             rows = list_analysers(db, settings().policy)

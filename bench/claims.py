@@ -643,7 +643,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
 
         # --- reports -----------------------------------------------------------------------
         say("-- reports (handler.queue_status and handler.priority_report, 3 runs each)")
-        db = handler.database()
+        db = handler.api_connection()
         for name, work in (
             ("queue-status", lambda: handler.queue_status(db, policy)),
             ("priority-report", lambda: handler.priority_report(db, policy, 50)),
@@ -748,7 +748,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
                 t=pre_first[0][4],
             )
         bench.drop_snapshot()
-        handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+        handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
         bench.sql.run("VACUUM ANALYZE apps")
         handler.use_runtime(None)
         bench.sql.close()

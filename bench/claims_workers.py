@@ -168,19 +168,19 @@ def api_process(pipe, url: str) -> None:
 
 def breakdown(service: ServiceClaimer, count: int) -> dict[str, float]:
     """Median seconds of the layers of one claim, each measured on its own series of
-    claims: the whole request, claim_next_app, the statement through handler.Database,
+    claims: the whole request, claim_next_app, the statement through handler.SharedConnection,
     the statement on the bare connection, and pg8000's parsing of its :params."""
     import statistics
 
     from pg8000.native import to_statement
 
     handler = service.handler
-    db = handler.database()
+    db = handler.api_connection()
     policy = handler.settings().policy
     params = policy.sql_params()
 
     def raw() -> None:
-        with db.session() as connection:
+        with db.raw_connection() as connection:
             connection.run(
                 handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), analyser=None, **params
             )
@@ -188,7 +188,7 @@ def breakdown(service: ServiceClaimer, count: int) -> dict[str, float]:
     layers = {
         "GET /queue via handler.api": lambda: service.claim(),
         "handler.claim_next_app": lambda: handler.claim_next_app(db, policy),
-        "handler.Database.run(CLAIM_NEXT_APP)": lambda: db.run(
+        "handler.SharedConnection.run(CLAIM_NEXT_APP)": lambda: db.run(
             handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), analyser=None, **params
         ),
         "pg8000 connection.run(CLAIM_NEXT_APP), unprepared": raw,

@@ -4,7 +4,7 @@
 
 On the embedded PostgreSQL of a temporary directory (or DATABASE_URL's server, in a
 database of its own that is dropped after), migrated by the ledger: `--analysers` named
-analysers and `--apps` queued apps. Times, on the service's own Database (generic plans,
+analysers and `--apps` queued apps. Times, on the service's own SharedConnection (generic plans,
 as the API runs), interleaved round by round: handler.authenticate_analyser on a valid
 token, on an unknown one, and handler.claim_next_app (GET /queue's work). Medians, then
 `name=value` lines: lookup_vs_claim (the share a lookup adds to a claim; the decision in
@@ -62,7 +62,7 @@ def main() -> int:
         sql.run("ANALYZE")
         sql.close()
         runtime = handler.Runtime(handler.load_settings({"DATABASE_URL": database}))
-        db = runtime.database()
+        db = runtime.api_connection()
         policy = runtime.settings.policy
         tokens = [handler.add_analyser(db, f"pi-{n}")["token"] for n in range(args.analysers)]
         valid, unknown, claims = [], [], []

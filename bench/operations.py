@@ -58,7 +58,7 @@ def fresh_database(server_url: str, name: str, count: int, ledger_dir: Path | No
     import handler
 
     url = claims_db.recreate_database(server_url, name)
-    db = handler.Database(
+    db = handler.SharedConnection(
         lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
     )
     try:
@@ -112,7 +112,7 @@ def bench_refetch(server_url: str, count: int) -> dict[str, str]:
 
     url = fresh_database(server_url, "bench_ops_refetch", count, None)
     handler.use_runtime(handler.Runtime(handler.load_settings({"DATABASE_URL": url})))
-    db = handler.database()
+    db = handler.api_connection()
     figures: dict[str, str] = {}
 
     # 1. The old way: one transaction over the whole selection.

@@ -42,10 +42,10 @@ def connect(url: str, application_name: str | None = None) -> pg8000.native.Conn
     )
 
 
-def database_at(url: str) -> handler.Database:
-    """handler's own Database on url (no timeouts): what the ledger runner, or a process
+def database_at(url: str) -> handler.SharedConnection:
+    """handler's own SharedConnection on url (no timeouts): what the ledger runner, or a process
     of the service, uses."""
-    return handler.Database(
+    return handler.SharedConnection(
         lambda: handler.connection_arguments(handler.load_settings({"DATABASE_URL": url}))
     )
 

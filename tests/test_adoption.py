@@ -236,7 +236,7 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
         cycle.check("result of the re-claim")
 
         # --- refetch, then a claim without a token (the deployed analysers) ---------------
-        db = handler.database()
+        db = handler.api_connection()
         assert handler.queue_refetch(db, ["old.done"], False, False, None, True) == [
             {"appid": "old.done", "status": "analysed", "outcome": "queued"}
         ]

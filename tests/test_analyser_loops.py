@@ -12,9 +12,9 @@ import shutil
 import subprocess
 
 import pytest
+from kit import ADMIN, UPLOAD_PASSWORD, configure_service
 
 import handler
-from conftest import ADMIN, UPLOAD_PASSWORD, configure_service
 from helpers import insert_app
 from live import LiveServer
 

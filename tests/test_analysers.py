@@ -9,9 +9,9 @@ import os
 import subprocess
 
 import pytest
+from kit import ADMIN, ANALYSER, configure_service
 
 import handler
-from conftest import ADMIN, ANALYSER, configure_service
 from helpers import app_row, insert_app, run_cli
 
 ANALYSER_ROUTES = [
@@ -326,7 +326,7 @@ def test_a_public_answer_holds_no_failure_record(client, sql):
     assert (admin["analysedBy"], admin["claimedBy"]) == ("pi-1", None)
     # Queued again for a retry, the failure record is still the stored analysis: still
     # not public.
-    handler.queue_refetch(handler.database(), ["com.example.app"], False, False, None, True)
+    handler.queue_refetch(handler.api_connection(), ["com.example.app"], False, False, None, True)
     again = client.get("/apps/com.example.app")
     assert again.json()["status"] == "queued" and "hunter2" not in again.text
     # A successful analysis is public.

@@ -229,7 +229,7 @@ class FleetModel(RuleBasedStateMachine):
         # --force: this model's operator breaks leases; refetches that wait for a live
         # lease are tests/test_model.py's.
         handler.queue_refetch(
-            handler.database(), [appid], False, False, None, True, self.policy, force=True
+            handler.api_connection(), [appid], False, False, None, True, self.policy, force=True
         )
         app = self.apps[appid]
         app.status, app.started, app.reason, app.retryable = "queued", None, None, None

@@ -198,7 +198,7 @@ def test_stale_claim_token_is_409_and_writes_nothing(client, sql):
     sql.run("UPDATE apps SET processing_started = now() - interval '3 hours'")
     import handler
 
-    handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
     second = client.get("/queue", headers=ANALYSER)
     assert second.text == "com.example.app"
     before = table_digest(sql)

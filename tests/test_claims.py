@@ -130,7 +130,7 @@ def test_longer_staleness_window_unflags_promoted_rows(client, sql, monkeypatch)
     url = handler.settings().database_url
     insert_app(sql, "analysed.app", status="analysed", version=4, analysed=days_ago(40))
     configure_service(monkeypatch, url, STALE_ANALYSIS_DAYS="30")
-    handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
     assert app_row(sql, "analysed.app")["due"] is True
     configure_service(monkeypatch, url, STALE_ANALYSIS_DAYS="60")
     assert claim(client) == ""
@@ -339,7 +339,7 @@ def test_a_call_whose_budget_fits_one_batch_still_flags_stale_rows(database_url,
     """The first batch that does work always runs: an expired-leases batch that finds
     nothing does not use that up, or on a slow machine stale rows would never be flagged."""
     monkeypatch.setattr(handler, "PROMOTION_BATCH", 7)
-    db = handler.database()
+    db = handler.api_connection()
     handler.promote_due_apps(db, POLICY, force=True)  # the policy is recorded: no clearing
     for n in range(20):
         insert_app(sql, f"stale{n:02d}.app", status="analysed", version=4, analysed=days_ago(400))

@@ -232,7 +232,7 @@ def test_batches_refetch_exactly_the_apps_one_read_selects(
     }
     seen: list[dict] = []
     done = handler.refetch_in_batches(
-        handler.database(),
+        handler.api_connection(),
         [],
         failed,
         False,

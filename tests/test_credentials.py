@@ -161,7 +161,7 @@ def test_password_rotation_under_load_fails_no_request(rotating, monkeypatch):
                 if call % 3 == 0:
                     # A new container: the next request opens a new connection with
                     # whatever password the secret cache holds.
-                    handler.database().discard()
+                    handler.api_connection().discard()
                 name, headers = events[(index + call) % len(events)]
                 statuses.append((name, invoke_api(name, headers)["statusCode"]))
                 progress.release()
@@ -194,8 +194,8 @@ def test_without_the_reread_a_rotation_fails_new_connections(rotating):
     rotation, and only the fresh read gets a connection."""
     assert invoke_api("healthz.json")["statusCode"] == 200
     rotating["rotate"]("pw-rotated-x")
-    handler.database().discard()
-    stale = handler.Database(lambda: handler.connection_arguments(handler.settings()))
+    handler.api_connection().discard()
+    stale = handler.SharedConnection(lambda: handler.connection_arguments(handler.settings()))
     with pytest.raises(handler.DatabaseUnavailable) as caught:
         stale.run("SELECT 1")
     assert handler.sqlstate(caught.value.__cause__) == "28P01"
@@ -239,7 +239,7 @@ def queue_role(database_url, server_url, monkeypatch):
 @pytest.mark.private_database  # queue_role grants on its schema and tables
 def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
     assert invoke_api("healthz.json")["statusCode"] == 200
-    whoami = handler.database().run("SELECT current_user")[0][0]
+    whoami = handler.api_connection().run("SELECT current_user")[0][0]
     assert whoami == queue_role["role"]
     answers = {
         name: invoke_api(name, headers)
@@ -338,7 +338,7 @@ def test_migrations_as_the_queue_role_fail_and_as_the_owner_succeed(
         "CREATE TABLE analyser_notes (id bigserial PRIMARY KEY, note text);\n"
     )
     monkeypatch.setattr(handler, "SQL_DIR", directory)
-    as_app = handler.migration_database()
+    as_app = handler.owner_connection()
     # The runner's first DDL (the ledger table's CREATE ... IF NOT EXISTS) is refused.
     with pytest.raises(pg8000.native.DatabaseError) as refused:
         handler.apply_migrations(as_app)
@@ -378,11 +378,11 @@ def test_migration_secret_is_used_for_migrations_only(monkeypatch):
     monkeypatch.delenv("DATABASE_URL", raising=False)
     handler.use_runtime(None)
     try:
-        runner = handler.migration_database()
+        runner = handler.owner_connection()
         assert runner.arguments()["user"] == "queue_owner"
         assert runner.fresh_arguments()["user"] == "queue_owner"
         handler.runtime().close()
-        api_db = handler.database()
+        api_db = handler.api_connection()
         assert api_db.arguments()["user"] == "queue_app"
     finally:
         handler.use_runtime(None)

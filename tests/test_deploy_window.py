@@ -233,7 +233,7 @@ def test_old_server_completion_of_a_promoted_row_leaves_a_flag_that_heals(
 
         sql = connect(empty_database)
         sql.run("UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = 'old.done'")
-        handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+        handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
         assert app_row(sql, "old.done")["due"] is True
         token = uuid.uuid4()
         assert sql.run(legacy.OLD_CLAIM_NAMED, appid="old.done", token=token) == [["old.done"]]
@@ -245,7 +245,7 @@ def test_old_server_completion_of_a_promoted_row_leaves_a_flag_that_heals(
         assert client.get("/queue?appId=old.done", headers=ANALYSER).text == ""
         # Healing: a new policy clears flags it does not support.
         configure_service(monkeypatch, empty_database, STALE_ANALYSIS_DAYS="181")
-        handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+        handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
         assert app_row(sql, "old.done")["due"] is False
         check_holds(sql)
         sql.close()
@@ -320,7 +320,7 @@ def test_older_releases_and_named_analysers_share_the_migrated_database(
     of analysers: their writes work beside named claims, a named claim they hand out
     again is no longer the named analyser's (its tokenless result: 409), and a named
     analyser's claim is fenced from them as any claim of this release is."""
-    from conftest import ADMIN
+    from kit import ADMIN
 
     with adopted(empty_database, state, monkeypatch) as client:
         sql = connect(empty_database)
@@ -408,7 +408,7 @@ def test_the_release_before_named_analysers_keeps_working_after_022(client, sql)
     analyser's tokenless result for it is refused. What does not hold in the window: that
     release does not fence by identity, so its tokenless result ends a named lease; which
     is why named analysers are added only once the deploy is done (docs/analysers.md)."""
-    from conftest import ADMIN, ANALYSER
+    from kit import ADMIN, ANALYSER
 
     policy = handler.QueuePolicy().sql_params()
     for appid in ("w.one", "w.two"):

@@ -38,7 +38,7 @@ def test_a_refetch_run_with_a_shorter_lease_waits_for_the_apis(client, sql):
     sql.run("UPDATE apps SET processing_started = processing_started - interval '5 minutes'")
     short = handler.QueuePolicy(processing_timeout_minutes=1)
     selected = handler.queue_refetch(
-        handler.database(), ["com.example.app"], False, False, None, True, short
+        handler.api_connection(), ["com.example.app"], False, False, None, True, short
     )
     assert selected == [{"appid": "com.example.app", "status": "processing", "outcome": "waiting"}]
     time_passes()
@@ -65,7 +65,13 @@ def test_the_holder_replaces_a_tokenless_result_stored_while_a_refetch_waited(cl
     insert_app(sql, "com.example.app")
     token = claim(client, "com.example.app")
     (waiting,) = handler.queue_refetch(
-        handler.database(), ["com.example.app"], False, False, None, True, handler.QueuePolicy()
+        handler.api_connection(),
+        ["com.example.app"],
+        False,
+        False,
+        None,
+        True,
+        handler.QueuePolicy(),
     )
     assert waiting["outcome"] == "waiting"
     stale = upload(client, "com.example.app", {"success": True, "stale": 1})
@@ -92,10 +98,18 @@ def test_a_waiting_refetch_wins_over_back_off(client, sql):
     claim(client, "com.example.app")
     sql.run("UPDATE apps SET lease_attempts = 3")  # its third lease in a row
     handler.queue_refetch(
-        handler.database(), ["com.example.app"], False, False, None, True, handler.QueuePolicy()
+        handler.api_connection(),
+        ["com.example.app"],
+        False,
+        False,
+        None,
+        True,
+        handler.QueuePolicy(),
     )
     sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
-    promotion = handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    promotion = handler.promote_due_apps(
+        handler.api_connection(), handler.settings().policy, force=True
+    )
     assert (promotion.requeued, promotion.abandoned) == (1, 0)
     row = app_row(sql, "com.example.app")
     assert (row["status"], row["failure_reason"]) == ("queued", None)
@@ -106,7 +120,9 @@ def test_without_a_refetch_the_third_expired_lease_backs_off(client, sql):
     claim(client, "com.example.app")
     sql.run("UPDATE apps SET lease_attempts = 3")
     sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
-    promotion = handler.promote_due_apps(handler.database(), handler.settings().policy, force=True)
+    promotion = handler.promote_due_apps(
+        handler.api_connection(), handler.settings().policy, force=True
+    )
     assert (promotion.requeued, promotion.abandoned) == (0, 1)
     row = app_row(sql, "com.example.app")
     assert (row["status"], row["failure_reason"]) == ("failed", "lease_expired")
@@ -139,7 +155,7 @@ def test_the_queue_works_at_every_settings_maximum(client, sql, database_url, mo
     for path in ("/queue", "/queue", "/apps/com.example.done"):
         headers = ANALYSER if path == "/queue" else {}
         assert client.get(path, headers=headers).status_code == 200, path
-    status = handler.queue_status(handler.database(), handler.settings().policy)
+    status = handler.queue_status(handler.api_connection(), handler.settings().policy)
     assert status["counts"]["processing"] == 2
 
 

@@ -16,6 +16,7 @@ import copy
 import re
 
 import pytest
+from kit import configure_function
 from lambda_emulator import (
     KIT_REQUIREMENTS,
     SAM_REQUIREMENTS,
@@ -27,7 +28,6 @@ from lambda_emulator import (
 )
 
 import handler
-from conftest import configure_function
 from helpers import EVENTS, LambdaContext, ResponseURL, env_json, load_event
 
 pytestmark = [pytest.mark.usefixtures("lambda_container"), pytest.mark.timeout(900)]

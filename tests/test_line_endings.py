@@ -69,7 +69,7 @@ def test_checksums_recorded_over_crlf_bytes_stay_valid(empty_database, tmp_path)
     try:
         handler.apply_migrations(db, crlf)
         # What a runner that hashed raw bytes would have recorded for that checkout.
-        with db.session() as connection:
+        with db.raw_connection() as connection:
             for path in crlf.glob("*.sql"):
                 connection.run(
                     "UPDATE schema_migrations SET checksum = :checksum WHERE filename = :name",

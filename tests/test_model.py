@@ -476,7 +476,7 @@ class QueueModel(RuleBasedStateMachine):
             minutes=self.policy.processing_timeout_minutes
         )
         selected = handler.queue_refetch(
-            handler.database(), [appid.upper()], False, False, None, True, self.policy, force
+            handler.api_connection(), [appid.upper()], False, False, None, True, self.policy, force
         )
         outcome = "waiting" if live and not force else "queued"
         if force and app.status == "processing":

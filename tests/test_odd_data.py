@@ -159,7 +159,7 @@ def test_every_reader_survives_what_the_schema_allows(
     assert answers["GET /healthz"].json()["status"] == "ok"
     assert answers["GET /queue"].text in ("odd.app", "plain.app")
 
-    db = handler.database()
+    db = handler.api_connection()
     status = handler.queue_status(db, policy)
     assert handler.format_queue_status(status)
     json.dumps(status)

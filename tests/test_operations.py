@@ -47,7 +47,7 @@ def test_healthz_names_the_build_and_the_ledger_head(database_url, monkeypatch):
 
 def test_healthz_says_the_version_when_it_is_not_ok(database_url, monkeypatch, sql):
     configure_function(monkeypatch, "ApiFunction", database_url)
-    handler.database().run("SET default_transaction_read_only = on")
+    handler.api_connection().run("SET default_transaction_read_only = on")
     answer = invoke_api("healthz.json")
     assert answer["statusCode"] == 503
     assert json_answer(answer)["version"] == handler.package_version()

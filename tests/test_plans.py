@@ -120,7 +120,7 @@ def claim(client) -> str:
 
 def service_plan(statement: str, params: dict, promoter: bool) -> list[str]:
     """EXPLAIN (nothing runs) of a statement planned the way the service plans it, on the
-    service's own API connection (handler.database(), with the settings it opens with):
+    service's own API connection (handler.api_connection(), with the settings it opens with):
     the API's statements are prepared once per connection and run with generic plans
     (plan_cache_mode = force_generic_plan, handler.Runtime); the promoter's run inside
     their batch's transaction after handler.PLAN_WITH_VALUES (custom plans, with the
@@ -129,7 +129,7 @@ def service_plan(statement: str, params: dict, promoter: bool) -> list[str]:
     EXPLAIN EXECUTE produced."""
     text, make_values = pg8000.native.to_statement(statement)
     values = ", ".join(pg8000.native.literal(value) for value in make_values(params))
-    with handler.database().session() as connection:
+    with handler.api_connection().raw_connection() as connection:
         assert connection.run("SHOW plan_cache_mode") == [["force_generic_plan"]]
         connection.run("BEGIN")
         try:
@@ -305,7 +305,7 @@ def test_concurrent_claimers_share_no_app_and_miss_none(database_url, sql):
         runtime = handler.Runtime(handler.load_settings())
         config = runtime.settings
         try:
-            db = runtime.database()
+            db = runtime.api_connection()
             db.run("SELECT 1")  # connected, as a warm container is
             start.wait(timeout=60)
             while True:

@@ -258,7 +258,7 @@ def test_no_silent_plaintext_fallback(sslmode):
     )
     arguments = handler.connection_arguments(config)
     arguments["host"] = "127.0.0.1"  # reach the stand-in, keep the TLS settings
-    db = handler.Database(lambda: arguments)
+    db = handler.SharedConnection(lambda: arguments)
     with pytest.raises(handler.DatabaseUnavailable):
         db.run("SELECT 1")
     server.join(timeout=10)
