@@ -3283,7 +3283,11 @@ def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credent
 
 def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
     config = settings()
-    _check_bearer(credentials, _configured_secret(config.admin_token, config.admin_token_secret))
+    _check_bearer(
+        credentials,
+        _configured_secret(config.admin_token, config.admin_token_secret),
+        _previous_secret(config.admin_token_secret),
+    )
 
 
 async def require_analyser(
@@ -5066,7 +5070,7 @@ def main(argv: list[str] | None = None) -> int:
     invoke.set_defaults(run=_cli_invoke)
     args = parser.parse_args(argv)
     _cli_choices.clear()  # a new command (tests call main() more than once per process)
-    use_cli_runtime()
+    use_runtime(None)  # built from the environment at its first use, inside the try below
     # SIGTERM (kill, a service manager) and SIGHUP (its terminal closed) end a command as
     # Ctrl+C does, through Python's exit, which lets go of the embedded PostgreSQL.
     for number in (signal.SIGTERM, signal.SIGHUP):

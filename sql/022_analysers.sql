@@ -50,6 +50,8 @@ CREATE TABLE IF NOT EXISTS analysers (
     last_result_app text,
     last_result_at timestamptz,
     last_result_success boolean,
+-- The analyser's format version, as apps.analysisversion beside it: an integer there too.
+-- squawk-ignore prefer-bigint-over-int
     last_result_version integer,
     CONSTRAINT analysers_previous_token_has_an_end
         CHECK ((previous_token_hash IS NULL) = (previous_token_expires IS NULL))

@@ -84,7 +84,7 @@ def rotating(password_server, secrets_manager, monkeypatch):
     name = urlsplit(url).path.lstrip("/")
     migrate(url)
     owner_db = database_at(url)
-    owner = owner_db.session
+    owner = owner_db.raw_connection
     with owner() as connection:
         grant_role(connection, role, "pw-initial-0", name)
     secrets_manager.create_secret(

@@ -324,6 +324,7 @@ def test_failed_apps_by_class_add_up_to_the_failed_apps(failed_by_reason):
         "backlog": {},
         "backlog_total": 0,
         "throughput": {"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
+        "analysers_last_hour": 0,
         "eta_hours": None,
         "minutes_since_last_ping": None,
         "processing": [],

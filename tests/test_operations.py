@@ -225,6 +225,7 @@ DOCUMENTED_KEYS = (
     "analysers_last_hour",
     "processing",
     "held_back",
+    "analysers",
     "top_backlog",
     "policy",
 )
