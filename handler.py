@@ -1337,6 +1337,12 @@ class SharedConnection:
                 raise
 
 
+# A bearer token that matches neither cached version of a secret makes the process read
+# the secret again (it may have been rotated since), at most once per this many seconds
+# per secret: a flood of wrong tokens costs a process two reads of it (current and
+# previous version) per interval, whatever the number of threads (docs/analysers.md).
+SECRET_REFRESH_SECONDS = 10
+
 # The API's socket timeout is the statement timeout plus this: a dead network path (no
 # reply, no reset) fails the read instead of hanging until Lambda's timeout. A request
 # that finds its connection dead tries once more on a new one, so the worst case on a
@@ -1369,14 +1375,44 @@ class Runtime:
         self._limiters: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._previous_secrets: dict[str, tuple[float, str | None]] = {}
+        self._secret_refreshed: dict[str, float] = {}  # when each was last read afresh
+        self._secret_locks: dict[str, threading.Lock] = {}
+
+    def _secret_lock(self, reference: str) -> threading.Lock:
+        """One reader of a secret at a time: threads that need it meanwhile wait for the
+        read and use what it found (one Secrets Manager call, not one per thread)."""
+        with self._lock:
+            return self._secret_locks.setdefault(reference, threading.Lock())
 
     def previous_secret(self, reference: str) -> str | None:
-        """fetch_previous_secret, cached for SECRETS_MAX_AGE_SECONDS like the current."""
-        now = time.monotonic()
+        """fetch_previous_secret, cached for SECRETS_MAX_AGE_SECONDS like the current (a
+        cached value is read without waiting for a refresh under way)."""
+        max_age = self.settings.secrets_max_age_seconds
         cached = self._previous_secrets.get(reference)
-        if cached is None or now - cached[0] >= self.settings.secrets_max_age_seconds:
-            cached = self._previous_secrets[reference] = (now, fetch_previous_secret(reference))
-        return cached[1]
+        if cached is not None and self.clock() - cached[0] < max_age:
+            return cached[1]
+        with self._secret_lock(reference):
+            now = self.clock()
+            cached = self._previous_secrets.get(reference)
+            if cached is None or now - cached[0] >= max_age:
+                cached = (now, fetch_previous_secret(reference))
+                self._previous_secrets[reference] = cached
+            return cached[1]
+
+    def refresh_secret(self, reference: str) -> None:
+        """Read the secret again, bypassing the caches (the current version, through
+        Powertools' force_fetch, and the previous one), unless this process did less than
+        SECRET_REFRESH_SECONDS ago (by its clock). A thread that comes while another reads
+        it waits, and then finds it read. An unreadable secret raises; it counts as a
+        read all the same, so an unreachable store is not asked again and again."""
+        with self._secret_lock(reference):
+            now = self.clock()
+            last = self._secret_refreshed.get(reference)
+            if last is not None and now - last < SECRET_REFRESH_SECONDS:
+                return
+            self._secret_refreshed[reference] = now
+            fetch_secret(reference, self.settings.secrets_max_age_seconds, fresh=True)
+            self._previous_secrets[reference] = (now, fetch_previous_secret(reference))
 
     def api_connection(self) -> SharedConnection:
         """The API's SharedConnection, created on first use: the process's, or with worker
@@ -3193,39 +3229,42 @@ CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
 RETRY_AFTER = {"Retry-After": "5"}
 
 
-def _configured_secret(plain: str | None, reference: str | None) -> str | None:
-    if plain:
-        return plain
-    if reference:
-        try:
-            value = fetch_secret(reference, settings().secrets_max_age_seconds)
-        except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
-            logger.warning(
-                "secret unavailable",
-                extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
-            )
-            raise HTTPException(503, "the server cannot read its token for this route") from None
-        return value if isinstance(value, str) and value else None
-    return None
+def _configured_secret(reference: str) -> str | None:
+    """The secret's current version, as cached for SECRETS_MAX_AGE_SECONDS; None when it
+    is not text (no token)."""
+    try:
+        value = fetch_secret(reference, settings().secrets_max_age_seconds)
+    except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
+        logger.warning(
+            "secret unavailable",
+            extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
+        )
+        raise HTTPException(503, "the server cannot read its token for this route") from None
+    return value if isinstance(value, str) and value else None
 
 
-def _previous_secret(reference: str | None) -> Callable[[], str | None] | None:
+def _previous_secret(reference: str) -> str | None:
     """The secret's previous version (Secrets Manager's AWSPREVIOUS), read only when the
     current one did not match: during a rotation both are accepted. Unreadable: none."""
-    if not reference:
+    try:
+        return runtime().previous_secret(reference)
+    except Exception as error:  # noqa: BLE001 - the current version still works
+        logger.warning(
+            "previous secret version unavailable",
+            extra={"secret": reference, "error": f"{type(error).__name__}"},
+        )
         return None
 
-    def read() -> str | None:
-        try:
-            return runtime().previous_secret(reference)
-        except Exception as error:  # noqa: BLE001 - the current version still works
-            logger.warning(
-                "previous secret version unavailable",
-                extra={"secret": reference, "error": f"{type(error).__name__}"},
-            )
-            return None
 
-    return read
+def _secret_matches(given: bytes, reference: str) -> bool:
+    """Whether `given` is the secret's current version (as cached) or its previous one."""
+    expected = _configured_secret(reference)
+    if expected is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    if hmac.compare_digest(given, expected.encode()):
+        return True
+    older = _previous_secret(reference)
+    return older is not None and hmac.compare_digest(given, older.encode())
 
 
 def _unauthorized() -> HTTPException:
@@ -3235,17 +3274,29 @@ def _unauthorized() -> HTTPException:
 
 
 def _check_bearer(
-    credentials: HTTPAuthorizationCredentials | None,
-    expected: str | None,
-    previous: Callable[[], str | None] | None = None,
-):
-    if expected is None:
-        raise HTTPException(503, "the server has no token configured for this route")
+    credentials: HTTPAuthorizationCredentials | None, plain: str | None, reference: str | None
+) -> None:
+    """The bearer token against the route's: `plain` (from the environment), or else the
+    secret at `reference`, its current version or its previous one. A token that matches
+    neither cached version may be a rotated secret's new value: the secret is read again
+    (Runtime.refresh_secret, rate-limited) before the answer is 401, so a new value works
+    at its first use."""
     given = credentials.credentials.encode() if credentials else b""
-    if hmac.compare_digest(given, expected.encode()):
+    if plain:
+        if hmac.compare_digest(given, plain.encode()):
+            return
+        raise _unauthorized()
+    if reference is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    if _secret_matches(given, reference):
         return
-    older = previous() if previous is not None else None
-    if older is not None and hmac.compare_digest(given, older.encode()):
+    try:
+        runtime().refresh_secret(reference)
+    except Exception as error:  # noqa: BLE001 - the cached versions stand; a wrong token is 401
+        logger.warning(
+            "secret refresh failed", extra={"secret": reference, "error": type(error).__name__}
+        )
+    if _secret_matches(given, reference):
         return
     raise _unauthorized()
 
@@ -3273,21 +3324,13 @@ def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credent
     config = settings()
     if not config.shared_password_accepted:
         raise _unauthorized()
-    _check_bearer(
-        credentials,
-        _configured_secret(config.upload_password, config.upload_password_secret),
-        _previous_secret(config.upload_password_secret),
-    )
+    _check_bearer(credentials, config.upload_password, config.upload_password_secret)
     return SHARED_PASSWORD
 
 
 def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
     config = settings()
-    _check_bearer(
-        credentials,
-        _configured_secret(config.admin_token, config.admin_token_secret),
-        _previous_secret(config.admin_token_secret),
-    )
+    _check_bearer(credentials, config.admin_token, config.admin_token_secret)
 
 
 async def require_analyser(
