@@ -3590,7 +3590,7 @@ async def ping(
     """Heartbeat. A named analyser is its token's; under the shared password it is known
     by X-Analyser-Id (a label), else address and User-Agent."""
     if credential.analyser is not None:
-        record_analyser_seen(api_connection(), credential.analyser)
+        await blocking(lambda: record_analyser_seen(api_connection(), credential.analyser))
         return PlainTextResponse("online")
     source = request.client.host if request.client else "unknown"
     if len(source) > 100 or not PRINTABLE_ASCII.fullmatch(source):
@@ -3865,11 +3865,11 @@ async def create_analyser(request: Request) -> JSONResponse:
     """A new named analyser: {"name": ...}. Its token is in this answer and nowhere else,
     ever: the database keeps its SHA-256."""
     _require_content_type(request, ("application/json",))
-    body = _parse_json(await _read_body(request), "the body")
+    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
     if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
         raise HTTPException(400, 'the body must be {"name": "..."}')
     try:
-        created = add_analyser(api_connection(), body["name"])
+        created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
     except AnalyserExists:
         raise HTTPException(409, f"an analyser named {body['name']} exists") from None
     return JSONResponse(created, status_code=201)
@@ -3884,7 +3884,8 @@ async def get_analysers() -> JSONResponse:
     """Every named analyser: created, last seen, online, the app it holds and since when,
     its last result, results and failures in the last 24 hours, revoked or not. Never a
     token."""
-    return JSONResponse({"analysers": list_analysers(api_connection(), settings().policy)})
+    analysers = await blocking(lambda: list_analysers(api_connection(), settings().policy))
+    return JSONResponse({"analysers": analysers})
 
 
 @app.delete(
@@ -3899,7 +3900,7 @@ async def delete_analyser(request: Request) -> JSONResponse:
     """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
     name = _analyser_name_param(request)
     try:
-        return JSONResponse(revoke_analyser(api_connection(), name))
+        return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), name)))
     except UnknownAnalyser:
         raise HTTPException(404, f"no analyser named {name}") from None
 
@@ -3935,7 +3936,7 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
     overlap = DEFAULT_ROTATION_OVERLAP
     if body:
         _require_content_type(request, ("application/json",))
-        parsed = _parse_json(body, "the body")
+        parsed = await blocking(_parse_json, body, "the body", parse=True)
         if not isinstance(parsed, dict) or not set(parsed) <= {"overlap"}:
             raise HTTPException(400, 'the body must be {"overlap": "24h"} or empty')
         overlap = parsed.get("overlap", overlap)
@@ -3943,11 +3944,12 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
             raise HTTPException(400, 'overlap is a duration such as "30m" or "7d"')
     seconds = overlap_seconds(overlap)
     try:
-        return JSONResponse(rotate_analyser(api_connection(), name, seconds))
+        rotated = await blocking(lambda: rotate_analyser(api_connection(), name, seconds))
     except UnknownAnalyser:
         raise HTTPException(404, f"no analyser named {name}") from None
     except AnalyserRevoked:
         raise HTTPException(409, f"the analyser {name} is revoked") from None
+    return JSONResponse(rotated)
 
 
 HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` says why."}}
