@@ -710,18 +710,29 @@ WHERE name = :name
 RETURNING name, revoked
 """
 # The token in use becomes the previous one for the overlap (none with no overlap); a
-# previous token still in its overlap is dropped. A revoked analyser stays revoked.
+# previous token still in its overlap is dropped. A revoked analyser stays revoked. One
+# statement that locks the row before it decides: a revocation that commits while it
+# waits is seen (revoked), so the answer is one row saying which case it was (none: no
+# such analyser), whatever commits meanwhile.
 ROTATE_ANALYSER = """
-UPDATE analysers
-SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
-    previous_token_expires = CASE WHEN :overlap_seconds > 0
-                                  THEN now() + make_interval(secs => :overlap_seconds) END,
-    token_hash = :token_hash, rotated = now()
-WHERE name = :name AND revoked IS NULL
-RETURNING name, rotated, previous_token_expires
+WITH found AS (
+    SELECT name, revoked IS NOT NULL AS revoked FROM analysers WHERE name = :name FOR UPDATE
+), rotated AS (
+    UPDATE analysers
+    SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
+        previous_token_expires = CASE WHEN :overlap_seconds > 0
+                                      THEN now() + make_interval(secs => :overlap_seconds) END,
+        token_hash = :token_hash, rotated = now()
+    FROM found WHERE analysers.name = found.name AND NOT found.revoked
+    RETURNING analysers.name, analysers.rotated, analysers.previous_token_expires
+)
+SELECT found.name, found.revoked, rotated.rotated, rotated.previous_token_expires
+FROM found LEFT JOIN rotated ON rotated.name = found.name
 """
-FIND_ANALYSER = "SELECT name, revoked FROM analysers WHERE name = :name"
-RECORD_ANALYSER_SEEN = "UPDATE analysers SET last_seen = now() WHERE name = :name"
+# A heartbeat of a token authenticated just before its analyser was revoked is not one.
+RECORD_ANALYSER_SEEN = """
+UPDATE analysers SET last_seen = now() WHERE name = :name AND revoked IS NULL
+"""
 RECORD_ANALYSER_RESULT = """
 UPDATE analysers SET last_result_app = :appid, last_result_at = now(),
                      last_result_success = :success, last_result_version = :version
@@ -2557,24 +2568,23 @@ def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
 def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, Any]:
     """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
     token = new_analyser_token()
-
-    def work(session: Session) -> dict[str, Any]:
-        found = session.records(FIND_ANALYSER, name=_analyser_name(name))
-        if not found:
-            raise UnknownAnalyser(name)
-        if found[0]["revoked"] is not None:
-            raise AnalyserRevoked(name)
-        (row,) = session.records(
-            ROTATE_ANALYSER, name=name, token_hash=token_hash(token), overlap_seconds=overlap
-        )
-        return {
-            "name": row["name"],
-            "rotated": _plain(row["rotated"]),
-            "previousTokenValidUntil": _plain(row["previous_token_expires"]),
-            "token": token,
-        }
-
-    return db.transaction(work)
+    rows = db.records(
+        ROTATE_ANALYSER,
+        name=_analyser_name(name),
+        token_hash=token_hash(token),
+        overlap_seconds=overlap,
+    )
+    if not rows:
+        raise UnknownAnalyser(name)
+    (row,) = rows
+    if row["revoked"]:
+        raise AnalyserRevoked(name)
+    return {
+        "name": row["name"],
+        "rotated": _plain(row["rotated"]),
+        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+        "token": token,
+    }
 
 
 def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
