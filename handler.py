@@ -3040,15 +3040,21 @@ def _adopted(files: list[MigrationFile], ledger: dict[str, str | None]) -> list[
     return [m for m in files if m.name in ledger and ledger[m.name] is None]
 
 
-def dry_run_migrations(db: SharedConnection, directory: Path | None = None) -> list[str]:
+def dry_run_migrations(
+    db: SharedConnection, directory: Path | None = None, lock_timeout: str | None = None
+) -> list[str]:
     """The files apply_migrations would apply, read in a READ ONLY transaction: nothing
     is created, altered, adopted or locked, so it runs on a read-only database too, on
     any ledger (none, the old server's without checksums, ours). MigrationRefused when
-    the runner would refuse."""
+    the runner would refuse. Reading the ledger waits for a lock another session holds
+    on it (a migration's, an operator's) no longer than a real run would wait for one:
+    `lock_timeout`, else MIGRATION_LOCK_TIMEOUT; then 55P03."""
     files = migration_files(directory)
+    lock_timeout = lock_timeout or settings().migration_lock_timeout
     with db.raw_connection() as connection:
         connection.run("BEGIN TRANSACTION READ ONLY")
         try:
+            connection.run("SET LOCAL lock_timeout = " + pg8000.native.literal(lock_timeout))
             (shape,) = connection.run(LEDGER_SHAPE)
             ledger_exists, has_checksums = shape
             rows = []
@@ -3079,7 +3085,7 @@ def apply_migrations(
     the names that would be applied: dry_run_migrations). `progress` gets a line for
     each file applied, with its duration."""
     if dry_run:
-        return dry_run_migrations(db, directory)
+        return dry_run_migrations(db, directory, lock_timeout)
     config = settings()
     lock_timeout = lock_timeout or config.migration_lock_timeout
     wait_seconds = config.migration_wait_seconds if wait_seconds is None else wait_seconds
@@ -5046,7 +5052,7 @@ def cli_error_line(error: BaseException) -> str:
     elif state == "55P03":
         text = (
             f"lock timeout ({_error_text(error)}): another session held a lock longer than"
-            " LOCK_TIMEOUT_MS; try again"
+            " LOCK_TIMEOUT_MS (MIGRATION_LOCK_TIMEOUT for migrate); try again"
         )
     elif state == "25006":
         text = f"the database is read-only ({_error_text(error)})"
@@ -5059,7 +5065,10 @@ def cli_error_line(error: BaseException) -> str:
     return line if len(line) <= CLI_ERROR_LIMIT else line[: CLI_ERROR_LIMIT - 1] + "…"
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli_parser() -> argparse.ArgumentParser:
+    """The CLI's table: every command and subcommand, its options, and the function that
+    runs it (`run`). main() parses with it; tests/test_cli_operations.py walks it, so a
+    new command is run there against a locked database."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="handler.py", description=__doc__.split("\n")[0])
@@ -5123,7 +5132,11 @@ def main(argv: list[str] | None = None) -> int:
     invoke.add_argument("function", choices=["api", "migrate", "report"])
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")
     invoke.set_defaults(run=_cli_invoke)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli_parser().parse_args(argv)
     _cli_choices.clear()  # a new command (tests call main() more than once per process)
     use_runtime(None)  # built from the environment at its first use, inside the try below
     # SIGTERM (kill, a service manager) and SIGHUP (its terminal closed) end a command as
