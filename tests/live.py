@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import uvicorn
@@ -42,15 +42,20 @@ class LiveServer:
 
 
 @contextmanager
-def serving(app) -> Iterator[LiveServer]:
+def serving(app, clock: Callable[[], float] | None = None) -> Iterator[LiveServer]:
     """`app` served as `python handler.py serve` serves handler.app (_cli_serve): the
-    process's Runtime, built from the environment, has SERVE_WORKER_THREADS worker threads
-    (each with a connection of its own), and uvicorn runs the app on loopback in a thread
-    of this process (`server.thread` runs the event loop)."""
+    process's Runtime, built from the environment (with `clock`, if given), has
+    SERVE_WORKER_THREADS worker threads (each with a connection of its own), and uvicorn
+    runs the app on loopback in a thread of this process (`server.thread` runs the event
+    loop)."""
     import handler
 
     config = handler.load_settings()
-    handler.use_runtime(handler.Runtime(config, worker_threads=handler.SERVE_WORKER_THREADS))
+    threads = handler.SERVE_WORKER_THREADS
+    if clock is None:
+        handler.use_runtime(handler.Runtime(config, worker_threads=threads))
+    else:
+        handler.use_runtime(handler.Runtime(config, clock=clock, worker_threads=threads))
     try:
         with LiveServer(app) as server:
             yield server

@@ -14,9 +14,8 @@ import logging
 import os
 import threading
 
+import httpx
 import pytest
-from fastapi import HTTPException
-from fastapi.security import HTTPAuthorizationCredentials
 from kit import SteppingClock, configure_function
 
 import handler
@@ -34,7 +33,7 @@ from helpers import (
     one_record,
     run_python,
 )
-from live import TcpProxy
+from live import TcpProxy, serving
 
 pytestmark = pytest.mark.usefixtures("lambda_container")
 
@@ -67,13 +66,10 @@ def secret_api(aws, database_url, monkeypatch):
     return invoke
 
 
-def container_with_a_clock(worker_threads: int = 0) -> handler.Runtime:
+def container_with_a_clock() -> handler.Runtime:
     """A new container (Runtime) from the environment, with a clock the test advances
     (runtime().clock.advance) instead of waiting."""
-    config = handler.load_settings()
-    return handler.use_runtime(
-        handler.Runtime(config, clock=SteppingClock(), worker_threads=worker_threads)
-    )
+    return handler.use_runtime(handler.Runtime(handler.load_settings(), clock=SteppingClock()))
 
 
 @pytest.fixture
@@ -203,17 +199,12 @@ def test_a_flood_of_wrong_tokens_reads_each_secret_once_per_interval(secret_api,
 
 
 def test_wrong_tokens_on_many_threads_at_once_share_one_read(secret_api, secret_reads, monkeypatch):
-    """Under `serve` the checks run on worker threads: threads that meet a wrong token at
-    the same time make one read of the secret between them. The first read is held until
-    every thread has asked for one, so they all overlap it (an order, not a timing)."""
+    """Under `serve` the checks run on worker threads: requests that bring a wrong token
+    at the same time make one read of the secret between them. The first read is held
+    until every request has asked for one, so they all overlap it (an order, not a
+    timing)."""
     threads = handler.SERVE_WORKER_THREADS
-    container_with_a_clock(worker_threads=threads)
-    wrong = HTTPAuthorizationCredentials(scheme="Bearer", credentials="wrong")
-    right = HTTPAuthorizationCredentials(scheme="Bearer", credentials=UPLOAD_SECRET)
-    assert handler._check_analyser(right) == handler.SHARED_PASSWORD
-    with pytest.raises(HTTPException):
-        handler._check_analyser(wrong)  # the previous version is cached now
-    handler.runtime().clock.advance(handler.SECRET_REFRESH_SECONDS)
+    clock = SteppingClock()
     asked = []
     everyone_asked = threading.Event()
     refresh, fetch = handler.Runtime.refresh_secret, handler.fetch_secret
@@ -226,28 +217,35 @@ def test_wrong_tokens_on_many_threads_at_once_share_one_read(secret_api, secret_
 
     def held_first_read(*args, fresh=False, **kwargs):
         if fresh:
-            assert everyone_asked.wait(60), f"only {len(asked)} thread(s) asked for a read"
+            assert everyone_asked.wait(60), f"only {len(asked)} request(s) asked for a read"
         return fetch(*args, fresh=fresh, **kwargs)
 
-    monkeypatch.setattr(handler.Runtime, "refresh_secret", asking)
-    monkeypatch.setattr(handler, "fetch_secret", held_first_read)
-    start = len(secret_reads)
-    statuses: list[int] = []
-    together = threading.Barrier(threads)
+    with serving(handler.app, clock=clock) as server:
+        ping = f"{server.url}/ping"
 
-    def check() -> None:
-        together.wait(60)
-        try:
-            handler._check_analyser(wrong)
-        except HTTPException as refused:
-            statuses.append(refused.status_code)
+        def status(token: str) -> int:
+            return httpx.get(ping, headers={"Authorization": f"Bearer {token}"}).status_code
 
-    workers = [threading.Thread(target=check) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(120)
-    assert not any(worker.is_alive() for worker in workers)
+        assert status(UPLOAD_SECRET) == 200
+        assert status("wrong") == 401  # the previous version is cached now
+        clock.advance(handler.SECRET_REFRESH_SECONDS)
+        monkeypatch.setattr(handler.Runtime, "refresh_secret", asking)
+        monkeypatch.setattr(handler, "fetch_secret", held_first_read)
+        asked.clear()
+        start = len(secret_reads)
+        statuses: list[int] = []
+        together = threading.Barrier(threads)
+
+        def client() -> None:
+            together.wait(60)
+            statuses.append(status("wrong"))
+
+        clients = [threading.Thread(target=client) for _ in range(threads)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(120)
+    assert not any(thread.is_alive() for thread in clients)
     assert statuses == [401] * threads
     assert len(asked) == threads
     assert reads_since(secret_reads, start) == {UPLOAD_CURRENT: 1, UPLOAD_PREVIOUS: 1}

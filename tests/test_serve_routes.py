@@ -185,11 +185,13 @@ def calls_for(app: FastAPI, values: Values) -> list[Call]:
 
 
 class Recorder:
-    """The thread of every database call (SharedConnection) and secret read the service
-    makes."""
+    """The thread of every database call and secret read the service makes: every
+    statement goes through a SharedConnection's transaction, autocommit (run and records
+    too) or raw_connection."""
 
     WATCHED = (
-        (handler.SharedConnection, "_attempt"),
+        (handler.SharedConnection, "transaction"),
+        (handler.SharedConnection, "autocommit"),
         (handler.SharedConnection, "raw_connection"),
         (handler, "fetch_secret"),
         (handler, "fetch_previous_secret"),
@@ -301,7 +303,7 @@ def test_the_walk_catches_a_route_that_calls_the_database_on_the_loop(
         return PlainTextResponse("ok")
 
     assert walk(copy, Values(sql), monkeypatch) == [
-        "GET /probe/inline (anyone): SharedConnection._attempt on the event loop"
+        "GET /probe/inline (anyone): SharedConnection.autocommit on the event loop"
     ]
 
 
