@@ -729,7 +729,8 @@ WITH found AS (
 SELECT found.name, found.revoked, rotated.rotated, rotated.previous_token_expires
 FROM found LEFT JOIN rotated ON rotated.name = found.name
 """
-# A heartbeat of a token authenticated just before its analyser was revoked is not one.
+# A /ping authenticated just before its analyser's revocation committed records no
+# heartbeat after it.
 RECORD_ANALYSER_SEEN = """
 UPDATE analysers SET last_seen = now() WHERE name = :name AND revoked IS NULL
 """
@@ -3044,11 +3045,12 @@ def dry_run_migrations(
     db: SharedConnection, directory: Path | None = None, lock_timeout: str | None = None
 ) -> list[str]:
     """The files apply_migrations would apply, read in a READ ONLY transaction: nothing
-    is created, altered, adopted or locked, so it runs on a read-only database too, on
-    any ledger (none, the old server's without checksums, ours). MigrationRefused when
-    the runner would refuse. Reading the ledger waits for a lock another session holds
-    on it (a migration's, an operator's) no longer than a real run would wait for one:
-    `lock_timeout`, else MIGRATION_LOCK_TIMEOUT; then 55P03."""
+    is created, altered, adopted or locked (but for the read's own ACCESS SHARE), so it
+    runs on a read-only database too, on any ledger (none, the old server's without
+    checksums, ours). MigrationRefused when the runner would refuse. The read waits for
+    a lock another session holds on the ledger (a migration's, an operator's) no longer
+    than a real run would wait for one: `lock_timeout`, else MIGRATION_LOCK_TIMEOUT;
+    then 55P03."""
     files = migration_files(directory)
     lock_timeout = lock_timeout or settings().migration_lock_timeout
     with db.raw_connection() as connection:
