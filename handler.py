@@ -710,18 +710,30 @@ WHERE name = :name
 RETURNING name, revoked
 """
 # The token in use becomes the previous one for the overlap (none with no overlap); a
-# previous token still in its overlap is dropped. A revoked analyser stays revoked.
+# previous token still in its overlap is dropped. A revoked analyser stays revoked. One
+# statement that locks the row before it decides: a revocation that commits while it
+# waits is seen (revoked), so the answer is one row saying which case it was (none: no
+# such analyser), whatever commits meanwhile.
 ROTATE_ANALYSER = """
-UPDATE analysers
-SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
-    previous_token_expires = CASE WHEN :overlap_seconds > 0
-                                  THEN now() + make_interval(secs => :overlap_seconds) END,
-    token_hash = :token_hash, rotated = now()
-WHERE name = :name AND revoked IS NULL
-RETURNING name, rotated, previous_token_expires
+WITH found AS (
+    SELECT name, revoked IS NOT NULL AS revoked FROM analysers WHERE name = :name FOR UPDATE
+), rotated AS (
+    UPDATE analysers
+    SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
+        previous_token_expires = CASE WHEN :overlap_seconds > 0
+                                      THEN now() + make_interval(secs => :overlap_seconds) END,
+        token_hash = :token_hash, rotated = now()
+    FROM found WHERE analysers.name = found.name AND NOT found.revoked
+    RETURNING analysers.name, analysers.rotated, analysers.previous_token_expires
+)
+SELECT found.name, found.revoked, rotated.rotated, rotated.previous_token_expires
+FROM found LEFT JOIN rotated ON rotated.name = found.name
 """
-FIND_ANALYSER = "SELECT name, revoked FROM analysers WHERE name = :name"
-RECORD_ANALYSER_SEEN = "UPDATE analysers SET last_seen = now() WHERE name = :name"
+# A /ping authenticated just before its analyser's revocation committed records no
+# heartbeat after it.
+RECORD_ANALYSER_SEEN = """
+UPDATE analysers SET last_seen = now() WHERE name = :name AND revoked IS NULL
+"""
 RECORD_ANALYSER_RESULT = """
 UPDATE analysers SET last_result_app = :appid, last_result_at = now(),
                      last_result_success = :success, last_result_version = :version
@@ -1337,6 +1349,12 @@ class SharedConnection:
                 raise
 
 
+# A bearer token that matches neither cached version of a secret makes the process read
+# the secret again (it may have been rotated since), at most once per this many seconds
+# per secret: a flood of wrong tokens costs a process two reads of it (current and
+# previous version) per interval, whatever the number of threads (docs/analysers.md).
+SECRET_REFRESH_SECONDS = 10
+
 # The API's socket timeout is the statement timeout plus this: a dead network path (no
 # reply, no reset) fails the read instead of hanging until Lambda's timeout. A request
 # that finds its connection dead tries once more on a new one, so the worst case on a
@@ -1369,14 +1387,44 @@ class Runtime:
         self._limiters: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._previous_secrets: dict[str, tuple[float, str | None]] = {}
+        self._secret_refreshed: dict[str, float] = {}  # when each was last read afresh
+        self._secret_locks: dict[str, threading.Lock] = {}
+
+    def _secret_lock(self, reference: str) -> threading.Lock:
+        """One reader of a secret at a time: threads that need it meanwhile wait for the
+        read and use what it found (one Secrets Manager call, not one per thread)."""
+        with self._lock:
+            return self._secret_locks.setdefault(reference, threading.Lock())
 
     def previous_secret(self, reference: str) -> str | None:
-        """fetch_previous_secret, cached for SECRETS_MAX_AGE_SECONDS like the current."""
-        now = time.monotonic()
+        """fetch_previous_secret, cached for SECRETS_MAX_AGE_SECONDS like the current (a
+        cached value is read without waiting for a refresh under way)."""
+        max_age = self.settings.secrets_max_age_seconds
         cached = self._previous_secrets.get(reference)
-        if cached is None or now - cached[0] >= self.settings.secrets_max_age_seconds:
-            cached = self._previous_secrets[reference] = (now, fetch_previous_secret(reference))
-        return cached[1]
+        if cached is not None and self.clock() - cached[0] < max_age:
+            return cached[1]
+        with self._secret_lock(reference):
+            now = self.clock()
+            cached = self._previous_secrets.get(reference)
+            if cached is None or now - cached[0] >= max_age:
+                cached = (now, fetch_previous_secret(reference))
+                self._previous_secrets[reference] = cached
+            return cached[1]
+
+    def refresh_secret(self, reference: str) -> None:
+        """Read the secret again, bypassing the caches (the current version, through
+        Powertools' force_fetch, and the previous one), unless this process did less than
+        SECRET_REFRESH_SECONDS ago (by its clock). A thread that comes while another reads
+        it waits, and then finds it read. An unreadable secret raises; it counts as a
+        read all the same, so an unreachable store is not asked again and again."""
+        with self._secret_lock(reference):
+            now = self.clock()
+            last = self._secret_refreshed.get(reference)
+            if last is not None and now - last < SECRET_REFRESH_SECONDS:
+                return
+            self._secret_refreshed[reference] = now
+            fetch_secret(reference, self.settings.secrets_max_age_seconds, fresh=True)
+            self._previous_secrets[reference] = (now, fetch_previous_secret(reference))
 
     def api_connection(self) -> SharedConnection:
         """The API's SharedConnection, created on first use: the process's, or with worker
@@ -2521,24 +2569,23 @@ def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
 def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, Any]:
     """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
     token = new_analyser_token()
-
-    def work(session: Session) -> dict[str, Any]:
-        found = session.records(FIND_ANALYSER, name=_analyser_name(name))
-        if not found:
-            raise UnknownAnalyser(name)
-        if found[0]["revoked"] is not None:
-            raise AnalyserRevoked(name)
-        (row,) = session.records(
-            ROTATE_ANALYSER, name=name, token_hash=token_hash(token), overlap_seconds=overlap
-        )
-        return {
-            "name": row["name"],
-            "rotated": _plain(row["rotated"]),
-            "previousTokenValidUntil": _plain(row["previous_token_expires"]),
-            "token": token,
-        }
-
-    return db.transaction(work)
+    rows = db.records(
+        ROTATE_ANALYSER,
+        name=_analyser_name(name),
+        token_hash=token_hash(token),
+        overlap_seconds=overlap,
+    )
+    if not rows:
+        raise UnknownAnalyser(name)
+    (row,) = rows
+    if row["revoked"]:
+        raise AnalyserRevoked(name)
+    return {
+        "name": row["name"],
+        "rotated": _plain(row["rotated"]),
+        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+        "token": token,
+    }
 
 
 def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
@@ -2994,15 +3041,22 @@ def _adopted(files: list[MigrationFile], ledger: dict[str, str | None]) -> list[
     return [m for m in files if m.name in ledger and ledger[m.name] is None]
 
 
-def dry_run_migrations(db: SharedConnection, directory: Path | None = None) -> list[str]:
+def dry_run_migrations(
+    db: SharedConnection, directory: Path | None = None, lock_timeout: str | None = None
+) -> list[str]:
     """The files apply_migrations would apply, read in a READ ONLY transaction: nothing
-    is created, altered, adopted or locked, so it runs on a read-only database too, on
-    any ledger (none, the old server's without checksums, ours). MigrationRefused when
-    the runner would refuse."""
+    is created, altered, adopted or locked (but for the read's own ACCESS SHARE), so it
+    runs on a read-only database too, on any ledger (none, the old server's without
+    checksums, ours). MigrationRefused when the runner would refuse. The read waits for
+    a lock another session holds on the ledger (a migration's, an operator's) no longer
+    than a real run would wait for one: `lock_timeout`, else MIGRATION_LOCK_TIMEOUT;
+    then 55P03."""
     files = migration_files(directory)
+    lock_timeout = lock_timeout or settings().migration_lock_timeout
     with db.raw_connection() as connection:
         connection.run("BEGIN TRANSACTION READ ONLY")
         try:
+            connection.run("SET LOCAL lock_timeout = " + pg8000.native.literal(lock_timeout))
             (shape,) = connection.run(LEDGER_SHAPE)
             ledger_exists, has_checksums = shape
             rows = []
@@ -3033,7 +3087,7 @@ def apply_migrations(
     the names that would be applied: dry_run_migrations). `progress` gets a line for
     each file applied, with its duration."""
     if dry_run:
-        return dry_run_migrations(db, directory)
+        return dry_run_migrations(db, directory, lock_timeout)
     config = settings()
     lock_timeout = lock_timeout or config.migration_lock_timeout
     wait_seconds = config.migration_wait_seconds if wait_seconds is None else wait_seconds
@@ -3193,39 +3247,42 @@ CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
 RETRY_AFTER = {"Retry-After": "5"}
 
 
-def _configured_secret(plain: str | None, reference: str | None) -> str | None:
-    if plain:
-        return plain
-    if reference:
-        try:
-            value = fetch_secret(reference, settings().secrets_max_age_seconds)
-        except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
-            logger.warning(
-                "secret unavailable",
-                extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
-            )
-            raise HTTPException(503, "the server cannot read its token for this route") from None
-        return value if isinstance(value, str) and value else None
-    return None
+def _configured_secret(reference: str) -> str | None:
+    """The secret's current version, as cached for SECRETS_MAX_AGE_SECONDS; None when it
+    is not text (no token)."""
+    try:
+        value = fetch_secret(reference, settings().secrets_max_age_seconds)
+    except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
+        logger.warning(
+            "secret unavailable",
+            extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
+        )
+        raise HTTPException(503, "the server cannot read its token for this route") from None
+    return value if isinstance(value, str) and value else None
 
 
-def _previous_secret(reference: str | None) -> Callable[[], str | None] | None:
+def _previous_secret(reference: str) -> str | None:
     """The secret's previous version (Secrets Manager's AWSPREVIOUS), read only when the
     current one did not match: during a rotation both are accepted. Unreadable: none."""
-    if not reference:
+    try:
+        return runtime().previous_secret(reference)
+    except Exception as error:  # noqa: BLE001 - the current version still works
+        logger.warning(
+            "previous secret version unavailable",
+            extra={"secret": reference, "error": f"{type(error).__name__}"},
+        )
         return None
 
-    def read() -> str | None:
-        try:
-            return runtime().previous_secret(reference)
-        except Exception as error:  # noqa: BLE001 - the current version still works
-            logger.warning(
-                "previous secret version unavailable",
-                extra={"secret": reference, "error": f"{type(error).__name__}"},
-            )
-            return None
 
-    return read
+def _secret_matches(given: bytes, reference: str) -> bool:
+    """Whether `given` is the secret's current version (as cached) or its previous one."""
+    expected = _configured_secret(reference)
+    if expected is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    if hmac.compare_digest(given, expected.encode()):
+        return True
+    older = _previous_secret(reference)
+    return older is not None and hmac.compare_digest(given, older.encode())
 
 
 def _unauthorized() -> HTTPException:
@@ -3235,17 +3292,29 @@ def _unauthorized() -> HTTPException:
 
 
 def _check_bearer(
-    credentials: HTTPAuthorizationCredentials | None,
-    expected: str | None,
-    previous: Callable[[], str | None] | None = None,
-):
-    if expected is None:
-        raise HTTPException(503, "the server has no token configured for this route")
+    credentials: HTTPAuthorizationCredentials | None, plain: str | None, reference: str | None
+) -> None:
+    """The bearer token against the route's: `plain` (from the environment), or else the
+    secret at `reference`, its current version or its previous one. A token that matches
+    neither cached version may be a rotated secret's new value: the secret is read again
+    (Runtime.refresh_secret, rate-limited) before the answer is 401, so a new value works
+    at its first use."""
     given = credentials.credentials.encode() if credentials else b""
-    if hmac.compare_digest(given, expected.encode()):
+    if plain:
+        if hmac.compare_digest(given, plain.encode()):
+            return
+        raise _unauthorized()
+    if reference is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    if _secret_matches(given, reference):
         return
-    older = previous() if previous is not None else None
-    if older is not None and hmac.compare_digest(given, older.encode()):
+    try:
+        runtime().refresh_secret(reference)
+    except Exception as error:  # noqa: BLE001 - the cached versions stand; a wrong token is 401
+        logger.warning(
+            "secret refresh failed", extra={"secret": reference, "error": type(error).__name__}
+        )
+    if _secret_matches(given, reference):
         return
     raise _unauthorized()
 
@@ -3273,21 +3342,13 @@ def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credent
     config = settings()
     if not config.shared_password_accepted:
         raise _unauthorized()
-    _check_bearer(
-        credentials,
-        _configured_secret(config.upload_password, config.upload_password_secret),
-        _previous_secret(config.upload_password_secret),
-    )
+    _check_bearer(credentials, config.upload_password, config.upload_password_secret)
     return SHARED_PASSWORD
 
 
 def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
     config = settings()
-    _check_bearer(
-        credentials,
-        _configured_secret(config.admin_token, config.admin_token_secret),
-        _previous_secret(config.admin_token_secret),
-    )
+    _check_bearer(credentials, config.admin_token, config.admin_token_secret)
 
 
 async def require_analyser(
@@ -3547,7 +3608,7 @@ async def ping(
     """Heartbeat. A named analyser is its token's; under the shared password it is known
     by X-Analyser-Id (a label), else address and User-Agent."""
     if credential.analyser is not None:
-        record_analyser_seen(api_connection(), credential.analyser)
+        await blocking(lambda: record_analyser_seen(api_connection(), credential.analyser))
         return PlainTextResponse("online")
     source = request.client.host if request.client else "unknown"
     if len(source) > 100 or not PRINTABLE_ASCII.fullmatch(source):
@@ -3822,11 +3883,11 @@ async def create_analyser(request: Request) -> JSONResponse:
     """A new named analyser: {"name": ...}. Its token is in this answer and nowhere else,
     ever: the database keeps its SHA-256."""
     _require_content_type(request, ("application/json",))
-    body = _parse_json(await _read_body(request), "the body")
+    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
     if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
         raise HTTPException(400, 'the body must be {"name": "..."}')
     try:
-        created = add_analyser(api_connection(), body["name"])
+        created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
     except AnalyserExists:
         raise HTTPException(409, f"an analyser named {body['name']} exists") from None
     return JSONResponse(created, status_code=201)
@@ -3841,7 +3902,8 @@ async def get_analysers() -> JSONResponse:
     """Every named analyser: created, last seen, online, the app it holds and since when,
     its last result, results and failures in the last 24 hours, revoked or not. Never a
     token."""
-    return JSONResponse({"analysers": list_analysers(api_connection(), settings().policy)})
+    analysers = await blocking(lambda: list_analysers(api_connection(), settings().policy))
+    return JSONResponse({"analysers": analysers})
 
 
 @app.delete(
@@ -3856,7 +3918,7 @@ async def delete_analyser(request: Request) -> JSONResponse:
     """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
     name = _analyser_name_param(request)
     try:
-        return JSONResponse(revoke_analyser(api_connection(), name))
+        return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), name)))
     except UnknownAnalyser:
         raise HTTPException(404, f"no analyser named {name}") from None
 
@@ -3892,7 +3954,7 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
     overlap = DEFAULT_ROTATION_OVERLAP
     if body:
         _require_content_type(request, ("application/json",))
-        parsed = _parse_json(body, "the body")
+        parsed = await blocking(_parse_json, body, "the body", parse=True)
         if not isinstance(parsed, dict) or not set(parsed) <= {"overlap"}:
             raise HTTPException(400, 'the body must be {"overlap": "24h"} or empty')
         overlap = parsed.get("overlap", overlap)
@@ -3900,11 +3962,12 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
             raise HTTPException(400, 'overlap is a duration such as "30m" or "7d"')
     seconds = overlap_seconds(overlap)
     try:
-        return JSONResponse(rotate_analyser(api_connection(), name, seconds))
+        rotated = await blocking(lambda: rotate_analyser(api_connection(), name, seconds))
     except UnknownAnalyser:
         raise HTTPException(404, f"no analyser named {name}") from None
     except AnalyserRevoked:
         raise HTTPException(409, f"the analyser {name} is revoked") from None
+    return JSONResponse(rotated)
 
 
 HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` says why."}}
@@ -4991,7 +5054,7 @@ def cli_error_line(error: BaseException) -> str:
     elif state == "55P03":
         text = (
             f"lock timeout ({_error_text(error)}): another session held a lock longer than"
-            " LOCK_TIMEOUT_MS; try again"
+            " LOCK_TIMEOUT_MS (MIGRATION_LOCK_TIMEOUT for migrate); try again"
         )
     elif state == "25006":
         text = f"the database is read-only ({_error_text(error)})"
@@ -5004,7 +5067,10 @@ def cli_error_line(error: BaseException) -> str:
     return line if len(line) <= CLI_ERROR_LIMIT else line[: CLI_ERROR_LIMIT - 1] + "…"
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli_parser() -> argparse.ArgumentParser:
+    """The CLI's table: every command and subcommand, its options, and the function that
+    runs it (`run`). main() parses with it; tests/test_cli_operations.py walks it, so a
+    new command is run there against a locked database."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="handler.py", description=__doc__.split("\n")[0])
@@ -5068,7 +5134,11 @@ def main(argv: list[str] | None = None) -> int:
     invoke.add_argument("function", choices=["api", "migrate", "report"])
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")
     invoke.set_defaults(run=_cli_invoke)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli_parser().parse_args(argv)
     _cli_choices.clear()  # a new command (tests call main() more than once per process)
     use_runtime(None)  # built from the environment at its first use, inside the try below
     # SIGTERM (kill, a service manager) and SIGHUP (its terminal closed) end a command as

@@ -1,10 +1,12 @@
 """The tests' kit: connections and the ledger, queue rows arranged directly in the
 database, the Lambda entry points' events and contexts, the custom resource's ResponseURL,
-log records, and the CLI. (The databases themselves are in kit.py; the fixtures in conftest.py.)"""
+log records, the CLI, and races of two operations interleaved by a lock. (The databases
+themselves are in kit.py; the fixtures in conftest.py.)"""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import http.server
 import json
 import re
@@ -12,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pg8000.native
@@ -441,3 +445,104 @@ def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
         timeout=60,
         check=False,
     )
+
+
+# --- races: two operations at once, interleaved by a lock ------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one raced operation did: the value it returned, or the exception it raised."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+def lock_waiters(watcher: pg8000.native.Connection) -> int:
+    """How many client sessions of the watcher's database wait for a lock now."""
+    ((count,),) = watcher.run(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND backend_type = 'client backend' AND wait_event_type = 'Lock'"
+    )
+    return count
+
+
+def race(
+    url: str,
+    hold: Callable[[pg8000.native.Connection], Any],
+    first: Callable[[], Any],
+    second: Callable[[], Any],
+    *,
+    first_starts: bool = True,
+    timeout: float = 60,
+) -> tuple[Outcome, Outcome]:
+    """first() and second() at once, each on a database connection of its own (they open
+    or hold their own: two callables on one connection would wait in Python, not in
+    PostgreSQL, and fail the round), in an order a lock decides, never a sleep: a third
+    connection opens a transaction and runs hold(connection), which takes a lock both
+    need (a row's FOR UPDATE; for a row not there yet, an INSERT of its key). The one that
+    starts is seen waiting for that lock (or done, if it needed none) before the other
+    starts and is seen the same; then the holder rolls back and the waiters go on in the
+    order PostgreSQL queued them: a row lock's waiters in the order they came. (first's
+    outcome, second's outcome). An operation that neither waits nor ends within `timeout`
+    seconds fails the round."""
+    holder, watcher = connect(url), connect(url)
+    outcomes = (Outcome(), Outcome())
+
+    def runner(work: Callable[[], Any], outcome: Outcome) -> threading.Thread:
+        def target() -> None:
+            try:
+                outcome.value = work()
+            except BaseException as error:  # the caller judges it
+                outcome.error = error
+
+        return threading.Thread(target=target, daemon=True)
+
+    threads = [runner(first, outcomes[0]), runner(second, outcomes[1])]
+    started: list[threading.Thread] = []
+    try:
+        holder.run("BEGIN")
+        hold(holder)
+        for thread in threads if first_starts else threads[::-1]:
+            thread.start()
+            started.append(thread)
+            deadline = time.monotonic() + timeout
+            # Every operation started and not done is waiting for a lock.
+            while lock_waiters(watcher) < sum(t.is_alive() for t in started):
+                assert time.monotonic() < deadline, "an operation neither waited nor ended"
+                time.sleep(0.005)
+        holder.run("ROLLBACK")
+        for thread in threads:
+            thread.join(timeout)
+        assert not any(thread.is_alive() for thread in threads), "an operation hangs"
+    finally:
+        holder.close()
+        watcher.close()
+    return outcomes
+
+
+def races(
+    url: str,
+    hold: Callable[[pg8000.native.Connection, int], Any],
+    first: Callable[[int], Any],
+    second: Callable[[int], Any],
+    rounds: int,
+    setup: Callable[[int], Any] | None = None,
+) -> list[tuple[Outcome, Outcome]]:
+    """race() `rounds` times, the first operation starting first in even rounds and the
+    second in odd ones (so both queue orders are run); setup() before each round, hold()
+    (with the holder's connection) and the operations get the round's number."""
+    results = []
+    for number in range(rounds):
+        if setup is not None:
+            setup(number)
+        results.append(
+            race(
+                url,
+                lambda connection, n=number: hold(connection, n),
+                lambda n=number: first(n),
+                lambda n=number: second(n),
+                first_starts=number % 2 == 0,
+            )
+        )
+    return results

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import uvicorn
 
@@ -37,6 +39,28 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+@contextmanager
+def serving(app, clock: Callable[[], float] | None = None) -> Iterator[LiveServer]:
+    """`app` served as `python handler.py serve` serves handler.app (_cli_serve): the
+    process's Runtime, built from the environment (with `clock`, if given), has
+    SERVE_WORKER_THREADS worker threads (each with a connection of its own), and uvicorn
+    runs the app on loopback in a thread of this process (`server.thread` runs the event
+    loop)."""
+    import handler
+
+    config = handler.load_settings()
+    threads = handler.SERVE_WORKER_THREADS
+    if clock is None:
+        handler.use_runtime(handler.Runtime(config, worker_threads=threads))
+    else:
+        handler.use_runtime(handler.Runtime(config, clock=clock, worker_threads=threads))
+    try:
+        with LiveServer(app) as server:
+            yield server
+    finally:
+        handler.use_runtime(None)
 
 
 class TcpProxy:

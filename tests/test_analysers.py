@@ -359,6 +359,8 @@ def test_docs_analysers_states_what_the_code_does():
         assert f"`{route}" in text
     assert "`POST\n  /analysers/{name}/rotate`" in text or "POST /analysers/{name}/rotate" in text
     assert "`ActiveAnalysers`" in text
+    refresh = f"`SECRET_REFRESH_SECONDS` = {handler.SECRET_REFRESH_SECONDS} seconds"
+    assert " ".join(text.split()).count(refresh) == 1
 
 
 def test_the_schema_says_get_apps_is_public_with_an_optional_admin_token():

@@ -5,6 +5,7 @@ writes nothing on any database state (pg_dump before and after) and works read-o
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
@@ -26,11 +27,13 @@ from kit import configure_function
 import handler
 import legacy
 from helpers import (
+    EVENTS,
     UNREACHABLE_DATABASE,
     LambdaContext,
     app_row,
     cfn_event,
     connect,
+    env_json,
     history,
     insert_app,
     invoke_migrate,
@@ -355,6 +358,221 @@ def test_a_database_that_is_down_is_one_line():
     for args in (("queue-status",), ("migrate",), ("migrate", "--dry-run"), ("queue-refetch",)):
         line = one_error_line(cli(UNREACHABLE_DATABASE, *args))
         assert line.startswith("error: cannot connect to the database at 127.0.0.1:9: "), line
+
+
+# --- every command answers within its timeouts ------------------------------------------------
+
+# The tables the commands and entry points read, each locked ACCESS EXCLUSIVE by another
+# session for the whole walk: a command that waited for a lock without a timeout would wait
+# until the walk's guard.
+LOCKED_TABLES = (
+    "apps",
+    "schema_migrations",
+    "analysers",
+    "analyser_heartbeats",
+    "queue_policy",
+    "app_analyses",
+)
+TIMEOUTS = {
+    "LOCK_TIMEOUT_MS": "300",
+    "STATEMENT_TIMEOUT_MS": "2000",
+    "MIGRATION_LOCK_TIMEOUT": "300ms",
+    "MIGRATION_WAIT_SECONDS": "2",
+}
+# The bound: a command meets at most a few lock waits one after the other (a claim: the
+# promotion's, then its own), each ended by its timeout (0.3 s), on top of an interpreter's
+# start and import (generous, for a busy machine). Each runs under a hard limit, the
+# test's guard against one that hangs.
+LOCK_WAITS = 4
+START_SECONDS = 40
+BOUND_SECONDS = START_SECONDS + LOCK_WAITS * int(TIMEOUTS["LOCK_TIMEOUT_MS"]) / 1000
+GUARD_SECONDS = 2 * BOUND_SECONDS
+LOCK_TIMEOUT_LINE = "error: lock timeout (55P03: "
+
+
+def commands(parser, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    """Every command of the CLI's table (handler.cli_parser), subcommands by their path
+    (("analysers", "add")), each with its parser."""
+    import argparse
+
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        return {path: parser}
+    return {
+        found: sub_parser
+        for group in groups
+        for name, child in group.choices.items()
+        for found, sub_parser in commands(child, (*path, name)).items()
+    }
+
+
+def entry_point_of(event: dict) -> str:
+    """The Lambda entry point an event of events/ is for."""
+    if "requestContext" in event:
+        return "api"
+    if "RequestType" in event:
+        return "migrate"
+    if event.get("source") == "aws.events":
+        return "report"
+    raise AssertionError(f"no entry point takes the event {sorted(event)}")
+
+
+def lock_timeout_line(done: subprocess.CompletedProcess) -> str | None:
+    """None when the command failed as documented: exit 1 and one line on stderr,
+    `error: lock timeout (55P03: ...`; else what it did."""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    if done.returncode == 1 and len(errors) == 1 and errors[0].startswith(LOCK_TIMEOUT_LINE):
+        return None
+    return f"exit {done.returncode}: {done.stderr[-300:]}"
+
+
+def api_busy(done: subprocess.CompletedProcess) -> str | None:
+    """None when `invoke api` printed the API's 503 "try again" with Retry-After (exit 1)."""
+    answer = json.loads(done.stdout.splitlines()[-1])
+    headers = {name.lower(): value for name, value in answer["headers"].items()}
+    busy = answer["statusCode"] == 503 and "try again" in json.loads(answer["body"])["detail"]
+    if done.returncode == 1 and busy and headers.get("retry-after"):
+        return None
+    return f"exit {done.returncode}: {answer}"
+
+
+def migration_reply(status: str, reason: str):
+    """A check that `invoke migrate` printed a reply of `status` whose reason starts so."""
+
+    def check(done: subprocess.CompletedProcess) -> str | None:
+        reply = json.loads(done.stdout.splitlines()[-1])
+        code = 0 if status == "SUCCESS" else 1
+        if (done.returncode, reply["Status"]) == (code, status) and reply["Reason"].startswith(
+            reason
+        ):
+            return None
+        return f"exit {done.returncode}: {reply}"
+
+    return check
+
+
+def invocations(invoke_parser) -> list[tuple[list[str], object]]:
+    """`invoke FUNCTION EVENT` for every event file of events/, with the answer its entry
+    point gives when the tables it reads are locked. Every function the command offers
+    has an event, and every event a function."""
+    (function,) = [a for a in invoke_parser._actions if a.dest == "function"]
+    runs, covered = [], set()
+    for path in sorted(EVENTS.glob("*.json")):
+        if path.name == "env.json":  # sam's --env-vars file, not an event
+            continue
+        event = json.loads(path.read_text())
+        entry = entry_point_of(event)
+        covered.add(entry)
+        if entry == "api":
+            check = api_busy
+        elif entry == "report":
+            check = lock_timeout_line
+        elif event["RequestType"] == "Delete":  # leaves the database alone: reads nothing
+            check = migration_reply("SUCCESS", "Delete leaves the database as it is")
+        else:
+            check = migration_reply("FAILED", "migration failed: lock timeout")
+        runs.append((["invoke", entry, f"events/{path.name}"], check))
+    assert covered == set(function.choices)
+    return runs
+
+
+def runs_of(command: tuple[str, ...], parser) -> list[tuple[list[str], object]] | None:
+    """How the walk runs `command`, and what it must answer; None for `serve`."""
+    if command == ("serve",):
+        # Long-running: it answers through its routes, and tests/test_serve_routes.py walks
+        # every one of them (each statement runs on the API connection, with
+        # LOCK_TIMEOUT_MS and STATEMENT_TIMEOUT_MS: tests/test_locks.py).
+        return None
+    if command == ("invoke",):
+        return invocations(parser)
+    arguments = {
+        ("migrate",): [["migrate"], ["migrate", "--dry-run"]],
+        ("queue-status",): [["queue-status"], ["queue-status", "--json"]],
+        ("priority-report",): [["priority-report"]],
+        ("queue-refetch",): [
+            ["queue-refetch"],
+            ["queue-refetch", "--failed"],
+            ["queue-refetch", "--appid", "com.example.app", "--apply"],
+        ],
+        ("analysers", "list"): [["analysers", "list"]],
+        ("analysers", "add"): [["analysers", "add", "pi-locked"]],
+        ("analysers", "rotate"): [["analysers", "rotate", "pi-locked", "--overlap", "1h"]],
+        ("analysers", "revoke"): [["analysers", "revoke", "pi-locked"]],
+    }
+    assert command in arguments, f"the walk does not know how to run {' '.join(command)}"
+    return [(args, lock_timeout_line) for args in arguments[command]]
+
+
+def timed_cli(url: str, args: list[str]) -> tuple[subprocess.CompletedProcess | None, float]:
+    """The command in its own process under the guard; (its result or None if it hung,
+    its duration)."""
+    tokens = {name: env_json("ApiFunction")[name] for name in ("UPLOAD_PASSWORD", "ADMIN_TOKEN")}
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, str(handler.HERE / "handler.py"), *args],
+            env={**os.environ, "DATABASE_URL": url, **TIMEOUTS, **tokens},
+            cwd=handler.HERE,
+            capture_output=True,
+            text=True,
+            timeout=GUARD_SECONDS,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None, time.monotonic() - started
+    return done, time.monotonic() - started
+
+
+def test_every_command_answers_within_its_timeouts_behind_locked_tables(database_url):
+    """The CLI's whole table (a command added later is run here too, or fails the walk
+    for want of a way to run it): each command and entry point, against a database whose
+    tables another session holds ACCESS EXCLUSIVE, ends within the bound its timeouts
+    give, with its documented answer: the one-line `error: lock timeout` (exit 1), the
+    API's 503 "try again", the migration's FAILED "lock timeout"; never a traceback."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    table = commands(handler.cli_parser())
+    runs = []
+    for command, parser in table.items():
+        runs += runs_of(command, parser) or []
+    assert ("serve",) in table and len(runs) > len(table)
+    holder = connect(database_url)
+    try:
+        holder.run("BEGIN")
+        holder.run(f"LOCK TABLE {', '.join(LOCKED_TABLES)} IN ACCESS EXCLUSIVE MODE")
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            finished = list(pool.map(lambda run: timed_cli(database_url, run[0]), runs))
+    finally:
+        holder.run("ROLLBACK")
+        holder.close()
+    wrong = []
+    for (args, check), (done, seconds) in zip(runs, finished, strict=True):
+        if done is None:
+            wrong.append((args, f"still running after {GUARD_SECONDS:.0f} s"))
+            continue
+        try:
+            problem = check(done)
+        except (ValueError, KeyError, IndexError) as unreadable:  # not the documented answer
+            problem = f"{unreadable!r}: {done.stdout[-300:]} {done.stderr[-300:]}"
+        if problem is not None:
+            wrong.append((args, problem))
+        if seconds > BOUND_SECONDS:
+            wrong.append((args, f"took {seconds:.1f} s"))
+        if any(line.startswith("Traceback") for line in done.stderr.splitlines()):
+            wrong.append((args, done.stderr))
+    assert wrong == []
+
+
+def test_the_walk_knows_no_command_it_is_not_told_how_to_run():
+    """A command the walk has no way to run fails it (here: one added to a copy of the
+    table)."""
+    parser = handler.cli_parser()
+    (group,) = [a for a in parser._actions if a.dest == "command"]
+    group.add_parser("new-command")
+    table = commands(parser)
+    assert ("new-command",) in table and ("analysers", "rotate") in table
+    with pytest.raises(AssertionError, match="does not know how to run new-command"):
+        runs_of(("new-command",), table[("new-command",)])
 
 
 ERRORS = st.one_of(

@@ -1,17 +1,22 @@
 """Secrets, as the Lambda entry points read them: the API's tokens from Secrets Manager and
-SSM through Powertools Parameters (moto), cached for SECRETS_MAX_AGE_SECONDS, never logged
-by any entry point; the database's credentials from Secrets Manager; boto3 imported only
-when a secret is read."""
+SSM through Powertools Parameters (moto), cached for SECRETS_MAX_AGE_SECONDS, read again
+when a bearer matches neither cached version (so a rotated value works at its first use),
+at most once per SECRET_REFRESH_SECONDS however many wrong tokens come and on however many
+threads, never logged by any entry point; the database's credentials from Secrets
+Manager; boto3 imported only when a secret is read."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
 import os
+import threading
 
+import httpx
 import pytest
-from kit import configure_function
+from kit import SteppingClock, configure_function
 
 import handler
 from helpers import (
@@ -28,7 +33,7 @@ from helpers import (
     one_record,
     run_python,
 )
-from live import TcpProxy
+from live import TcpProxy, serving
 
 pytestmark = pytest.mark.usefixtures("lambda_container")
 
@@ -53,11 +58,48 @@ def secret_api(aws, database_url, monkeypatch):
         UPLOAD_PASSWORD_SECRET="secretsmanager:queue/upload",
         ADMIN_TOKEN_SECRET="ssm:/queue/admin",
     )
+    container_with_a_clock()
 
     def invoke(name: str, token: str | None) -> dict:
         return invoke_api(name, {"authorization": None if token is None else f"Bearer {token}"})
 
     return invoke
+
+
+def container_with_a_clock() -> handler.Runtime:
+    """A new container (Runtime) from the environment, with a clock the test advances
+    (runtime().clock.advance) instead of waiting."""
+    return handler.use_runtime(handler.Runtime(handler.load_settings(), clock=SteppingClock()))
+
+
+@pytest.fixture
+def secret_reads(aws, monkeypatch):
+    """Every request any boto3 client sends (moto answers them): (operation, the secret
+    or parameter, VersionStage) in order. Counted where every client makes its calls."""
+    import botocore.client
+
+    calls: list[tuple[str, str, str | None]] = []
+    real = botocore.client.BaseClient._make_api_call
+
+    def counting(client, operation, params):
+        if operation in ("GetSecretValue", "GetParameter"):
+            named = params.get("SecretId") or params.get("Name")
+            calls.append((operation, named, params.get("VersionStage")))
+        return real(client, operation, params)
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", counting)
+    return calls
+
+
+def reads_since(calls: list, start: int) -> collections.Counter:
+    return collections.Counter(calls[start:])
+
+
+# What one refresh reads: the Secrets Manager secret's current and previous versions, the
+# SSM parameter's one value.
+UPLOAD_CURRENT = ("GetSecretValue", "queue/upload", None)
+UPLOAD_PREVIOUS = ("GetSecretValue", "queue/upload", "AWSPREVIOUS")
+ADMIN_VALUE = ("GetParameter", "/queue/admin", None)
 
 
 def test_tokens_from_secrets_manager_and_ssm(secret_api, sql):
@@ -72,25 +114,153 @@ def test_tokens_from_secrets_manager_and_ssm(secret_api, sql):
     assert app_row(sql, "com.example.app")["status"] == "processing"
 
 
-def test_secrets_are_cached_for_max_age(secret_api, aws):
+def test_secrets_are_cached_for_max_age(secret_api, aws, secret_reads):
+    """Within SECRETS_MAX_AGE_SECONDS (300) a token that matches is checked against the
+    cached value, without asking AWS, even after the secrets are gone."""
+    assert handler.settings().secrets_max_age_seconds == 300
     assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
     assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
-    # Rotated, then deleted: within SECRETS_MAX_AGE_SECONDS (300) the cached values
-    # still answer, without asking AWS.
-    aws.client("secretsmanager").put_secret_value(
-        SecretId="queue/upload", SecretString="rotated-upload"
-    )
-    aws.client("ssm").put_parameter(
-        Name="/queue/admin", Value="rotated-admin", Type="SecureString", Overwrite=True
-    )
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
-    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 401
+    warm = len(secret_reads)
+    for _ in range(5):
+        assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+        assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 200
     aws.client("secretsmanager").delete_secret(
         SecretId="queue/upload", ForceDeleteWithoutRecovery=True
     )
     aws.client("ssm").delete_parameter(Name="/queue/admin")
     assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
     assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 200
+    assert len(secret_reads) == warm
+
+
+def test_a_rotated_secret_works_at_its_first_use(secret_api, aws):
+    """With the default SECRETS_MAX_AGE_SECONDS (300), rotated while the process holds
+    the old values: the new value is accepted on its first request. Secrets Manager's
+    previous version still works (the overlap); an SSM parameter's old value stops once
+    the process has read the new one."""
+    assert handler.settings().secrets_max_age_seconds == 300
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
+    aws.client("secretsmanager").put_secret_value(
+        SecretId="queue/upload", SecretString="rotated-upload"
+    )
+    aws.client("ssm").put_parameter(
+        Name="/queue/admin", Value="rotated-admin", Type="SecureString", Overwrite=True
+    )
+    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
+    assert secret_api("add-app.json", "rotated-admin")["statusCode"] == 200
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 401
+    assert secret_api("queue.json", "rotated-upload")["body"] == "com.example.app"
+
+
+def test_a_flood_of_wrong_tokens_reads_each_secret_once_per_interval(secret_api, aws, secret_reads):
+    """Wrong tokens make the process read the secret again at most once per
+    SECRET_REFRESH_SECONDS (by its clock, advanced here): two reads of a Secrets Manager
+    secret (its current and previous versions), one of an SSM parameter, however many
+    wrong tokens come. And the promise's one limit: a value rotated within that interval
+    after such a read is refused until the interval is over."""
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
+    start = len(secret_reads)
+    for n in range(50):
+        assert secret_api("ping.json", f"wrong-{n}")["statusCode"] == 401
+        assert secret_api("add-app.json", f"wrong-{n}")["statusCode"] == 401
+    # One refresh each; the previous version was also read once before it, to be cached.
+    assert reads_since(secret_reads, start) == {
+        UPLOAD_CURRENT: 1,
+        UPLOAD_PREVIOUS: 2,
+        ADMIN_VALUE: 1,
+    }
+    start = len(secret_reads)
+    clock = handler.runtime().clock
+    clock.advance(handler.SECRET_REFRESH_SECONDS - 1)
+    for n in range(50):
+        assert secret_api("ping.json", f"wrong-{n}")["statusCode"] == 401
+        assert secret_api("add-app.json", f"wrong-{n}")["statusCode"] == 401
+    assert reads_since(secret_reads, start) == {}
+    clock.advance(1)
+    for n in range(50):
+        assert secret_api("ping.json", f"wrong-{n}")["statusCode"] == 401
+        assert secret_api("add-app.json", f"wrong-{n}")["statusCode"] == 401
+    assert reads_since(secret_reads, start) == {
+        UPLOAD_CURRENT: 1,
+        UPLOAD_PREVIOUS: 1,
+        ADMIN_VALUE: 1,
+    }
+    # Rotated right after that read: refused within the interval, accepted after it.
+    aws.client("secretsmanager").put_secret_value(
+        SecretId="queue/upload", SecretString="rotated-upload"
+    )
+    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 401
+    clock.advance(handler.SECRET_REFRESH_SECONDS)
+    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+
+
+def test_wrong_tokens_on_many_threads_at_once_share_one_read(secret_api, secret_reads, monkeypatch):
+    """Under `serve` the checks run on worker threads: requests that bring a wrong token
+    at the same time make one read of the secret between them. The first read is held
+    until every request has asked for one, so they all overlap it (an order, not a
+    timing)."""
+    threads = handler.SERVE_WORKER_THREADS
+    clock = SteppingClock()
+    asked = []
+    everyone_asked = threading.Event()
+    refresh, fetch = handler.Runtime.refresh_secret, handler.fetch_secret
+
+    def asking(runtime, reference):
+        asked.append(reference)
+        if len(asked) == threads:
+            everyone_asked.set()
+        return refresh(runtime, reference)
+
+    def held_first_read(*args, fresh=False, **kwargs):
+        if fresh:
+            assert everyone_asked.wait(60), f"only {len(asked)} request(s) asked for a read"
+        return fetch(*args, fresh=fresh, **kwargs)
+
+    with serving(handler.app, clock=clock) as server:
+        ping = f"{server.url}/ping"
+
+        def status(token: str) -> int:
+            return httpx.get(ping, headers={"Authorization": f"Bearer {token}"}).status_code
+
+        assert status(UPLOAD_SECRET) == 200
+        assert status("wrong") == 401  # the previous version is cached now
+        clock.advance(handler.SECRET_REFRESH_SECONDS)
+        monkeypatch.setattr(handler.Runtime, "refresh_secret", asking)
+        monkeypatch.setattr(handler, "fetch_secret", held_first_read)
+        asked.clear()
+        start = len(secret_reads)
+        statuses: list[int] = []
+        together = threading.Barrier(threads)
+
+        def client() -> None:
+            together.wait(60)
+            statuses.append(status("wrong"))
+
+        clients = [threading.Thread(target=client) for _ in range(threads)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(120)
+    assert not any(thread.is_alive() for thread in clients)
+    assert statuses == [401] * threads
+    assert len(asked) == threads
+    assert reads_since(secret_reads, start) == {UPLOAD_CURRENT: 1, UPLOAD_PREVIOUS: 1}
+
+
+def test_a_secret_unreadable_at_a_refresh_keeps_its_cached_values(secret_api, aws, capsys):
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    aws.client("secretsmanager").delete_secret(
+        SecretId="queue/upload", ForceDeleteWithoutRecovery=True
+    )
+    capsys.readouterr()
+    assert secret_api("ping.json", "wrong")["statusCode"] == 401  # not 503: a wrong token
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    record = one_record(json_lines(capsys.readouterr().err), "secret refresh failed")
+    assert record["level"] == "WARNING" and record["secret"] == "secretsmanager:queue/upload"
 
 
 def test_secrets_are_read_again_after_max_age(secret_api, aws, monkeypatch):
@@ -129,16 +299,20 @@ def test_admin_token_rotation_in_secrets_manager_overlaps(aws, database_url, mon
         database_url,
         ADMIN_TOKEN="",
         ADMIN_TOKEN_SECRET="secretsmanager:queue/admin",
-        SECRETS_MAX_AGE_SECONDS="0",
     )
+    clock = container_with_a_clock().clock
+    assert handler.settings().secrets_max_age_seconds == 300
 
     def status(token: str) -> int:
         return invoke_api("add-app.json", {"authorization": f"Bearer {token}"})["statusCode"]
 
     assert status("admin-v1") == 201
     assert status("admin-v0") == 401
+    # Rotations are further apart than the refresh interval (the wrong token read it).
+    clock.advance(handler.SECRET_REFRESH_SECONDS)
     client.put_secret_value(SecretId="queue/admin", SecretString="admin-v2")
     assert (status("admin-v2"), status("admin-v1")) == (200, 200)
+    clock.advance(handler.SECRET_REFRESH_SECONDS)
     client.put_secret_value(SecretId="queue/admin", SecretString="admin-v3")
     assert (status("admin-v3"), status("admin-v2"), status("admin-v1")) == (200, 200, 401)
 
