@@ -155,7 +155,8 @@ def test_every_event_answers_in_the_emulator_as_in_process_and_as_expected(
     for step, ours, theirs in zip(EVENT_RUN, emulated, in_process, strict=True):
         log = logs[step.function]
         assert normalised(ours) == normalised(theirs), f"{step.event}: the emulator's log:\n{log}"
-        assert mismatches(step.expect, ours[1]) == [], f"{step.event}: the emulator's log:\n{log}"
+        wrong = mismatches(step.expect, ours[1])
+        assert not wrong, f"{step.event}: {wrong}; the emulator's log:\n{log}"
         if len(ours) == 3:  # a custom resource: the reply CloudFormation gets is the answer
             assert ours[1] == ours[2], (step.event, log)
     # And Lambda's init ran the shipped bytecode read-only: nothing could be written.
