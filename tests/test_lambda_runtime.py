@@ -163,9 +163,18 @@ def test_every_event_answers_in_the_emulator_as_in_process_and_as_expected(
     assert "Read-only file system" not in logs["ApiFunction"]
 
 
+def dockerd_flags(text: str) -> set[str]:
+    """The flags of the first `dockerd` command in `text` (continued over lines ending in
+    a backslash): `--name`, or `--name=value` where the value is written so."""
+    start = re.search(r"^\s*dockerd --", text, re.MULTILINE).start()
+    command = re.match(r"(?:.*\\\n)*.*", text[start:]).group(0)
+    return set(re.findall(r"--[a-z0-9-]+(?:=[^\s\"']+)?", command))
+
+
 def test_the_sam_local_page_names_what_make_sam_local_uses():
-    """docs/local-lambda.md's bridge address, image tag and requirement files are those of
-    tools/sam_local.py and tests/lambda_emulator.py."""
+    """docs/local-lambda.md's bridge address, image tag, requirement files, Docker daemon
+    and port option are those of tools/sam_local.py, tests/lambda_emulator.py, .ci/run
+    and the Makefile."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -174,13 +183,25 @@ def test_the_sam_local_page_names_what_make_sam_local_uses():
     sam_local = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sam_local)
     page = (handler.HERE / "docs" / "local-lambda.md").read_text()
-    assert f"ip addr add {sam_local.GATEWAY}/24 dev sam0" in page
+    ci = (handler.HERE / ".ci" / "run").read_text()
+    makefile = (handler.HERE / "Makefile").read_text()
+    for text in (page, ci):
+        assert f"ip addr add {sam_local.GATEWAY}/24 dev sam0" in text
+        assert "export DOCKER_HOST=" in text
+        assert "make sam-local" in text
+    # The daemon the page starts is the one CI starts: its own roots, pidfile and socket.
+    flags = dockerd_flags(ci)
+    assert {"--data-root", "--exec-root", "--pidfile", "--host", "--bridge=sam0"} <= flags
+    assert dockerd_flags(page) == flags
     assert f"--add-host host.docker.internal:{sam_local.GATEWAY}" in page
     assert f"`{sam_local.GATEWAY}:5432`" in page
     assert page.count(sam_local.IMAGE) >= 4
     for path in (KIT_REQUIREMENTS, SAM_REQUIREMENTS):
         assert f"`{path.relative_to(handler.HERE)}`" in page
-    assert "python3 tools/sam_local.py --stand-in" in (handler.HERE / "Makefile").read_text()
+    recipe = "python3 tools/sam_local.py --stand-in --port $(SAM_LOCAL_PORT)"
+    assert recipe in makefile and recipe in page
+    assert "SAM_LOCAL_PORT ?= 0" in makefile and "make sam-local SAM_LOCAL_PORT=" in page
+    assert "--port" in page and "tests/expected_answers.py" in page
 
 
 def test_the_cold_start_page_states_the_template_memory():
