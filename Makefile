@@ -88,8 +88,10 @@ lock:
 		--output-file $(LAYER_LOCK)
 
 # `sam local` end to end (docs/local-lambda.md): every event through `sam local invoke`
-# and the curl walkthrough through `sam local start-api`, answers checked; with no Lambda
+# and the README's curl walkthrough through `sam local start-api` (on 127.0.0.1 at
+# SAM_LOCAL_PORT; 0: a free port), answers checked against the suite's; with no Lambda
 # image in Docker it builds the TEST STAND-IN from local parts.
+SAM_LOCAL_PORT ?= 0
 .PHONY: sam-local
 sam-local:
-	python3 tools/sam_local.py --stand-in
+	python3 tools/sam_local.py --stand-in --port $(SAM_LOCAL_PORT)

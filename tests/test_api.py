@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
 
 import pytest
+from expected_answers import comparable, readme_walkthrough, run_readme_walkthrough
 from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 
 import handler
@@ -606,34 +605,6 @@ def test_database_down_is_503_without_a_stack_trace(client, monkeypatch):
 # --- the README's walkthrough ------------------------------------------------------------
 
 
-def readme_walkthrough() -> list[tuple[str, list[str]]]:
-    """The curl walkthrough of the README: each `$ ` command (with its continuation lines)
-    and the lines the README shows it printing."""
-    import handler
-
-    readme = (handler.HERE / "README.md").read_text()
-    start = readme.index("Try it with curl once `serve` runs")
-    section = readme[start : readme.index("\n## ", start)]
-    steps: list[tuple[str, list[str]]] = []
-    continued = False
-    for line in section.splitlines():
-        if line.startswith("    $ "):
-            steps.append((line[6:], []))
-        elif continued:
-            steps[-1] = (steps[-1][0] + "\n" + line[4:], steps[-1][1])
-        elif line.startswith("    ") and steps:
-            steps[-1][1].append(line[4:])
-        continued = line.startswith("    ") and line.endswith("\\")
-    return steps
-
-
-def comparable(lines: list[str]) -> list[str]:
-    """Output lines with the times and claim tokens, which differ per run, masked."""
-    time = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00"
-    token = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-    return [re.sub(token, "<token>", re.sub(time, "<time>", line)) for line in lines]
-
-
 def test_the_readme_walkthrough_answers_as_the_readme_shows(database_url, monkeypatch, tmp_path):
     """Every command of the README's curl walkthrough, run as written (in one shell, on the
     tokens `serve` uses when none are set), prints what the README shows. It needs curl,
@@ -651,19 +622,7 @@ def test_the_readme_walkthrough_answers_as_the_readme_shows(database_url, monkey
     steps = readme_walkthrough()
     assert len(steps) >= 7
     assert any("X-Analysis-Claim-Token: $TOKEN" in command for command, _ in steps)
-    script = "\n".join(f"echo '@@step'\n{command}" for command, _ in steps)
     with LiveServer(handler.app) as server:
-        script = script.replace("localhost:3000", f"127.0.0.1:{server.port}")
-        run = subprocess.run(
-            ["bash", "-c", script],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    assert run.returncode == 0, run.stderr
-    printed = run.stdout.split("@@step\n")[1:]
-    assert len(printed) == len(steps)
-    for (command, shown), output in zip(steps, printed, strict=True):
-        assert comparable(output.splitlines()) == comparable(shown), command
+        ran = run_readme_walkthrough(server.port, tmp_path)
+    for command, shown, printed in ran:
+        assert comparable(printed) == comparable(shown), command

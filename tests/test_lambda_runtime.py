@@ -3,9 +3,10 @@ runtime client, awslambdaric, under the Runtime Interface Emulator, with Lambda'
 (/var/task and /opt read-only), Lambda's environment variables and Python 3.12
 (tests/lambda_emulator.py): handler.api, handler.migrate and handler.report answer every
 event of events/ exactly as they answer it in-process, the custom resource's reply
-reaching a listener on 127.0.0.1 in both cases.
+reaching a listener on 127.0.0.1 in both cases, and as tests/expected_answers.py says
+(EVENT_RUN, which `make sam-local` checks `sam local` against too).
 
-Each side gets a database of its own, in the same state, and the same events in the same
+Each side gets a new, unmigrated database of its own and the events of EVENT_RUN in its
 order. Where the machine lacks something this needs (Python 3.12, mount namespaces), the
 test fails saying so.
 """
@@ -13,9 +14,11 @@ test fails saying so.
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 
 import pytest
+from expected_answers import EVENT_RUN, mismatches
 from kit import configure_function
 from lambda_emulator import (
     KIT_REQUIREMENTS,
@@ -32,22 +35,6 @@ from helpers import EVENTS, LambdaContext, ResponseURL, env_json, load_event
 
 pytestmark = [pytest.mark.usefixtures("lambda_container"), pytest.mark.timeout(900)]
 
-API_EVENTS = [
-    "healthz.json",
-    "ping.json",
-    "healthz-analyser.json",
-    "add-app.json",
-    "get-app.json",
-    "queue.json",
-    # A failure, then a success replacing it: a failure after the claim's success would be
-    # refused (docs/queue.md, "Results"), and every route should answer 2xx here.
-    "report-failure.json",
-    "queue-exact-app.json",
-    "upload-analysis.json",
-    "get-app.json",
-]
-MIGRATION_EVENTS = ["cfn-create.json", "cfn-update.json", "cfn-delete.json"]
-REPORT_EVENTS = ["schedule.json"]
 # Each function as template.yaml gives it: name, handler, memory, timeout.
 FUNCTIONS = {
     "ApiFunction": ("handler.api", 512, 25),
@@ -61,7 +48,7 @@ VOLATILE = [
     (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"), "<uuid>"),
 ]
 # ... and how long ago something happened (the in-process side runs a moment later).
-VOLATILE_KEYS = {"age_minutes"}
+VOLATILE_KEYS = {"age_minutes", "minutesSinceLastPing", "minutes_since_last_ping"}
 
 
 def normalised(answer: object) -> object:
@@ -87,109 +74,107 @@ def runtime_parts(tmp_path_factory):
     return python, prepare_kit(python), function_dir, layer_dir
 
 
-def run_both(runtime_parts, tmp_path, monkeypatch, function, events, urls, arrange=None):
-    """(emulator's answers, in-process answers) to `events` in order, each side on its
-    own database (urls: emulator's, in-process's); custom resource events answer a
-    listener on 127.0.0.1, whose reply is part of the answer."""
+def answers(invoke, events: list[str]) -> list[tuple]:
+    """(event, answer) for each of `events` in order, through `invoke`; a custom resource
+    event answers a listener on 127.0.0.1, whose reply is added: (event, answer, reply)."""
+    results = []
+    for name in events:
+        event = copy.deepcopy(load_event(name))
+        if "ResponseURL" in event:
+            listener = ResponseURL()
+            try:
+                event["ResponseURL"] = listener.url
+                results.append((name, invoke(event), listener.reply()))
+            finally:
+                listener.close()
+        else:
+            results.append((name, invoke(event)))
+    return results
+
+
+def by_function() -> list[tuple[str, list[str]]]:
+    """EVENT_RUN as (function, its events) for each run of steps of one function."""
+    return [
+        (function, [step.event for step in steps])
+        for function, steps in itertools.groupby(EVENT_RUN, key=lambda step: step.function)
+    ]
+
+
+def emulated_answers(runtime_parts, tmp_path, url) -> tuple[list[tuple], dict[str, str]]:
+    """EVENT_RUN's answers from the built package, each function in an emulator of its own
+    on `url`, one after the other; and each function's emulator log."""
     python, kit, function_dir, layer_dir = runtime_parts
-    handler_name, memory_mb, timeout_s = FUNCTIONS[function]
-    entry = getattr(handler, handler_name.split(".")[1])
-
-    def answers(invoke, url) -> list:
-        results = []
-        for name in events:
-            event = copy.deepcopy(load_event(name))
-            if "ResponseURL" in event:
-                listener = ResponseURL()
-                try:
-                    event["ResponseURL"] = listener.url
-                    results.append((name, invoke(event), listener.reply()))
-                finally:
-                    listener.close()
-            else:
-                results.append((name, invoke(event)))
-        return results
-
-    variables = {**env_json(function), "DATABASE_URL": urls[0]}
-    with Emulator(
-        kit,
-        python,
-        function_dir,
-        layer_dir,
-        handler_name,
-        variables,
-        function_name=f"analysis-queue-{function}",
-        memory_mb=memory_mb,
-        timeout_s=timeout_s,
-        log_path=tmp_path / f"{function}.log",
-    ) as emulator:
-        emulated = answers(emulator.invoke, urls[0])
-        log = emulator.log()
-    configure_function(monkeypatch, function, urls[1])
-    context = LambdaContext(f"analysis-queue-{function}", timeout_s * 1000)
-    in_process = answers(lambda event: entry(event, context), urls[1])
-    return emulated, in_process, log
+    results, logs = [], {}
+    for function, events in by_function():
+        handler_name, memory_mb, timeout_s = FUNCTIONS[function]
+        with Emulator(
+            kit,
+            python,
+            function_dir,
+            layer_dir,
+            handler_name,
+            {**env_json(function), "DATABASE_URL": url},
+            function_name=f"analysis-queue-{function}",
+            memory_mb=memory_mb,
+            timeout_s=timeout_s,
+            log_path=tmp_path / f"{function}.log",
+        ) as emulator:
+            results += answers(emulator.invoke, events)
+            logs[function] = logs.get(function, "") + emulator.log()
+    return results, logs
 
 
-def assert_same(emulated, in_process, log) -> None:
-    for ours, theirs in zip(emulated, in_process, strict=True):
-        assert normalised(ours) == normalised(theirs), f"{ours[0]}: the emulator's log:\n{log}"
+def in_process_answers(monkeypatch, url) -> list[tuple]:
+    """EVENT_RUN's answers from the entry points in this process, on `url`, each function
+    configured as its Lambda container would be."""
+    results = []
+    for function, events in by_function():
+        handler_name, _, timeout_s = FUNCTIONS[function]
+        entry = getattr(handler, handler_name.split(".")[1])
+        configure_function(monkeypatch, function, url)
+        context = LambdaContext(f"analysis-queue-{function}", timeout_s * 1000)
+
+        def invoke(event, entry=entry, context=context):
+            return entry(event, context)
+
+        results += answers(invoke, events)
+    return results
 
 
 def test_every_event_file_runs_in_the_emulator():
     names = {path.name for path in EVENTS.glob("*.json")} - {"env.json"}
-    assert set(API_EVENTS) | set(MIGRATION_EVENTS) | set(REPORT_EVENTS) == names
+    assert {step.event for step in EVENT_RUN} == names
 
 
-def test_the_api_function_answers_every_api_event_as_in_process(
-    runtime_parts, databases, tmp_path, monkeypatch
-):
-    urls = [databases.create(), databases.create()]
-    emulated, in_process, log = run_both(
-        runtime_parts, tmp_path, monkeypatch, "ApiFunction", API_EVENTS, urls
-    )
-    assert_same(emulated, in_process, log)
-    # The events did what they are for (a queue that handed out the app, a result kept).
-    statuses = [answer["statusCode"] for _, answer in emulated]
-    assert statuses == [200, 200, 200, 201, 200, 200, 200, 200, 200, 200], log
-    assert emulated[5][1]["body"] == "com.example.app"
-    # And Lambda's init ran the shipped bytecode read-only: nothing could be written.
-    assert "Read-only file system" not in log
-
-
-def test_the_migration_function_answers_every_custom_resource_event_as_in_process(
+def test_every_event_answers_in_the_emulator_as_in_process_and_as_expected(
     runtime_parts, databases, tmp_path, monkeypatch
 ):
     urls = [databases.create(migrated=False), databases.create(migrated=False)]
-    emulated, in_process, log = run_both(
-        runtime_parts, tmp_path, monkeypatch, "MigrationFunction", MIGRATION_EVENTS, urls
-    )
-    assert_same(emulated, in_process, log)
-    for name, answer, reply in emulated:
-        assert answer == reply and reply["Status"] == "SUCCESS", (name, log)
-    assert emulated[0][2]["Data"]["Applied"] != "none"
+    emulated, logs = emulated_answers(runtime_parts, tmp_path, urls[0])
+    in_process = in_process_answers(monkeypatch, urls[1])
+    for step, ours, theirs in zip(EVENT_RUN, emulated, in_process, strict=True):
+        log = logs[step.function]
+        assert normalised(ours) == normalised(theirs), f"{step.event}: the emulator's log:\n{log}"
+        wrong = mismatches(step.expect, ours[1])
+        assert not wrong, f"{step.event}: {wrong}; the emulator's log:\n{log}"
+        if len(ours) == 3:  # a custom resource: the reply CloudFormation gets is the answer
+            assert ours[1] == ours[2], (step.event, log)
+    # And Lambda's init ran the shipped bytecode read-only: nothing could be written.
+    assert "Read-only file system" not in logs["ApiFunction"]
 
 
-def test_the_report_function_answers_the_schedule_as_in_process(
-    runtime_parts, databases, tmp_path, monkeypatch
-):
-    urls = [databases.create(), databases.create()]
-    for url in urls:  # the same queue on both sides: an app added, one claimed
-        configure_function(monkeypatch, "ApiFunction", url)
-        for name in ("add-app.json", "queue.json"):
-            handler.api(load_event(name), LambdaContext("analysis-queue-ApiFunction"))
-        handler.use_runtime(None)
-    emulated, in_process, log = run_both(
-        runtime_parts, tmp_path, monkeypatch, "ReportFunction", REPORT_EVENTS, urls
-    )
-    assert_same(emulated, in_process, log)
-    (_, status) = emulated[0]
-    assert status["total"] == 1 and status["counts"] == {"processing": 1}, log
+def dockerd_flags(text: str) -> set[str]:
+    """The flags of the first `dockerd` command in `text` (continued over lines ending in
+    a backslash): `--name`, or `--name=value` where the value is written so."""
+    start = re.search(r"^\s*dockerd --", text, re.MULTILINE).start()
+    command = re.match(r"(?:.*\\\n)*.*", text[start:]).group(0)
+    return set(re.findall(r"--[a-z0-9-]+(?:=[^\s\"']+)?", command))
 
 
 def test_the_sam_local_page_names_what_make_sam_local_uses():
-    """docs/local-lambda.md's bridge address, image tag and requirement files are those of
-    tools/sam_local.py and tests/lambda_emulator.py."""
+    """docs/local-lambda.md's bridge address, image tag, requirement files, Docker daemon
+    and port option are those of tools/sam_local.py, tests/lambda_emulator.py, .ci/run
+    and the Makefile."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -198,13 +183,25 @@ def test_the_sam_local_page_names_what_make_sam_local_uses():
     sam_local = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sam_local)
     page = (handler.HERE / "docs" / "local-lambda.md").read_text()
-    assert f"ip addr add {sam_local.GATEWAY}/24 dev sam0" in page
+    ci = (handler.HERE / ".ci" / "run").read_text()
+    makefile = (handler.HERE / "Makefile").read_text()
+    for text in (page, ci):
+        assert f"ip addr add {sam_local.GATEWAY}/24 dev sam0" in text
+        assert "export DOCKER_HOST=" in text
+        assert "make sam-local" in text
+    # The daemon the page starts is the one CI starts: its own roots, pidfile and socket.
+    flags = dockerd_flags(ci)
+    assert {"--data-root", "--exec-root", "--pidfile", "--host", "--bridge=sam0"} <= flags
+    assert dockerd_flags(page) == flags
     assert f"--add-host host.docker.internal:{sam_local.GATEWAY}" in page
     assert f"`{sam_local.GATEWAY}:5432`" in page
     assert page.count(sam_local.IMAGE) >= 4
     for path in (KIT_REQUIREMENTS, SAM_REQUIREMENTS):
         assert f"`{path.relative_to(handler.HERE)}`" in page
-    assert "python3 tools/sam_local.py --stand-in" in (handler.HERE / "Makefile").read_text()
+    recipe = "python3 tools/sam_local.py --stand-in --port $(SAM_LOCAL_PORT)"
+    assert recipe in makefile and recipe in page
+    assert "SAM_LOCAL_PORT ?= 0" in makefile and "make sam-local SAM_LOCAL_PORT=" in page
+    assert "--port" in page and "tests/expected_answers.py" in page
 
 
 def test_the_cold_start_page_states_the_template_memory():

@@ -1,9 +1,10 @@
 """`sam local` as a user runs it, on this machine, checking answers (docs/local-lambda.md).
 
-    python3 tools/sam_local.py [--stand-in]      (make sam-local: with --stand-in)
+    python3 tools/sam_local.py [--stand-in] [--port N]   (make sam-local: --stand-in)
 
-1. Docker must answer (`docker info`); the SAM CLI (tests/requirements-sam.txt) is
-   installed in .local/sam-venv from PyPI when it is not there.
+1. Docker must answer (`docker info`, at DOCKER_HOST when that is set); the SAM CLI
+   (tests/requirements-sam.txt) is installed in .local/sam-venv from PyPI when it is not
+   there.
 2. The image `sam local` runs, public.ecr.aws/lambda/python:3.12-x86_64: used as it is when
    Docker has it (pulled, or `docker load`ed). With --stand-in, when Docker has none, a TEST
    STAND-IN is built under that tag from local parts only (no registry): this machine's
@@ -20,15 +21,18 @@
    there (a host named host.docker.internal is local: no TLS; any other host at a bridge
    address would fall to DB_SSLMODE=verify-full).
 4. `sam build` (ALLOW_MISSING_RDS_CA=1), then `sam local invoke` on every event of
-   events/, each answer checked (sam exits 0 even when the function fails to start); the
-   custom resource events' ResponseURL points at a listener on the gateway (127.0.0.1
-   would be the container itself), whose reply is checked.
-5. `sam local start-api` on 127.0.0.1:3000 and the curl walkthrough (add an app, claim
-   it, upload with the claim token, the second upload refused, the app analysed).
+   tests/expected_answers.py's EVENT_RUN, in its order, each answer checked against it
+   (sam exits 0 even when the function fails to start); the custom resource events'
+   ResponseURL points at a listener on the gateway (127.0.0.1 would be the container
+   itself), whose reply must be the answer.
+5. `sam local start-api` on 127.0.0.1 (--port; a free port by default) and the README's
+   curl walkthrough run as written against it, on a second, new database (migrated
+   here), each command printing what the README shows.
 
-Every step is bounded in time; traffic goes only to this machine (loopback, and the
-containers on the bridge this machine made); the SAM CLI's telemetry is turned off.
-Exits 1 at the first wrong answer, naming it.
+The expected answers are the suite's (tests/expected_answers.py, the README): this script
+keeps none of its own. Every step is bounded in time; traffic goes only to this machine
+(loopback, and the containers on the bridge this machine made); the SAM CLI's telemetry
+is turned off. Checks every answer, names each wrong one, and exits 1 if there is any.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 IMAGE = "public.ecr.aws/lambda/python:3.12-x86_64"
 # Docker's default bridge (dockerd --bridge=sam0): this machine's address on it.
 GATEWAY = "172.30.241.1"
+# This process's own log lines (the walkthrough database's migration) only when they warn.
+os.environ.setdefault("POWERTOOLS_LOG_LEVEL", "WARNING")
 LOCAL = REPO / ".local"
 SAM = LOCAL / "sam-venv" / "bin" / "sam"
 BUILD_DIR = LOCAL / "sam-build"
@@ -314,7 +320,7 @@ class ReplyListener:
 # --- 4. sam build and sam local invoke ----------------------------------------------------
 
 SAM_LOCAL = ["--skip-pull-image", "--add-host", f"host.docker.internal:{GATEWAY}"]
-SAM_LOCAL += ["--env-vars", str(REPO / "events" / "env.json")]
+ENV_VARS = REPO / "events" / "env.json"
 
 
 def sam_build(python: str) -> None:
@@ -337,30 +343,12 @@ def sam_build(python: str) -> None:
         shutil.rmtree(source, ignore_errors=True)
 
 
-# Each event, in order (one new database), and what its answer must show.
-def status(code: int, body: str | None = None):
-    return lambda a: a.get("statusCode") == code and (body is None or a.get("body") == body)
+def sam_invoke(step, template: Path) -> list[str]:
+    """`sam local invoke` on one step of EVENT_RUN: what is wrong with its answer (none:
+    it is as expected)."""
+    from expected_answers import mismatches
 
-
-INVOKES = [
-    ("MigrationFunction", "cfn-create.json", lambda a: a["Data"]["Applied"].startswith("000_")),
-    ("MigrationFunction", "cfn-update.json", lambda a: a["Data"]["Applied"] == "none"),
-    ("MigrationFunction", "cfn-delete.json", lambda a: a["Status"] == "SUCCESS"),
-    ("ApiFunction", "healthz.json", status(200, '{"status":"ok"}')),
-    ("ApiFunction", "ping.json", status(200, "online")),
-    ("ApiFunction", "healthz-analyser.json", status(200)),
-    ("ApiFunction", "add-app.json", status(201)),
-    ("ApiFunction", "get-app.json", lambda a: '"status":"queued"' in a["body"]),
-    ("ApiFunction", "queue.json", status(200, "com.example.app")),
-    ("ApiFunction", "upload-analysis.json", lambda a: '"rowCount":1' in a["body"]),
-    ("ApiFunction", "queue-exact-app.json", status(200, "")),
-    ("ApiFunction", "report-failure.json", lambda a: '"rowCount":1' in a["body"]),
-    ("ReportFunction", "schedule.json", lambda a: a["total"] == 1 and a["counts"] == {"failed": 1}),
-]
-
-
-def sam_invoke(function: str, name: str, expected, template: Path) -> None:
-    event = json.loads((REPO / "events" / name).read_text())
+    event = json.loads((REPO / "events" / step.event).read_text())
     listener = ReplyListener() if "ResponseURL" in event else None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
         if listener:
@@ -368,8 +356,9 @@ def sam_invoke(function: str, name: str, expected, template: Path) -> None:
         json.dump(event, file)
     try:
         started = time.monotonic()
+        command = [SAM, "local", "invoke", step.function, "-t", template, "-e", file.name]
         done = run(
-            [SAM, "local", "invoke", function, "-t", template, "-e", file.name, *SAM_LOCAL],
+            [*command, *SAM_LOCAL, "--env-vars", ENV_VARS],
             timeout=INVOKE_TIMEOUT,
             check=False,
             env=SAM_ENV,
@@ -380,114 +369,66 @@ def sam_invoke(function: str, name: str, expected, template: Path) -> None:
             answer = json.loads(lines[-1])
         except (IndexError, ValueError):
             answer = None
-        if listener:
-            if len(listener.replies) != 1 or answer != listener.replies[0]:
-                raise Failed(f"{name}: reply {listener.replies} != answer {answer}")
-        try:
-            right = isinstance(answer, dict) and "errorType" not in answer and expected(answer)
-        except (KeyError, TypeError, AttributeError):
-            right = False
-        if done.returncode != 0 or not right:
-            raise Failed(
-                f"sam local invoke {function} -e {name}: exit {done.returncode}, answer"
-                f" {json.dumps(answer)[:1000]}\n{done.stderr[-3000:]}"
-            )
+        wrong = [] if done.returncode == 0 else [f"sam exited {done.returncode}"]
+        if isinstance(answer, dict) and "errorType" in answer:
+            wrong.append(f"the function failed: {json.dumps(answer)[:1000]}")
+        else:
+            wrong += mismatches(step.expect, answer)
+        if listener and listener.replies != [answer]:
+            wrong.append(f"the reply to the ResponseURL {listener.replies} is not the answer")
         shown = json.dumps(answer)
-        print(f"ok  {function:18} {name:24} {seconds:5.1f} s  {shown[:110]}")
+        print(
+            f"{'ok ' if not wrong else 'BAD'} {step.function:18} {step.event:24} {seconds:5.1f} s"
+            f"  {shown[:110]}",
+            flush=True,
+        )
+        if wrong:
+            print("    " + "\n    ".join(wrong) + f"\n    sam's log:\n{done.stderr[-3000:]}")
+        return [f"{step.event}: {problem}" for problem in wrong]
     finally:
         os.unlink(file.name)
         if listener:
             listener.close()
 
 
-# --- 5. sam local start-api and the curl walkthrough ----------------------------------------
+# --- 5. sam local start-api and the README's walkthrough ------------------------------------
 
 
-def curl(*args: str) -> tuple[int, str, str]:
-    """(status, body, headers) of one curl to the local API."""
-    with tempfile.NamedTemporaryFile("r", suffix=".txt") as headers:
-        done = run(
-            ["curl", "-s", "--max-time", "120", "-D", headers.name, "-w", "\n%{http_code}", *args],
-            timeout=150,
-        )
-        body, _, status = done.stdout.rpartition("\n")
-        return int(status), body, Path(headers.name).read_text()
+def walkthrough_database(url: str) -> Path:
+    """A second database on the server of `url`, new and migrated (the README's
+    walkthrough is a new checkout's), and an env.json whose ApiFunction uses it."""
+    from helpers import connect, migrate, with_database
+
+    connection = connect(url)
+    try:
+        connection.run("CREATE DATABASE walkthrough")
+    finally:
+        connection.close()
+    migrate(with_database(url, "walkthrough"))
+    variables = json.loads(ENV_VARS.read_text())
+    api = variables["ApiFunction"]
+    api["DATABASE_URL"] = with_database(api["DATABASE_URL"], "walkthrough")
+    path = Path(tempfile.mkdtemp(prefix="sam-local-env-")) / "env.json"
+    atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
+    path.write_text(json.dumps(variables))
+    return path
 
 
-def walkthrough(base: str) -> None:
-    admin = "Authorization: Bearer local-admin-token"
-    analyser = "Authorization: Bearer local-upload-password"
-    json_type = "Content-Type: application/json"
-
-    def expect(what: str, got: tuple[int, str, str], status: int, check) -> str:
-        if got[0] != status or not check(got[1]):
-            raise Failed(f"start-api {what}: HTTP {got[0]} {got[1][:500]} (expected {status})")
-        print(f"ok  start-api {what:44} HTTP {got[0]}  {got[1][:90]}")
-        return got[2]
-
-    expect(
-        "POST /apps (com.example.app2)",
-        curl(
-            "-X",
-            "POST",
-            f"{base}/apps",
-            "-H",
-            admin,
-            "-H",
-            json_type,
-            "-d",
-            '{"appId": "com.example.app2", "details": {"reviews": "12"}}',
-        ),
-        201,
-        lambda body: json.loads(body)["status"] == "queued",
-    )
-    headers = expect(
-        "GET /queue",
-        curl(f"{base}/queue", "-H", analyser),
-        200,
-        lambda body: body == "com.example.app2",
-    )
-    token = next(
-        line.split(":", 1)[1].strip()
-        for line in headers.splitlines()
-        if line.lower().startswith("x-analysis-claim-token:")
-    )
-    upload = f"{base}/uploadAnalysis?appId=com.example.app2&analysisVersion=4"
-    claim = f"X-Analysis-Claim-Token: {token}"
-    for body, status in (('{"success": true, "trackers": {}}', 200), ('{"late": 1}', 409)):
-        expect(
-            f"POST /uploadAnalysis ({status})",
-            curl("-X", "POST", upload, "-H", analyser, "-H", claim, "-H", json_type, "-d", body),
-            status,
-            lambda text, status=status: (
-                "rowCount" in text if status == 200 else "no longer" in text
-            ),
-        )
-    expect(
-        "GET /apps/com.example.app2",
-        curl(f"{base}/apps/com.example.app2"),
-        200,
-        lambda body: json.loads(body)["status"] == "analysed",
-    )
-    expect("GET /ping", curl(f"{base}/ping", "-H", analyser), 200, lambda b: b == "online")
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
-def start_api(template: Path) -> None:
-    port = 3000
+def start_api(template: Path, port: int, env_vars: Path) -> list[str]:
+    """`sam local start-api` on 127.0.0.1:port, and the README's walkthrough against it:
+    what it printed other than the README shows (none: as shown)."""
+    from expected_answers import comparable, run_readme_walkthrough
+
     log = (LOCAL / "sam-start-api.log").open("w")
+    command = [SAM, "local", "start-api", "-t", template, "--host", "127.0.0.1"]
     process = subprocess.Popen(
-        [
-            SAM,
-            "local",
-            "start-api",
-            "-t",
-            template,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *SAM_LOCAL,
-        ],
+        [*command, "--port", str(port), *SAM_LOCAL, "--env-vars", env_vars],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -503,7 +444,23 @@ def start_api(template: Path) -> None:
                 if time.monotonic() > deadline or process.poll() is not None:
                     raise Failed(f"sam local start-api did not listen: see {log.name}") from None
                 time.sleep(0.5)
-        walkthrough(f"http://127.0.0.1:{port}")
+        with tempfile.TemporaryDirectory(prefix="sam-local-walkthrough-") as cwd:
+            try:
+                ran = run_readme_walkthrough(port, Path(cwd), timeout=600)
+            except AssertionError as error:
+                raise Failed(f"the README's walkthrough under start-api: {error}") from None
+        wrong = []
+        for command, shown, printed in ran:
+            first = command.splitlines()[0]
+            right = comparable(printed) == comparable(shown)
+            print(
+                f"{'ok ' if right else 'BAD'} start-api $ {first[:70]:70}  {' '.join(printed)[:60]}"
+            )
+            if not right:
+                wrong.append(f"start-api $ {command}\n  printed {printed}\n  README  {shown}")
+        if wrong:
+            print(f"    sam local start-api's log: {log.name}")
+        return wrong
     finally:
         os.killpg(process.pid, 15)
         try:
@@ -520,9 +477,17 @@ def main() -> int:
         action="store_true",
         help=f"build a TEST STAND-IN tagged {IMAGE} when Docker has no such image",
     )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="sam local start-api's port on 127.0.0.1 (default 0: a free one)",
+    )
     args = parser.parse_args()
     started = time.monotonic()
+    wrong: list[str] = []
     try:
+        from expected_answers import EVENT_RUN
         from lambda_emulator import lambda_python
 
         step("docker and the SAM CLI")
@@ -547,21 +512,25 @@ def main() -> int:
             step("sam build")
             sam_build(lambda_python())
             template = BUILD_DIR / "template.yaml"
-            step("sam local invoke, every event of events/")
-            names = {path.name for path in (REPO / "events").glob("*.json")} - {"env.json"}
-            if {name for _, name, _ in INVOKES} != names:
-                raise Failed(f"events/ changed: {sorted(names)}; update INVOKES")
-            for function, name, expected in INVOKES:
-                sam_invoke(function, name, expected, template)
-            step("sam local start-api and the curl walkthrough")
-            start_api(template)
+            step("sam local invoke, every event of tests/expected_answers.py's EVENT_RUN")
+            for event_step in EVENT_RUN:
+                wrong += sam_invoke(event_step, template)
+            port = args.port or free_port()
+            step(f"sam local start-api on 127.0.0.1:{port} and the README's walkthrough")
+            wrong += start_api(template, port, walkthrough_database(url))
         finally:
             forward.close()
             server.cleanup()
     except (Failed, subprocess.TimeoutExpired) as error:
         print(f"FAILED: {error}", file=sys.stderr)
         return 1
-    print(f"sam local: every answer as expected ({time.monotonic() - started:.0f} s)")
+    seconds = time.monotonic() - started
+    if wrong:
+        print(f"FAILED: {len(wrong)} answer(s) not as expected ({seconds:.0f} s):", file=sys.stderr)
+        for problem in wrong:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    print(f"sam local: every answer as expected ({seconds:.0f} s)")
     return 0
 
 
