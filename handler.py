@@ -3744,16 +3744,17 @@ APP_ID_PATH = {
 async def get_app(request: Request) -> JSONResponse:
     """Public: an app's state, failure reason, analysis and queue position. With the
     admin token also a stored failure record (the analyser's raw log) and who claimed and
-    stored it; with any other Authorization (or none) the public answer."""
+    stored it; with any other Authorization (or none) the public answer. A public route
+    stays public whatever the caller sends: a token the server cannot check (no admin
+    token configured, its secret unreadable) is no admin token either, never a 503."""
     admin = False
     credentials = await admin_bearer(request)  # read here: the route is public
     if credentials is not None:
         try:
             await require_admin(credentials)
             admin = True
-        except HTTPException as refused:
-            if refused.status_code != 401:
-                raise
+        except HTTPException:
+            admin = False
     app_id = _bundle_id(request.path_params["appId"])
 
     def answer() -> Response:
