@@ -2454,16 +2454,45 @@ def app_status(
     return db.transaction(work)
 
 
-def claim_readiness(db: SharedConnection) -> str | None:
-    """Why a claim could not run now, or None. A lock it would wait for past the
-    lock_timeout raises (55P03: 503 like any claim)."""
+NOT_MIGRATED = "not migrated"
 
-    def work(session: Session) -> str | None:
+
+@dataclasses.dataclass(frozen=True)
+class Readiness:
+    """Why a claim could not run now (`problem` None: it could). `status` is the word
+    /healthz answers; `ledger` the last file the database's ledger records (None: it has
+    no ledger), said when the database is behind this code's ledger."""
+
+    problem: str | None = None
+    status: str = "ok"
+    ledger: str | None = None
+
+
+def claim_readiness(db: SharedConnection, ledger_files: tuple[str, ...]) -> Readiness:
+    """Whether a claim could run now, against the ledger files this code needs
+    (`ledger_files`): the database takes writes, its ledger records every one of them
+    (else it is "not migrated": a first deploy whose migration failed, a database the
+    ledger never reached), and the claim's lock is granted. A lock it would wait for past
+    the lock_timeout raises (55P03: 503 like any claim)."""
+
+    def work(session: Session) -> Readiness:
         ((writable,),) = session.run(DATABASE_WRITABLE)
         if not writable:
-            return "the database is read-only (a replica?)"
+            return Readiness("the database is read-only (a replica?)", "unavailable")
+        ((has_ledger, _),) = session.run(LEDGER_SHAPE)
+        recorded = [name for name, _ in session.run(LEDGER_READ_NAMES)] if has_ledger else []
+        missing = [name for name in ledger_files if name not in recorded]
+        if missing:
+            at = max(recorded) if recorded else None
+            where = f"its ledger is at {at}" if at else "it has no ledger (no schema_migrations)"
+            return Readiness(
+                f"the database is not migrated: {where}; this code needs {ledger_files[-1]}"
+                f" ({len(missing)} file(s) to apply: run python handler.py migrate)",
+                NOT_MIGRATED,
+                at,
+            )
         session.run(CLAIM_LOCK_PROBE)
-        return None
+        return Readiness()
 
     return db.transaction(work)
 
@@ -2900,6 +2929,13 @@ def migration_files(directory: Path | None = None) -> list[MigrationFile]:
             )
         )
     return files
+
+
+@functools.cache
+def ledger_file_names() -> tuple[str, ...]:
+    """The names of the ledger files in sql/, in order: what a database this code serves
+    must have applied. Read once per process."""
+    return tuple(migration.name for migration in migration_files())
 
 
 @functools.cache
@@ -3913,16 +3949,16 @@ HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` sa
 
 @app.get("/healthz", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz() -> JSONResponse:
-    """ok when a claim could run now (see claim_readiness), else 503; with the version
-    of the code that answers (package_version)."""
-    problem = await blocking(lambda: claim_readiness(api_connection()))
+    """ok when a claim could run now (see claim_readiness), else 503 and why (a database
+    the ledger has not reached: "not migrated", and the last file its ledger records);
+    with the version of the code that answers (package_version)."""
+    readiness = await blocking(lambda: claim_readiness(api_connection(), ledger_file_names()))
     version = package_version()
-    if problem:
-        return JSONResponse(
-            {"status": "unavailable", "detail": problem, "version": version},
-            status_code=503,
-            headers=RETRY_AFTER,
-        )
+    if readiness.problem:
+        body = {"status": readiness.status, "detail": readiness.problem, "version": version}
+        if readiness.status == NOT_MIGRATED:
+            body["databaseLedger"] = readiness.ledger
+        return JSONResponse(body, status_code=503, headers=RETRY_AFTER)
     return JSONResponse({"status": "ok", "version": version})
 
 
@@ -3962,6 +3998,9 @@ TRANSIENT_SQLSTATES = ("40", "53", "55", "57", "58", "25006")
 # Errors about a value (class 22: data exception, 54: program limit, such as an index
 # entry too large). Input checks should have caught it: 400, and logged so we add one.
 VALUE_SQLSTATE_CLASSES = ("22", "54")
+# An undefined table, column or function: the database is older than this code (the
+# ledger has not reached it). Not the request's fault, nor a bug to trace: 503 and why.
+UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
 
 
 @app.exception_handler(BadInput)
@@ -3985,6 +4024,16 @@ async def _database_error(request: Request, error: pg8000.native.DatabaseError) 
             "database busy", extra={"path": request.url.path, "error": _error_text(error)}
         )
         detail = "the database is busy (a lock or timeout), try again shortly"
+        return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_AFTER)
+    if state in UNMIGRATED_SQLSTATES:
+        logger.warning(
+            "database not migrated",
+            extra={"path": request.url.path, "error": _error_text(error)},
+        )
+        detail = (
+            "the database is not migrated: it lacks a table, column or function this code"
+            " uses (GET /healthz names its ledger file)"
+        )
         return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_AFTER)
     if state[:2] in VALUE_SQLSTATE_CLASSES:
         logger.error(
@@ -4966,8 +5015,6 @@ def _exit_on_signal(number: int, frame: Any) -> None:
     raise SystemExit(128 + number)
 
 
-# An undefined table, column or function: the database is older than this code.
-UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
 CLI_ERROR_LIMIT = 500  # characters of the one error line
 
 

@@ -6,14 +6,16 @@ has not reached with a reason (503), never a 500."""
 from __future__ import annotations
 
 import json
+from urllib.parse import urlsplit
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kit import ADMIN_TOKEN, UPLOAD_PASSWORD, configure_service
+from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 
 import handler
-from helpers import call_api, gateway_event, insert_app
+import legacy
+from helpers import UNREACHABLE_DATABASE, call_api, connect, gateway_event, insert_app, migrate
 
 pytestmark = pytest.mark.usefixtures("lambda_container")
 
@@ -98,3 +100,182 @@ def test_the_admin_token_still_opens_the_admin_view(database_url, sql):
         assert answer["statusCode"] == 200
         assert view["analysis"]["logs"] == "boom"
         assert "claimedBy" in view and "analysedBy" in view
+
+
+# --- every state the database can be in -------------------------------------------------
+
+NAMED_TOKEN = {"Authorization": "Bearer aqa_" + "n" * 43}
+ROUTES = [
+    ("GET", "/ping", ANALYSER, None),
+    ("GET", "/ping", NAMED_TOKEN, None),
+    ("GET", "/queue", ANALYSER, None),
+    ("GET", "/queue?appId=com.example.app", ANALYSER, None),
+    (
+        "POST",
+        "/uploadAnalysis?appId=com.example.app&analysisVersion=4",
+        {**ANALYSER, "Content-Type": "application/json"},
+        b'{"success": true}',
+    ),
+    (
+        "POST",
+        "/reportAnalysisFailure?appId=com.example.app&analysisVersion=4",
+        {**ANALYSER, "Content-Type": "text/plain"},
+        b"usb error",
+    ),
+    (
+        "POST",
+        "/apps",
+        {**ADMIN, "Content-Type": "application/json"},
+        b'{"appId": "com.example.app", "details": {"reviews": "3"}}',
+    ),
+    ("GET", "/apps/com.example.app", {}, None),
+    ("GET", "/apps/com.example.app", ADMIN, None),
+    ("GET", "/healthz/analyser", {}, None),
+    ("POST", "/analysers", {**ADMIN, "Content-Type": "application/json"}, b'{"name": "pi"}'),
+    ("GET", "/analysers", ADMIN, None),
+    ("POST", "/analysers/pi/rotate", ADMIN, None),
+    ("DELETE", "/analysers/pi", ADMIN, None),
+]
+
+
+def every_route_answers_without_a_500(client, capsys) -> list[tuple[str, int]]:
+    """Each route once: no 500, every 5xx a 503 that says why, and no traceback logged."""
+    capsys.readouterr()
+    answers = []
+    for method, path, headers, body in ROUTES:
+        answer = client.request(method, path, headers=headers, content=body)
+        assert answer.status_code != 500, (method, path, answer.text)
+        if answer.status_code >= 500:
+            assert answer.status_code == 503, (method, path, answer.text)
+            body = answer.json()
+            # /healthz/analyser's 503 is its answer "no analyser online", which says so.
+            assert body.get("detail") or body.get("status") == "offline", (method, path, body)
+        answers.append((f"{method} {path}", answer.status_code))
+    logged = capsys.readouterr().err
+    assert "Traceback" not in logged
+    assert "unhandled error" not in logged
+    return answers
+
+
+def healthz(client) -> dict:
+    answer = client.get("/healthz")
+    body = answer.json()
+    assert answer.status_code == (200 if body["status"] == "ok" else 503), body
+    assert body["version"] == handler.package_version()
+    return body
+
+
+def recorded_ledger(url: str) -> str | None:
+    sql = connect(url)
+    try:
+        if sql.run("SELECT to_regclass('schema_migrations')") == [[None]]:
+            return None
+        ((last,),) = sql.run("SELECT max(filename) FROM schema_migrations")
+        return last
+    finally:
+        sql.close()
+
+
+def assert_not_migrated(client, url: str) -> None:
+    body = healthz(client)
+    assert body["status"] == "not migrated", body
+    at = recorded_ledger(url)
+    assert body["databaseLedger"] == at
+    assert (at or "no ledger") in body["detail"]
+    assert handler.ledger_file_names()[-1] in body["detail"]
+
+
+@pytest.fixture
+def service_on(monkeypatch):
+    """A TestClient of the service configured for a database URL."""
+    from fastapi.testclient import TestClient
+
+    clients = []
+
+    def serve(url: str):
+        configure_service(monkeypatch, url)
+        client = TestClient(handler.app, raise_server_exceptions=False)
+        clients.append(client)
+        return client
+
+    yield serve
+    handler.use_runtime(None)
+
+
+def test_every_prefix_of_the_ledger_answers_not_migrated_never_500(
+    empty_database, service_on, capsys
+):
+    """An empty database, then each prefix of the ledger applied in turn (a first deploy
+    whose migration stopped at that file): /healthz says "not migrated" and names the last
+    file the ledger records; no route answers 500 or logs a traceback. At the head of the
+    ledger /healthz is ok."""
+    client = service_on(empty_database)
+    assert_not_migrated(client, empty_database)
+    every_route_answers_without_a_500(client, capsys)
+    for name in legacy.ALL_OUR_FILES[:-1]:
+        migrate(empty_database, legacy._our_files_up_to(name[:3]))
+        handler.use_runtime(None)
+        client = service_on(empty_database)
+        assert_not_migrated(client, empty_database)
+        every_route_answers_without_a_500(client, capsys)
+    migrate(empty_database)
+    client = service_on(empty_database)
+    assert healthz(client)["status"] == "ok"
+    every_route_answers_without_a_500(client, capsys)
+
+
+@pytest.mark.parametrize("state", legacy.STATES)
+def test_a_database_another_program_left_answers_not_migrated_then_ok(
+    empty_database, service_on, capsys, state
+):
+    """Each state the old server and this service's earlier releases left (tests/legacy.py):
+    not migrated, with the file its ledger is at, and no 500 on any route; migrated, ok."""
+    legacy.build(empty_database, state)
+    client = service_on(empty_database)
+    assert_not_migrated(client, empty_database)
+    every_route_answers_without_a_500(client, capsys)
+    migrate(empty_database)
+    handler.use_runtime(None)
+    assert healthz(service_on(empty_database))["status"] == "ok"
+
+
+@pytest.mark.private_database  # the database's own setting
+def test_a_read_only_database_says_so(database_url, service_on, sql, capsys):
+    name = urlsplit(database_url).path[1:]
+    sql.run(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+    client = service_on(database_url)
+    body = healthz(client)
+    assert body["status"] == "unavailable"
+    assert body["detail"] == "the database is read-only (a replica?)"
+    every_route_answers_without_a_500(client, capsys)
+
+
+@pytest.mark.parametrize("table", ["apps", "schema_migrations"])
+def test_a_locked_table_answers_busy_within_the_lock_timeout(
+    database_url, service_on, monkeypatch, table
+):
+    """A migration holding apps (its rewrite) or the ledger (adding its checksum column):
+    /healthz answers 503 "busy" after LOCK_TIMEOUT_MS, never 500."""
+    client = service_on(database_url)
+    configure_service(monkeypatch, database_url, LOCK_TIMEOUT_MS="200")
+    holder = connect(database_url)
+    holder.run("BEGIN")
+    holder.run(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+    try:
+        answer = client.get("/healthz")
+    finally:
+        holder.run("ROLLBACK")
+        holder.close()
+    assert answer.status_code == 503
+    assert "busy" in answer.json()["detail"]
+    assert healthz(client)["status"] == "ok"
+
+
+def test_an_unreachable_database_says_so(service_on, capsys):
+    client = service_on(UNREACHABLE_DATABASE)
+    answer = client.get("/healthz")
+    assert (answer.status_code, answer.json()) == (
+        503,
+        {"detail": "database unavailable, try again shortly"},
+    )
+    every_route_answers_without_a_500(client, capsys)
