@@ -4610,17 +4610,24 @@ def _local_defaults() -> None:
     must not change its schema."""
     _local_database(apply=True)
     config = settings()
-    for name, configured, local_value in (
-        (
-            "UPLOAD_PASSWORD",
-            config.upload_password or config.upload_password_secret,
-            "local-upload-password",
-        ),
-        ("ADMIN_TOKEN", config.admin_token or config.admin_token_secret, "local-admin-token"),
+    local_tokens = []
+    # Only what will be accepted is announced: turned off, the shared password is a wrong
+    # token (401) however it is set.
+    if config.shared_password_accepted and not (
+        config.upload_password or config.upload_password_secret
     ):
-        if not configured:
-            use_cli_runtime(**{name: local_value})
-            print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
+        local_tokens.append(("UPLOAD_PASSWORD", "local-upload-password"))
+    if not (config.admin_token or config.admin_token_secret):
+        local_tokens.append(("ADMIN_TOKEN", "local-admin-token"))
+    for name, local_value in local_tokens:
+        use_cli_runtime(**{name: local_value})
+        print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
+    if not config.shared_password_accepted:
+        print(
+            "ACCEPT_SHARED_UPLOAD_PASSWORD is false: the shared password is refused;"
+            " analysers need a token of their own (python handler.py analysers add NAME)",
+            file=sys.stderr,
+        )
 
 
 # `serve`: the routes' blocking work on this many worker threads, each with a database

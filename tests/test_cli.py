@@ -12,8 +12,8 @@ import handler
 from helpers import app_row, connect, days_ago, history, insert_app, minutes_ago, run_cli
 
 
-def cli(database_url: str, *args: str, unset=()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DATABASE_URL": database_url}
+def cli(database_url: str, *args: str, unset=(), **extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DATABASE_URL": database_url, **extra}
     for name in unset:
         env.pop(name, None)
     return run_cli(*args, env=env)
@@ -270,3 +270,21 @@ def test_invoke_with_an_unreadable_event_says_so_in_one_line(database_url, tmp_p
         2,
         f"the event {tmp_path / 'list.json'} is not a JSON object",
     )
+
+
+@pytest.mark.parametrize("accepted", ["true", "false"])
+def test_serve_and_invoke_announce_only_the_tokens_they_accept(database_url, accepted):
+    """With the shared password turned off, no local upload password is announced (it
+    would be refused: 401); the local admin token still is, and works."""
+    env = {"ACCEPT_SHARED_UPLOAD_PASSWORD": accepted}
+    local_tokens = ("UPLOAD_PASSWORD", "ADMIN_TOKEN")
+    done = cli(database_url, "invoke", "api", "events/ping.json", unset=local_tokens, **env)
+    announced = "UPLOAD_PASSWORD is unset; using 'local-upload-password' locally"
+    assert (announced in done.stderr) == (accepted == "true"), done.stderr
+    assert "ADMIN_TOKEN is unset; using 'local-admin-token' locally" in done.stderr
+    ping = json.loads(done.stdout.splitlines()[-1])
+    assert ping["statusCode"] == (200 if accepted == "true" else 401)
+    if accepted == "false":
+        assert "analysers need a token of their own" in done.stderr
+    added = cli(database_url, "invoke", "api", "events/add-app.json", unset=local_tokens, **env)
+    assert json.loads(added.stdout.splitlines()[-1])["statusCode"] == 201
