@@ -674,16 +674,20 @@ SET last_seen = now(), source_address = EXCLUDED.source_address,
     user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
 """
 # Heartbeats: the shared password's (by X-Analyser-Id, or address and User-Agent) and
-# the named analysers' (their own row, not revoked). Ages come from the database's clock,
-# the one that wrote the times; a time the service cannot have written (infinite, or in
-# the future) is not a heartbeat.
-LAST_PING = """
+# the named analysers' (their own row, not revoked: a revoked analyser's requests get
+# 401, so it is active nowhere). Ages come from the database's clock, the one that wrote
+# the times; a time the service cannot have written (infinite, or in the future) is not
+# a heartbeat. An analyser is active when it sent one in the last hour: the figure of
+# ActiveAnalysers, /healthz/analyser and queue-status alike, and each named analyser's
+# `online` (ANALYSER_ACTIVITY).
+ACTIVE_HEARTBEAT = "({0} > now() - interval '1 hour' AND {0} <= now())"
+LAST_PING = f"""
 WITH seen AS (
     SELECT last_seen FROM analyser_heartbeats
     UNION ALL SELECT last_seen FROM analysers WHERE revoked IS NULL AND last_seen IS NOT NULL
 )
 SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_ping,
-       count(*) FILTER (WHERE last_seen > now() - interval '1 hour') AS analysers_last_hour
+       count(*) FILTER (WHERE {ACTIVE_HEARTBEAT.format("last_seen")}) AS analysers_last_hour
 FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
 """
 
@@ -731,7 +735,7 @@ WHERE name = :name
 # an older one too), its results in the last day, and whether it sends an old format.
 ANALYSER_ACTIVITY = f"""
 SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
-       a.revoked IS NULL AND a.last_seen > now() - interval '1 hour' AS online,
+       a.revoked IS NULL AND {ACTIVE_HEARTBEAT.format("a.last_seen")} AS online,
        a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
        a.last_result_version < :analysis_version AS outdated_version,
        held.appid AS holding, held.processing_started AS holding_since,
@@ -1986,8 +1990,8 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
         "AnalysedLastHour": throughput["analysed_1h"],
         "FailedLastHour": throughput["failed_1h"],
         "OutdatedResultsLast24h": throughput["outdated_24h"],
-        # Analysers that sent a heartbeat in the last hour, named or under the shared
-        # password: one dead host of several shows as a drop (template.yaml alarms on it).
+        # Analysers that sent a heartbeat in the last hour (LAST_PING: revoked ones not),
+        # one dead host of several shows as a drop (template.yaml alarms on it).
         "ActiveAnalysers": status["analysers_last_hour"],
     }
     for reason, name in BACKLOG_REASON_METRICS.items():
