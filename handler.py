@@ -1522,6 +1522,12 @@ FAILURE_CLASSES = (
     ("paid_app", False, ("purchasing paid apps is not supported",)),
 )
 NON_RETRYABLE_REASONS = {reason for reason, _, _ in FAILURE_CLASSES} | {"invalid_bundle_id"}
+# The reasons a failure is stored and shown under: the table's, invalid_bundle_id (an
+# analyser's), analysis_failed, and lease_expired (the promoter's, ABANDON_EXPIRED_LEASES).
+# An analyser may name any but the promoter's; whatever else it writes is its own text,
+# kept in the stored record (the admin view), never a reason the public sees.
+ANALYSER_FAILURE_REASONS = NON_RETRYABLE_REASONS | {ANALYSIS_FAILED}
+FAILURE_REASONS = ANALYSER_FAILURE_REASONS | {"lease_expired"}
 
 
 def is_valid_bundle_id(value: str) -> bool:
@@ -1681,13 +1687,17 @@ class AnalysisState:
 def derive_analysis_state(payload: Any) -> AnalysisState:
     """The status columns for a stored payload: `success: false` is a failure (its reason
     and retryable flag taken from the payload when given, else from the log text);
-    anything else is a completed analysis."""
+    anything else is a completed analysis. The reason is always one of
+    ANALYSER_FAILURE_REASONS: a reason the payload names that is not one of them is its
+    own text (kept in the stored record only) and classified analysis_failed, retryable
+    as any reason outside the table always was."""
     if not (isinstance(payload, dict) and payload.get("success") is False):
         return AnalysisState("analysed")
     logs = payload.get("logs")
     reason, retryable = classify_analysis_failure(logs if isinstance(logs, str) else "")
     if isinstance(payload.get("reason"), str) and payload["reason"]:
-        reason = payload["reason"]
+        written = payload["reason"]
+        reason = written if written in ANALYSER_FAILURE_REASONS else ANALYSIS_FAILED
         retryable = reason not in NON_RETRYABLE_REASONS
     if isinstance(payload.get("retryable"), bool):
         retryable = payload["retryable"]
@@ -1960,8 +1970,8 @@ BACKLOG_REASON_METRICS = {
     "stale": "BacklogStale",
     "retry_failed": "BacklogRetryFailed",
 }
-# Failed apps by the reasons the service assigns; any other (a reason an analyser sent,
-# a legacy row without one) is FailedOther.
+# Failed apps by the reasons the service assigns; any other (a legacy row's: an
+# analyser's own text from before reasons were classified, or none) is FailedOther.
 FAILURE_REASON_METRICS = {
     reason: "Failed" + "".join(word.title() for word in reason.split("_"))
     for reason in (
@@ -2387,6 +2397,15 @@ def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
     return {name: _plain(value) for name, value in row.items()}
 
 
+def shown_failure_reason(reason: str | None) -> str | None:
+    """A failed app's reason as GET /apps shows it: one of FAILURE_REASONS (None: the row
+    has none). A row written before reasons were classified, or by another program,
+    may hold an analyser's own text: that is analysis_failed here, to anyone."""
+    if reason is None or reason in FAILURE_REASONS:
+        return reason
+    return ANALYSIS_FAILED
+
+
 def _app_view(row: dict[str, Any], admin: bool = False, identities: bool = False) -> dict:
     """An app as GET /apps answers it. Public: what the website shows (state, failure
     reason and retryable, the analysis). A stored failure record (the analyser's raw log,
@@ -2407,7 +2426,10 @@ def _app_view(row: dict[str, Any], admin: bool = False, identities: bool = False
         ),
     }
     if row["status"] == "failed":
-        view["failure"] = {"reason": row["failure_reason"], "retryable": row["failure_retryable"]}
+        view["failure"] = {
+            "reason": shown_failure_reason(row["failure_reason"]),
+            "retryable": row["failure_retryable"],
+        }
     if row["status"] == "processing":
         view["processingStarted"] = _plain(row["processing_started"])
     if admin and identities:

@@ -279,3 +279,95 @@ def test_an_unreachable_database_says_so(service_on, capsys):
         {"detail": "database unavailable, try again shortly"},
     )
     every_route_answers_without_a_500(client, capsys)
+
+
+# --- a failure's reason: the service's, never the analyser's own text ------------------
+
+ANALYSER_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
+WRITTEN_REASONS = st.one_of(
+    ANALYSER_TEXT,
+    st.sampled_from(sorted(handler.FAILURE_REASONS)),
+    st.sampled_from(["App Not Found", " paid_app", "lease_expired", "<script>", "x" * 5000]),
+    st.none(),
+    st.integers(),
+    st.lists(st.text(max_size=3), max_size=2),
+)
+appids = iter(f"com.example.reason{n}" for n in range(10**6))
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(reason=WRITTEN_REASONS, retryable=st.one_of(st.none(), st.booleans()), logs=ANALYSER_TEXT)
+def test_the_public_failure_shows_the_classified_reason_never_the_analysers_text(
+    database_url, sql, reason, retryable, logs
+):
+    """Whatever `reason` an analyser writes into a failed upload, the public answer (and
+    the failure_reason column the website and the metrics read) holds one of the
+    service's reasons: the analyser's if it names one it may, else analysis_failed.
+    Whether a retry will come is its own `retryable`, else the reason's. The analyser's
+    text is kept verbatim in the stored record, which only the admin view shows."""
+    appid = next(appids)
+    insert_app(sql, appid)
+    payload = {"success": False, "logs": logs}
+    if reason is not None:
+        payload["reason"] = reason
+    if retryable is not None:
+        payload["retryable"] = retryable
+    stored = call_api(
+        gateway_event(
+            "POST",
+            "/uploadAnalysis",
+            f"appId={appid}&analysisVersion=4",
+            headers={
+                "authorization": f"Bearer {UPLOAD_PASSWORD}",
+                "content-type": "application/json",
+            },
+            body=json.dumps(payload).encode(),
+        )
+    )
+    assert stored["statusCode"] == 200, stored
+    written = reason if isinstance(reason, str) and reason else None
+    if written is None:
+        expected, _ = handler.classify_analysis_failure(logs)
+    elif written in handler.FAILURE_REASONS - {"lease_expired"}:
+        expected = written
+    else:
+        expected = "analysis_failed"
+    will_retry = (
+        retryable if retryable is not None else expected not in handler.NON_RETRYABLE_REASONS
+    )
+    public = json.loads(call_api(gateway_event("GET", f"/apps/{appid}"))["body"])
+    assert public["failure"] == {"reason": expected, "retryable": will_retry}
+    assert public["analysis"] is None
+    assert sql.run(
+        "SELECT failure_reason, failure_retryable FROM apps WHERE appid = :a", a=appid
+    ) == [[expected, will_retry]]
+    admin = json.loads(
+        call_api(
+            gateway_event(
+                "GET", f"/apps/{appid}", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+            )
+        )["body"]
+    )
+    assert admin["failure"] == public["failure"]
+    assert admin["analysis"] == payload  # the analyser's own words, for the operators
+
+
+@pytest.mark.parametrize(
+    "legacy_reason", ["device offline: see /var/log/pi7", "", "lease_expired", None]
+)
+def test_a_row_holding_an_analysers_own_reason_shows_a_classified_one(
+    database_url, sql, legacy_reason
+):
+    """A failure written before reasons were classified (or by the old server, or the
+    previous release during a deploy) may hold an analyser's text in failure_reason: the
+    public answer shows analysis_failed instead; the service's reasons, and none, as
+    they are."""
+    insert_app(sql, "com.example.legacy", status="failed", retryable=True, version=4)
+    sql.run("UPDATE apps SET failure_reason = :r", r=legacy_reason)
+    public = json.loads(call_api(gateway_event("GET", "/apps/com.example.legacy"))["body"])
+    expected = legacy_reason if legacy_reason in (None, "lease_expired") else "analysis_failed"
+    assert public["failure"] == {"reason": expected, "retryable": True}
