@@ -1903,13 +1903,21 @@ APP_STATES = ("queued", "processing", "analysed", "failed")
 
 
 def format_queue_status(status: dict[str, Any]) -> str:
+    """The queue-status report (queue_status's document) as text, for people."""
     counts, backlog = status["counts"], status["backlog"]
     lines = ["Apps by state"]
     for state in APP_STATES:
         lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
     lines.append(f"  {'  of which retryable':<20}{status['failed_retryable']:>10}")
     lines.append(f"  {'total':<20}{status['total']:>10}")
-    lines += ["", "Backlog under the current policy " + status["policy_text"]]
+    policy = status["policy"]
+    lines += [
+        "",
+        f"Backlog under the current policy (version {policy['analysis_version']},"
+        f" stale after {policy['stale_days']} days,"
+        f" lease {policy['processing_timeout_minutes']} min,"
+        f" {policy['max_lease_attempts']} expired leases in a row back off)",
+    ]
     for reason, text in REASON_TEXT.items():
         lines.append(f"  {text:<42}{backlog.get(reason, 0):>10}")
     lines.append(f"  {'total':<42}{status['backlog_total']:>10}")
@@ -1989,7 +1997,7 @@ UNITLESS_METRICS = frozenset({"EtaHours", "MinutesSinceLastPing", "OldestLeaseMi
 
 
 def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
-    """The queue-status report's metrics: name -> value."""
+    """The queue-status report's metrics (of queue_status's document): name -> value."""
     counts, throughput = status["counts"], status["throughput"]
     values: dict[str, float] = {
         "Backlog": status["backlog_total"],
@@ -2007,8 +2015,10 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
     for reason, name in BACKLOG_REASON_METRICS.items():
         values[name] = status["backlog"].get(reason, 0)
     values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
-    for reason, apps in status["failed_by_reason"].items():
-        values[FAILURE_REASON_METRICS.get(reason, OTHER_FAILURES_METRIC)] += apps
+    for failed in status["failed_by_reason"]:
+        values[FAILURE_REASON_METRICS.get(failed["reason"], OTHER_FAILURES_METRIC)] += failed[
+            "apps"
+        ]
     # No finished analysis in a day with work waiting: the ETA is unbounded.
     eta = status["eta_hours"]
     values["EtaHours"] = 1e6 if eta is None else eta
@@ -2022,18 +2032,34 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
     return values
 
 
+def snake_case_keys(value: Any) -> Any:
+    """value with every object key in snake_case (`results24h` -> `results_24h`): the
+    queue-status document writes its keys one way, the API's answers (camelCase) another."""
+    if isinstance(value, dict):
+        return {
+            re.sub(r"(?<=[a-z])(?=[A-Z0-9])", "_", key).lower(): snake_case_keys(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [snake_case_keys(item) for item in value]
+    return value
+
+
 def queue_status_document(status: dict[str, Any]) -> dict[str, Any]:
-    """The queue-status report for scripts (`queue-status --json`): the figures of the
-    text under keys that do not vary with the data. Every state and every backlog reason
-    is there (0 when no app is), failed apps by reason are a list of {reason, apps}, and
-    lists of apps hold objects with the same keys each."""
-    document = {name: value for name, value in status.items() if name != "policy_text"}
+    """The queue-status report as one document, the only shape it has: what `queue-status
+    --json` prints, the scheduled report logs and returns, and the text and the metrics
+    are made of (docs/dashboard-and-alarms.md lists its keys). Its keys do not vary with
+    the data and are all snake_case: every state and every backlog reason is there (0
+    when no app is), failed apps by reason are a list of {reason, apps}, and lists of
+    apps and analysers hold objects with the same keys each."""
+    document = dict(status)
     document["counts"] = {state: status["counts"].get(state, 0) for state in APP_STATES}
     document["backlog"] = {reason: status["backlog"].get(reason, 0) for reason in REASON_TEXT}
     document["failed_by_reason"] = [
         {"reason": reason, "apps": apps}
         for reason, apps in sorted(status["failed_by_reason"].items())
     ]
+    document["analysers"] = snake_case_keys(status["analysers"])
     return document
 
 
@@ -2043,11 +2069,11 @@ def _format_analyser_rows(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for row in rows:
         state = "revoked" if row["revoked"] else "online" if row["online"] else "offline"
-        holding = row["holding"]["appId"] if row["holding"] else "-"
-        flag = "  outdated analysis version" if row["outdatedVersion"] else ""
+        holding = row["holding"]["app_id"] if row["holding"] else "-"
+        flag = "  outdated analysis version" if row["outdated_version"] else ""
         lines.append(
             f"  {row['name']:<24} {state:<8} holding {holding:<40}"
-            f" 24h {row['results24h']:>4} ok / {row['failures24h']} failed{flag}"
+            f" 24h {row['results_24h']:>4} ok / {row['failures_24h']} failed{flag}"
         )
     return lines
 
@@ -2654,7 +2680,8 @@ def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[
 
 
 def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
-    """Everything the queue-status report says, as data."""
+    """Everything the queue-status report says, as its one document
+    (queue_status_document)."""
 
     def work(session: Session) -> dict[str, Any]:
         params = policy.sql_params()
@@ -2709,14 +2736,9 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> di
             "processing": processing,
             "top_backlog": top_rows,
             "policy": dataclasses.asdict(policy),
-            "policy_text": (
-                f"(version {policy.analysis_version}, stale after {policy.stale_days} days,"
-                f" lease {policy.processing_timeout_minutes} min,"
-                f" {policy.max_lease_attempts} expired leases in a row back off)"
-            ),
         }
 
-    return db.transaction(work)
+    return queue_status_document(db.transaction(work))
 
 
 def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
@@ -4480,7 +4502,6 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     # requests do it in small shares; this does a large one).
     promote_due_apps(api_connection(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
     status = queue_status(api_connection(), policy)
-    status.pop("policy_text")
     logger.info("queue status", extra={"queue_status": status})
     _publish_queue_metrics(status)
     return status
@@ -4861,7 +4882,7 @@ def _cli_queue_status(args: argparse.Namespace) -> int:
     _local_database(apply=True)
     status = queue_status(api_connection(), settings().policy, top=args.top)
     if args.json:
-        print(json.dumps(queue_status_document(status), indent=2, sort_keys=True))
+        print(json.dumps(status, indent=2, sort_keys=True))
     else:
         print(format_queue_status(status))
     return 0
