@@ -928,6 +928,13 @@ DATABASE_WRITABLE = """
 SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'
 """
 CLAIM_LOCK_PROBE = "UPDATE apps SET due = due WHERE false"
+# Whether the database has a ledger, and whether this role may read it (a role granted
+# only the queue's tables cannot: /healthz then checks what the claim needs, no more).
+LEDGER_READABLE = """
+SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
+       COALESCE(has_table_privilege(to_regclass('schema_migrations'), 'SELECT'), false)
+           AS readable
+"""
 BACKEND_PID = "SELECT pg_backend_pid()"
 TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 
@@ -2524,17 +2531,19 @@ def claim_readiness(db: SharedConnection, ledger_files: tuple[str, ...]) -> Read
     """Whether a claim could run now, against the ledger files this code needs
     (`ledger_files`): the database takes writes, its ledger records every one of them
     (else it is "not migrated": a first deploy whose migration failed, a database the
-    ledger never reached), and the claim's lock is granted. A lock it would wait for past
-    the lock_timeout raises (55P03: 503 like any claim)."""
+    ledger never reached), and the claim's lock is granted. A role that may not read the
+    ledger skips that check: a table or column the code needs and the database lacks is
+    still a 503 "not migrated", on this route as on every other. A lock it would wait for
+    past the lock_timeout raises (55P03: 503 like any claim)."""
 
     def work(session: Session) -> Readiness:
         ((writable,),) = session.run(DATABASE_WRITABLE)
         if not writable:
             return Readiness("the database is read-only (a replica?)", "unavailable")
-        ((has_ledger, _),) = session.run(LEDGER_SHAPE)
-        recorded = [name for name, _ in session.run(LEDGER_READ_NAMES)] if has_ledger else []
+        ((has_ledger, readable),) = session.run(LEDGER_READABLE)
+        recorded = [name for name, _ in session.run(LEDGER_READ_NAMES)] if readable else []
         missing = [name for name in ledger_files if name not in recorded]
-        if missing:
+        if missing and (readable or not has_ledger):
             at = max(recorded) if recorded else None
             where = f"its ledger is at {at}" if at else "it has no ledger (no schema_migrations)"
             return Readiness(
