@@ -813,8 +813,26 @@ LIMIT :limit
 
 # == SQL: refetch =======================================================================
 
-REFETCH_SELECT_BY_ID = """
-SELECT appid, status FROM apps WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
+# A refetch never hands an app out twice: an app under a live lease is re-queued when
+# that lease's result arrives or the lease expires (refetch_requested), unless `force`
+# breaks the lease, which fences its holder (its claim token no longer matches). What
+# happens to each app is its outcome (REFETCH_OUTCOME, the one rule for the dry run and
+# --apply alike): queued, waiting (for the lease) or lease_broken.
+# A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
+# the one the serving API recorded (queue_policy): an operator's command run with other
+# settings than the API's must not break a lease the API still honours.
+REFETCH_LIVE_LEASE = """status = 'processing'
+    AND COALESCE(processing_started, '-infinity') >= now() - make_interval(
+        mins => GREATEST(:timeout_minutes, COALESCE(
+            (SELECT processing_timeout_minutes FROM queue_policy), 0)))"""
+REFETCH_OUTCOME = f"""CASE
+    WHEN status = 'processing' AND :force THEN 'lease_broken'
+    WHEN {REFETCH_LIVE_LEASE} THEN 'waiting'
+    ELSE 'queued'
+END"""
+REFETCH_SELECT_BY_ID = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
+WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
 ORDER BY app_popularity(details) DESC, added, appid
 """
 # An invalid bundle ID is never valid again (apps' CHECK would refuse the UPDATE).
@@ -822,12 +840,12 @@ REFETCH_FAILED_ROWS = """status = 'failed' AND (failure_retryable OR :include_no
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'"""
 REFETCH_ANALYSED_ROWS = "status = 'analysed'"
 REFETCH_SELECT_FAILED = f"""
-SELECT appid, status FROM apps WHERE {REFETCH_FAILED_ROWS}
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_FAILED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
 REFETCH_SELECT_ANALYSED = f"""
-SELECT appid, status FROM apps WHERE {REFETCH_ANALYSED_ROWS}
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_ANALYSED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
@@ -835,48 +853,45 @@ LIMIT :limit
 # one window of :batch rows at a time, and selects the window's rows that match: a window
 # costs the same at any table size, whether none or all of its rows match.
 REFETCH_WALK = """
-SELECT appid, status, {rows} AS selected FROM apps
+SELECT appid, status, {rows} AS selected, {outcome} AS outcome FROM apps
 WHERE appid > :after ORDER BY appid LIMIT :batch
 """
-REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})")
-REFETCH_WALK_ANALYSED = REFETCH_WALK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
+REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})", outcome=REFETCH_OUTCOME)
+REFETCH_WALK_ANALYSED = REFETCH_WALK.format(
+    rows=f"({REFETCH_ANALYSED_ROWS})", outcome=REFETCH_OUTCOME
+)
 # The number of apps the planner believes there are (-1: never counted): a walk's progress
 # total, read without counting.
 APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 'apps'::regclass"
-# A refetch never hands an app out twice: an app under a live lease is re-queued when
-# that lease's result arrives or the lease expires (refetch_requested), unless `force`
-# breaks the lease, which fences its holder (its claim token no longer matches). What
-# happened to each app is the outcome: queued, waiting (for the lease) or lease_broken.
-# A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
-# the one the serving API recorded (queue_policy): an operator's command run with other
-# settings than the API's must not break a lease the API still honours. A refetched app's
-# stored result becomes verified: the token of the claim that stored it may send it again
-# (answered as the first time), but no longer replace it.
+# Applying a refetch first locks the selected rows that still match the selection (in
+# bundle-ID order, so two refetches never deadlock): a row deleted since it was read, or
+# changed so that it no longer matches (a failed app analysed since, an analysed app
+# claimed), is not returned, and is left as it is. The outcome is decided on the locked
+# row, with the dry run's rule. The history snapshot and the apply then act on locked rows.
+REFETCH_LOCK = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
+WHERE appid = ANY(CAST(:appids AS text[])) AND {{rows}}
+ORDER BY appid
+FOR UPDATE
+"""
+REFETCH_LOCK_NAMED = REFETCH_LOCK.format(rows="true")
+REFETCH_LOCK_FAILED = REFETCH_LOCK.format(rows=f"({REFETCH_FAILED_ROWS})")
+REFETCH_LOCK_ANALYSED = REFETCH_LOCK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
+# A refetched app's stored result becomes verified: the token of the claim that stored it
+# may send it again (answered as the first time), but no longer replace it.
 REFETCH_APPLY = """
-WITH chosen AS (
-    SELECT appid, status = 'processing' AS leased,
-           status = 'processing' AND NOT :force
-               AND COALESCE(processing_started, '-infinity') >= now() - make_interval(
-                   mins => GREATEST(:timeout_minutes, COALESCE(
-                       (SELECT processing_timeout_minutes FROM queue_policy), 0))) AS waits
-    FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
-    FOR UPDATE
-), requeued AS (
+WITH requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
                     failure_retryable = NULL, analysis_claim_token = NULL, due = false,
                     refetch_requested = false, lease_attempts = 0,
                     result_claim_verified = true
-    FROM chosen WHERE apps.appid = chosen.appid AND NOT chosen.waits
-    RETURNING apps.appid, chosen.leased
+    WHERE appid = ANY(CAST(:requeue AS text[]))
+    RETURNING 1
 ), deferred AS (
-    UPDATE apps SET refetch_requested = true
-    FROM chosen WHERE apps.appid = chosen.appid AND chosen.waits
-    RETURNING apps.appid
+    UPDATE apps SET refetch_requested = true WHERE appid = ANY(CAST(:wait AS text[]))
+    RETURNING 1
 )
-SELECT appid, CASE WHEN leased AND :force THEN 'lease_broken' ELSE 'queued' END AS outcome
-FROM requeued
-UNION ALL
-SELECT appid, 'waiting' AS outcome FROM deferred
+SELECT (SELECT count(*) FROM requeued) AS requeued, (SELECT count(*) FROM deferred) AS deferred
 """
 
 # == SQL: the ledger ====================================================================
@@ -2754,11 +2769,19 @@ def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> li
     return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
 
 
+# What a refetch does to each app it selected, and how the CLI says it: one vocabulary
+# for the dry run (what --apply would do), --apply, and the report function's answer.
 REFETCH_OUTCOMES = {
     "queued": "queued",
-    "waiting": "queued when its lease ends (a result, or expiry); --force breaks the lease",
+    "waiting": "waits for its lease to end (its result, or expiry), then queued;"
+    " --force breaks the lease",
     "lease_broken": "lease broken (--force): queued, and its holder's claim token is refused",
+    "skipped": "left as it is: deleted, or changed so that it is no longer selected, since"
+    " the selection was read",
 }
+# Queued now: what `Queued N apps for refetch.` counts, the line the exact-app hosts wait
+# for (docs/api.md), so never an app still leased to another analyser.
+QUEUED_NOW = ("queued", "lease_broken")
 
 
 # A refetch works in committed batches: one transaction over 300,000 analysed apps ran
@@ -2772,16 +2795,23 @@ REFETCH_BATCH = 1000
 
 @dataclasses.dataclass
 class RefetchProgress:
-    """Where a batched refetch is: apps selected (and, with apply, queued) so far, rows
-    examined of `total` (None: unknown; a walk's total is the planner's estimate),
-    batches committed, and whether it went through to the end."""
+    """Where a batched refetch is: apps selected so far and what happened to them (or,
+    in a dry run, would: `outcomes`, a count for each of REFETCH_OUTCOMES), rows examined
+    of `total` (None: unknown; a walk's total is the planner's estimate), batches
+    committed, and whether it went through to the end."""
 
     selected: int = 0
     examined: int = 0
     total: int | None = None
     batches: int = 0
     complete: bool = False
-    waiting: int = 0  # applied to apps under a live lease: queued when it ends
+    outcomes: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(REFETCH_OUTCOMES, 0)
+    )
+
+    @property
+    def queued_now(self) -> int:
+        return sum(self.outcomes[outcome] for outcome in QUEUED_NOW)
 
 
 def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
@@ -2790,15 +2820,30 @@ def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def refetch_apps(
-    session: Session, appids: list[str], policy: QueuePolicy, force: bool
-) -> dict[str, str]:
-    """What a refetch does to the apps it selected: snapshot their current analysis into
+    session: Session,
+    rows: list[dict[str, str]],
+    lock: str,
+    policy: QueuePolicy,
+    force: bool,
+    **selection: Any,
+) -> list[dict[str, str]]:
+    """What a refetch does to the apps it selected (`rows`, as the selection read them),
+    in the caller's transaction: lock those that still match the selection (`lock`, a
+    REFETCH_LOCK, with the selection's parameters), snapshot their current analysis into
     history and reset them to queued (the analysis stays visible until replaced), except
-    an app under a live lease, which waits for it unless `force` (REFETCH_APPLY). Each
-    app's outcome (REFETCH_OUTCOMES) by bundle ID."""
-    session.run(RECORD_HISTORY, appids=appids)
-    rows = session.records(REFETCH_APPLY, appids=appids, force=force, **policy.sql_params())
-    return {row["appid"]: row["outcome"] for row in rows}
+    an app under a live lease, which waits for it unless `force` (REFETCH_OUTCOME). Each
+    row back with the status the lock found and its outcome (REFETCH_OUTCOMES): one the
+    lock no longer found (deleted or changed since) is "skipped", left as it is."""
+    params = {**policy.sql_params(), "force": force, **selection}
+    locked = {row["appid"]: row for row in session.records(lock, appids=rows_ids(rows), **params)}
+    if locked:
+        session.run(RECORD_HISTORY, appids=list(locked))
+        session.run(
+            REFETCH_APPLY,
+            requeue=[appid for appid, row in locked.items() if row["outcome"] != "waiting"],
+            wait=[appid for appid, row in locked.items() if row["outcome"] == "waiting"],
+        )
+    return [locked.get(row["appid"], {**row, "outcome": "skipped"}) for row in rows]
 
 
 def refetch_in_batches(
@@ -2817,15 +2862,21 @@ def refetch_in_batches(
 ) -> RefetchProgress:
     """Select apps to analyse again and, with apply, refetch them, batch by batch. After
     each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
-    "status"}, the status before, and with apply the "outcome"). Past `deadline` (on
-    `clock`, checked before each batch but the first) it stops, with progress.complete
-    False."""
+    "status", "outcome"}: the status before, and what happened, or in a dry run what
+    --apply would do now, by the same rule). Past `deadline` (on `clock`, checked before
+    each batch but the first) it stops, with progress.complete False."""
     progress = RefetchProgress()
     policy = policy or QueuePolicy()
+    rule = {**policy.sql_params(), "force": force}
+    if app_ids:
+        lock, selection = REFETCH_LOCK_NAMED, {}
+    elif failed:
+        lock, selection = REFETCH_LOCK_FAILED, {"include_non_retryable": include_non_retryable}
+    else:
+        lock, selection = REFETCH_LOCK_ANALYSED, {}
 
     def refetch(session: Session, rows: list[dict[str, str]]) -> list[dict[str, str]]:
-        outcomes = refetch_apps(session, rows_ids(rows), policy, force)
-        return [{**row, "outcome": outcomes[row["appid"]]} for row in rows]
+        return refetch_apps(session, rows, lock, policy, force, **selection)
 
     def out_of_time() -> bool:
         return deadline is not None and progress.batches > 0 and clock() >= deadline
@@ -2834,19 +2885,18 @@ def refetch_in_batches(
         progress.batches += 1
         progress.examined += examined
         progress.selected += len(rows)
-        progress.waiting += sum(row.get("outcome") == "waiting" for row in rows)
+        for row in rows:
+            progress.outcomes[row["outcome"]] += 1
         on_batch(rows, progress)
 
     if app_ids or limit is not None:
         if app_ids:
             lowered = [a.lower() for a in app_ids]
-            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered)[:limit]
+            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered, **rule)[:limit]
         elif failed:
-            selected = db.records(
-                REFETCH_SELECT_FAILED, include_non_retryable=include_non_retryable, limit=limit
-            )
+            selected = db.records(REFETCH_SELECT_FAILED, limit=limit, **selection, **rule)
         else:
-            selected = db.records(REFETCH_SELECT_ANALYSED, limit=limit)
+            selected = db.records(REFETCH_SELECT_ANALYSED, limit=limit, **rule)
         progress.total = len(selected)
         for start in range(0, len(selected), batch_size):
             if out_of_time():
@@ -2861,13 +2911,16 @@ def refetch_in_batches(
     ((estimate,),) = db.run(APPS_ESTIMATE)
     progress.total = int(estimate) if estimate >= 0 else None
     walk = REFETCH_WALK_FAILED if failed else REFETCH_WALK_ANALYSED
-    params = {"include_non_retryable": include_non_retryable} if failed else {}
     after = ""
     while not out_of_time():
 
         def work(session: Session, after: str = after) -> tuple[list[dict[str, Any]], list]:
-            window = session.records(walk, after=after, batch=batch_size, **params)
-            rows = [{"appid": r["appid"], "status": r["status"]} for r in window if r["selected"]]
+            window = session.records(walk, after=after, batch=batch_size, **selection, **rule)
+            rows = [
+                {"appid": r["appid"], "status": r["status"], "outcome": r["outcome"]}
+                for r in window
+                if r["selected"]
+            ]
             if apply and rows:
                 rows = refetch(session, rows)
             return window, rows
@@ -2891,8 +2944,8 @@ def queue_refetch(
     policy: QueuePolicy | None = None,
     force: bool = False,
 ) -> list[dict[str, str]]:
-    """refetch_in_batches to the end, its apps as one list ({"appid", "status"} each, the
-    status before, and with apply the "outcome")."""
+    """refetch_in_batches to the end, its apps as one list ({"appid", "status",
+    "outcome"} each: the status before, and what happened or, in a dry run, would)."""
     selected: list[dict[str, str]] = []
     refetch_in_batches(
         db,
@@ -4481,11 +4534,21 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             policy=policy,
             force=event.get("force") is True,
         )
+        applied = event.get("apply") is True
         result = {
             "command": command,
-            "applied": event.get("apply") is True,
-            "apps": [row["appid"] for row in listed],
-            "count": progress.selected,
+            "applied": applied,
+            # What happened to the apps (in a dry run: what --apply would do now), in the
+            # CLI's words: `queuedNow` is its `Queued N apps for refetch.`
+            "selected": progress.selected,
+            "queuedNow": progress.queued_now,
+            "outcomes": [
+                {"outcome": outcome, "apps": apps} for outcome, apps in progress.outcomes.items()
+            ],
+            "apps": [
+                {"appId": row["appid"], "status": row["status"], "outcome": row["outcome"]}
+                for row in listed
+            ],
             "batches": progress.batches,
             "complete": progress.complete,
         }
@@ -4493,14 +4556,11 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             result["notListed"] = progress.selected - len(listed)
         if not progress.complete:
             result["stopped"] = (
-                f"the function's time ran out after {progress.batches} batch(es),"
-                f" {progress.selected} app(s) {'queued' if result['applied'] else 'selected'};"
+                f"the function's time ran out after {progress.batches} batch(es):"
+                f" {progress.selected} app(s) selected,"
+                f" {progress.queued_now} {'queued now' if applied else 'to be queued now'};"
                 " invoke it again for the rest"
             )
-        if event.get("apply") is True:
-            # Of the listed apps; `waiting` counts every app left with its live lease.
-            result["outcomes"] = {row["appid"]: row["outcome"] for row in listed}
-            result["waiting"] = progress.waiting
         if app_ids and event.get("limit") is None:
             result["unknown"] = unknown_app_ids(app_ids, named)
         logger.info("queue refetch", extra={"queue_refetch": result})
@@ -4927,6 +4987,29 @@ def _bulk_refetch_confirmed(args: argparse.Namespace) -> bool:
     return False
 
 
+def refetch_totals(progress: RefetchProgress, applied: bool) -> list[str]:
+    """A refetch's last lines: apps queued now (the line the exact-app hosts check for,
+    whose meaning is frozen: docs/api.md), then each other outcome that happened. A dry
+    run says the same of what --apply would do now."""
+    outcomes = progress.outcomes
+    if applied:
+        lines = [f"Queued {progress.queued_now} apps for refetch."]
+        said = {
+            "lease_broken": "of them had their lease broken (--force): their holders' claim"
+            " tokens are refused.",
+            "waiting": "apps wait for their leases to end (see above).",
+            "skipped": "apps were left as they are: deleted or changed since they were selected.",
+        }
+    else:
+        lines = [f"Would queue {progress.queued_now} apps for refetch (dry run; add --apply)."]
+        said = {
+            "lease_broken": "of them would have their lease broken (--force).",
+            "waiting": "apps would wait for their leases to end (see above).",
+        }
+    lines += [f"{outcomes[outcome]} {text}" for outcome, text in said.items() if outcomes[outcome]]
+    return lines
+
+
 def _cli_queue_refetch(args: argparse.Namespace) -> int:
     for app_id in args.appid:
         if not is_valid_bundle_id(app_id):
@@ -4935,7 +5018,6 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
     if not _bulk_refetch_confirmed(args):
         return 2
     _local_database(apply=True)
-    verb = "queued" if args.apply else "selected"
     found: list[dict[str, str]] = []
     # Named apps are a batch or two: no progress for the exact-app hosts to parse.
     line = None if args.appid else ProgressLine("queue-refetch")
@@ -4945,17 +5027,18 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         # A walk's total is the planner's estimate of the table's rows.
         estimate = "" if args.limit else "~"
         total = "" if progress.total is None else f" of {estimate}{progress.total}"
-        return (
-            f"{progress.selected} apps {verb}, {progress.examined}{total} examined,"
-            f" {progress.batches} batches committed"
+        done = (
+            f"{progress.queued_now} apps queued"
+            if args.apply
+            else f"{progress.selected} apps selected"
         )
+        return f"{done}, {progress.examined}{total} examined, {progress.batches} batches committed"
 
     def show(rows: list[dict[str, str]], progress: RefetchProgress) -> None:
         nonlocal last
         last = progress
         for row in rows:
-            outcome = f": {REFETCH_OUTCOMES[row['outcome']]}" if "outcome" in row else ""
-            print(f"  {row['appid']} ({row['status']}){outcome}")
+            print(f"  {row['appid']} ({row['status']}): {REFETCH_OUTCOMES[row['outcome']]}")
         found.extend(rows if args.appid else ())
         if line is not None:
             line.update(progress.examined, progress.total, status(progress))
@@ -4978,14 +5061,8 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         raise
     if line is not None:  # a walk that went through is all the way, whatever the estimate
         line.finish(progress.examined, progress.examined or 1, f"done: {status(progress)}")
-    if args.apply:
-        # The exact-app hosts check for this line before they process the app, so it
-        # counts only apps queued now, never one still leased to another analyser.
-        print(f"Queued {progress.selected - progress.waiting} apps for refetch.")
-        if progress.waiting:
-            print(f"{progress.waiting} apps wait for their leases to end (see above).")
-    else:
-        print(f"Would queue {progress.selected} apps for refetch (dry run; add --apply).")
+    for total in refetch_totals(progress, args.apply):
+        print(total)
     unknown = unknown_app_ids(args.appid, found) if args.limit is None else []
     for app_id in unknown:
         print(f"unknown app: {app_id}", file=sys.stderr)

@@ -417,6 +417,11 @@ def test_report_priority_report_command(database_url, sql, capsys):
     assert len(default["apps"]) == len(EXPECTED_TOP_BACKLOG)
 
 
+def outcome_counts(**apps: int) -> list[dict]:
+    """The report's `outcomes`: each of the refetch vocabulary, in its order, zeros kept."""
+    return [{"outcome": name, "apps": apps.get(name, 0)} for name in handler.REFETCH_OUTCOMES]
+
+
 def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, capsys):
     analysis = {"success": True, "trackers": {"a": "b"}}
     insert_app(
@@ -437,8 +442,10 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
     assert dry == {
         "command": "queue-refetch",
         "applied": False,
-        "apps": ["com.example.done"],
-        "count": 1,
+        "selected": 1,
+        "queuedNow": 1,  # what --apply would do now
+        "outcomes": outcome_counts(queued=1),
+        "apps": [{"appId": "com.example.done", "status": "analysed", "outcome": "queued"}],
         "batches": 1,
         "complete": True,
         "unknown": ["com.example.nope"],  # named, not in the queue
@@ -456,17 +463,7 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         {"command": "queue-refetch", "appIds": ["com.example.done"], "apply": True},
         LambdaContext(),
     )
-    assert done == {
-        "command": "queue-refetch",
-        "applied": True,
-        "apps": ["com.example.done"],
-        "outcomes": {"com.example.done": "queued"},
-        "waiting": 0,
-        "count": 1,
-        "batches": 1,
-        "complete": True,
-        "unknown": [],
-    }
+    assert done == {**dry, "applied": True, "unknown": []}
     logs, _ = output_records(capsys.readouterr())
     assert one_record(logs, "queue refetch")["queue_refetch"] == done
     row = app_row(sql, "com.example.done")
@@ -495,12 +492,12 @@ def test_report_queue_refetch_failed_apps(database_url, sql):
         analysed=datetime.now(UTC),
     )
     retryable = handler.report({"command": "queue-refetch", "failed": True}, LambdaContext())
-    assert retryable["apps"] == ["app.failed.retry"]
+    assert [app["appId"] for app in retryable["apps"]] == ["app.failed.retry"]
     every = handler.report(
         {"command": "queue-refetch", "failed": True, "includeNonRetryable": True, "limit": 5},
         LambdaContext(),
     )
-    assert sorted(every["apps"]) == ["app.failed.final", "app.failed.retry"]
+    assert sorted(app["appId"] for app in every["apps"]) == ["app.failed.final", "app.failed.retry"]
     assert app_row(sql, "app.failed.retry")["status"] == "failed"
 
 
