@@ -44,7 +44,6 @@ import gc
 import hashlib
 import hmac
 import json
-import math
 import os
 import re
 import signal
@@ -567,15 +566,20 @@ SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
 FROM apps WHERE lower(appid) = lower(:appid)
 """
 # What judge_result and check_result_identity need of the app a result names, under the
-# row's lock.
+# row's lock. Whether the result is the stored one (SAME_RESULT) is asked only when that
+# decides the verdict: the document is parsed by PostgreSQL once per request (store_result).
 FIND_RESULT_TARGET = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
        NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
-       COALESCE(analysis = CAST(:analysis AS jsonb)
-                AND analysisversion IS NOT DISTINCT FROM :version, false) AS same_result,
        analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
        {CLAIM_HOLDER} AS claim_holder, {DOCUMENT.format("details")}, analysed
 FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
+"""
+STORED_AS_SENT = """COALESCE(apps.analysis = {0}
+             AND apps.analysisversion IS NOT DISTINCT FROM :version, false)"""
+SAME_RESULT = f"""
+SELECT {STORED_AS_SENT.format("CAST(:analysis AS jsonb)")} AS same_result
+FROM apps WHERE appid = :appid
 """
 
 # The public queue position: candidates ahead of the app in claim order, counted from the
@@ -622,15 +626,21 @@ SELECT
 
 # == SQL: results and new apps ==========================================================
 
+# The document as sent, cast to jsonb once (a materialized CTE: one parse, however often
+# it is used), stored; with :unless_stored, not when it is the stored result already (no
+# row returned), which is how a result whose verdict hangs on that is told and stored in
+# one statement.
 STORE_RESULT = f"""
-UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
+WITH sent AS MATERIALIZED (SELECT CAST(:analysis AS jsonb) AS document)
+UPDATE apps SET analysis = sent.document, analysisversion = :version,
                 analysed = now(), status = :status, failure_reason = :failure_reason,
                 failure_retryable = :failure_retryable, processing_started = NULL,
                 analysis_claim_token = NULL, due = false, lease_attempts = 0,
                 result_claim_token = :result_claim, result_claim_verified = :verified,
                 refetch_requested = false, analysed_by = :analyser
-WHERE appid = :appid
-RETURNING appid, {DOCUMENT.format("details")}, analysed
+FROM sent
+WHERE apps.appid = :appid AND NOT (:unless_stored AND {STORED_AS_SENT.format("sent.document")})
+RETURNING apps.appid, {DOCUMENT.format("details")}, apps.analysed
 """
 
 # The history's analysis_source is the analysis's own when it is a non-empty string, else
@@ -658,8 +668,11 @@ UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NU
 WHERE appid = :appid
 """
 
+# The details as sent: the member "details" of the request's body, cast once (a JSON null
+# is no details).
 ADD_APP = """
-INSERT INTO apps (appid, details) VALUES (:appid, CAST(:details AS jsonb))
+INSERT INTO apps (appid, details)
+VALUES (:appid, NULLIF(CAST(:body AS jsonb) -> 'details', 'null'::jsonb))
 ON CONFLICT DO NOTHING
 RETURNING appid
 """
@@ -1567,18 +1580,48 @@ SIMPLE_KEY = re.compile(r"[A-Za-z0-9_]{1,40}")
 MAX_REVIEW_DIGITS = 20
 
 
-# jsonb keeps a number as numeric and writes it out without an exponent: 1e308 comes back
-# as 309 digits. A number whose written-out form is longer than this is refused, so that
-# nothing stored is much larger than what was sent (the integers JSON parsing allows,
-# 4,300 digits, are written out as sent).
-MAX_NUMBER_TEXT = 64
+# A document is stored as it was sent, and jsonb keeps each number as an exact numeric (1e-400
+# is not 0, a 30-digit decimal keeps its digits), writing it out without an exponent: 1e308
+# comes back as 309 digits, 1e-400 as 402 characters. So the numbers of a document may
+# come back longer than they were sent; how much longer is bounded per document (each
+# GET /apps writes the document out, if only to measure it). A literal's exponent stays
+# within what every PostgreSQL release stores (older ones refuse one beyond ±1000), and a
+# literal within the length of the longest integer Python parses (4,300 digits), so that
+# PostgreSQL's own limits (131,072 digits before the point, 16,383 after) are never met.
+MAX_NUMBER_GROWTH = 65_536
+MAX_NUMBER_EXPONENT = 1000
+MAX_NUMBER_LITERAL = 4300
+NUMBER_LITERAL = re.compile(r"-?([0-9]+)(?:\.([0-9]+))?(?:[eE]([-+]?[0-9]+))?")
 
 
-def stored_number_text(number: float) -> str:
-    """How PostgreSQL's jsonb writes out a JSON number sent as json.dumps writes it
-    (numeric has no negative zero)."""
-    written = Decimal(json.dumps(number))
-    return format(written.copy_abs() if written.is_zero() else written, "f")
+@dataclasses.dataclass(frozen=True, slots=True)
+class JSONNumber:
+    """A JSON number with a fraction or an exponent, as sent (what json.loads hands
+    parse_float): the service never computes with one, it checks what PostgreSQL will
+    write out for it, and stores the document's text. Integers parse as int."""
+
+    literal: str
+
+
+def written_number_length(literal: str) -> int:
+    """How many characters jsonb writes out for a JSON number literal, counted, not
+    written: numeric keeps the literal's digits after the point (less its exponent), has
+    no exponent and no negative zero."""
+    match = NUMBER_LITERAL.fullmatch(literal)
+    integer, fraction, exponent = match[1], match[2] or "", int(match[3] or 0)
+    scale = max(0, len(fraction) - exponent)
+    after_point = scale + 1 if scale else 0
+    significant = (integer + fraction).lstrip("0")
+    if not significant:
+        return 1 + after_point
+    before_point = max(len(significant) + exponent - len(fraction), 1)
+    return literal.startswith("-") + before_point + after_point
+
+
+def written_number_text(literal: str) -> str:
+    """The text jsonb writes out for a JSON number literal (for one known to be short)."""
+    value = Decimal(literal)
+    return format(value.copy_abs() if value.is_zero() else value, "f")
 
 
 def _text_problem(text: str, where: str) -> str | None:
@@ -1592,31 +1635,43 @@ def _text_problem(text: str, where: str) -> str | None:
     return None
 
 
-def _number_problem(number: float, where: str) -> str | None:
-    if not math.isfinite(number):
-        return f"{where} is a number too large to store"
-    written = stored_number_text(number)
-    if len(written) > MAX_NUMBER_TEXT:
-        return f"{where} is a number PostgreSQL would write out with {len(written)} digits"
-    return None
-
-
-def _value_problem(item: Any, where: str) -> str | None:
-    if isinstance(item, str):
-        return _text_problem(item, where)
-    if isinstance(item, float):
-        return _number_problem(item, where)
-    return None
+def _number_problem(number: JSONNumber, where: str, growth: int) -> tuple[str | None, int]:
+    """Why PostgreSQL may not store this number as sent, or why, with it, the document's
+    numbers would come back too much longer than sent (`growth` before it; None: neither);
+    and the growth with it."""
+    literal = number.literal
+    if len(literal) > MAX_NUMBER_LITERAL:
+        return f"{where} is a number of more than {MAX_NUMBER_LITERAL} characters", growth
+    exponent = NUMBER_LITERAL.fullmatch(literal)[3]
+    if exponent is not None and abs(int(exponent)) > MAX_NUMBER_EXPONENT:
+        return (
+            f"{where} is a number with an exponent beyond ±{MAX_NUMBER_EXPONENT},"
+            " which PostgreSQL may not store",
+            growth,
+        )
+    written = written_number_length(literal)
+    growth += max(0, written - len(literal))
+    if growth > MAX_NUMBER_GROWTH:
+        return (
+            f"{where} is a number PostgreSQL would write out with {written} characters"
+            f" (sent as {len(literal)}): the document's numbers would come back more than"
+            f" {MAX_NUMBER_GROWTH} bytes longer than they were sent",
+            growth,
+        )
+    return None, growth
 
 
 def json_problem(value: Any, name: str) -> str | None:
-    """Why PostgreSQL's jsonb cannot store value as parsed from JSON, or the service could
-    not read it back, naming the place (e.g. "the analysis.trackers[3]"); None if it can.
-    Places are named only on the way to a problem: the walk over a document without one
-    builds no names (a 4 MB upload has millions of values)."""
+    """Why PostgreSQL's jsonb cannot store value as parsed from JSON (by _parse_json: its
+    numbers with a fraction or an exponent as JSONNumber), or the service could not read
+    it back, naming the place (e.g. "the analysis.trackers[3]"); None if it can. Places
+    are named only on the way to a problem: the walk over a document without one builds
+    no names (a 4 MB upload has millions of values)."""
+    if isinstance(value, JSONNumber):
+        return _number_problem(value, name, 0)[0]
     if not isinstance(value, dict | list):
-        return _value_problem(value, name)
-    stack = [(value, 0)]
+        return _text_problem(value, name) if isinstance(value, str) else None
+    stack, growth = [(value, 0)], 0
     while stack:
         item, depth = stack.pop()
         children = item.values() if isinstance(item, dict) else item
@@ -1627,19 +1682,28 @@ def json_problem(value: Any, name: str) -> str | None:
         for child in children:
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
-            elif _value_problem(child, ""):
-                return _named_problem(value, name)
+            elif isinstance(child, str):
+                if _text_problem(child, ""):
+                    return _named_problem(value, name)
+            elif isinstance(child, JSONNumber):
+                problem, growth = _number_problem(child, "", growth)
+                if problem:
+                    return _named_problem(value, name)
     return None
 
 
 def _named_problem(value: Any, name: str) -> str | None:
     """json_problem's answer with the place named (the slow walk, run once it is known
-    that there is a problem)."""
-    stack = [(value, name, 0)]
+    that there is a problem; the numbers' growth is summed in this walk's order)."""
+    stack, growth = [(value, name, 0)], 0
     while stack:
         item, where, depth = stack.pop()
         if not isinstance(item, dict | list):
-            problem = _value_problem(item, where)
+            problem = None
+            if isinstance(item, str):
+                problem = _text_problem(item, where)
+            elif isinstance(item, JSONNumber):
+                problem, growth = _number_problem(item, where, growth)
             if problem:
                 return problem
             continue
@@ -1659,15 +1723,18 @@ def _named_problem(value: Any, name: str) -> str | None:
 
 def details_problem(details: dict[str, Any]) -> str | None:
     """Beyond json_problem: what the claim index needs of an app's details. Its key is
-    details->>'reviews' as PostgreSQL writes it (a float such as 1e20 comes out as 21
+    details->>'reviews' as PostgreSQL writes it (a number such as 1e20 comes out as 21
     digits), when that is all digits."""
     problem = json_problem(details, "details")
     if problem:
         return problem
     reviews = details.get("reviews")
-    if isinstance(reviews, bool) or not isinstance(reviews, int | float | str):
+    if isinstance(reviews, bool) or not isinstance(reviews, int | str | JSONNumber):
         return None
-    written = stored_number_text(reviews) if isinstance(reviews, float) else str(reviews)
+    if isinstance(reviews, JSONNumber):
+        written = written_number_text(reviews.literal)
+    else:
+        written = str(reviews)
     if written.isascii() and written.isdigit() and len(written) > MAX_REVIEW_DIGITS:
         return (
             f"details.reviews has {len(written)} digits;"
@@ -2336,22 +2403,34 @@ def store_result(
     payload: dict[str, Any],
     claim_token: str | None,
     analyser: str | None = None,
+    sent: str | None = None,
 ) -> list[dict[str, Any]]:
     """Write an analysis or failure record, snapshot it into history, end the lease, as
     judge_result decides; a result that is stored already is answered as the first time
     (a retry after a lost reply, the service's own or the analyser's). `analyser`: the
     credential it came with (None: the shared password), which check_result_identity
-    holds a tokenless result to."""
+    holds a tokenless result to. `sent`: the document's JSON text as the analyser sent
+    it, which is what is stored (jsonb keeps its numbers exact); None: `payload`, which
+    the service built, serialised.
+
+    PostgreSQL parses the document once per request, whatever the verdict: whether it is
+    the stored result is asked only when that decides the verdict, and then, when it
+    would otherwise be stored, by the statement that stores it (STORE_RESULT's
+    :unless_stored)."""
     state = derive_analysis_state(payload)
-    document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    success = state.status == "analysed"
+    document = json.dumps(payload, ensure_ascii=False, allow_nan=False) if sent is None else sent
+
+    def may_store(found: dict[str, Any]) -> bool:
+        try:
+            check_result_identity(found, analyser, claim_token)
+        except IdentityConflict:
+            return False
+        return True
 
     def work(session: Session) -> list[dict[str, Any]]:
         rows = session.records(
-            FIND_RESULT_TARGET,
-            appid=app_id,
-            analysis=document,
-            version=version,
-            document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
+            FIND_RESULT_TARGET, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES
         )
         if not rows:
             raise UnknownApp(app_id)
@@ -2361,17 +2440,30 @@ def store_result(
             version=found["analysisversion"],
             has_result=found["has_result"],
             stored_success=found["stored_success"],
-            same_result=found["same_result"],
+            same_result=False,
             claim=found["analysis_claim_token"],
             result_claim=found["result_claim_token"],
             result_verified=found["result_claim_verified"],
         )
-        verdict = judge_result(target, version, state.status == "analysed", claim_token)
+        verdict = judge_result(target, version, success, claim_token)
+        if_stored = judge_result(
+            dataclasses.replace(target, same_result=True), version, success, claim_token
+        )
+        unless_stored = False
+        if verdict != if_stored:
+            if verdict.action == "store" and if_stored.action == "stored" and may_store(found):
+                unless_stored = True  # STORE_RESULT tells, storing it unless it is stored
+            else:
+                ((same,),) = session.run(
+                    SAME_RESULT, appid=found["appid"], analysis=document, version=version
+                )
+                verdict = if_stored if same else verdict
         if verdict.action == "refuse":
             raise ResultRefused(verdict.why)
+        stored = []
         if verdict.action == "store":
             check_result_identity(found, analyser, claim_token)
-            (found,) = session.records(
+            stored = session.records(
                 STORE_RESULT,
                 document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
                 appid=found["appid"],
@@ -2383,7 +2475,10 @@ def store_result(
                 result_claim=verdict.claim,
                 verified=verdict.verified,
                 analyser=analyser,
+                unless_stored=unless_stored,
             )
+        if stored:
+            (found,) = stored
             session.run(RECORD_HISTORY, appids=[found["appid"]])
             # A refetch asked during this claim: queued again once its result is in (and
             # still queued when its holder replaces a result stored without the token).
@@ -2395,7 +2490,7 @@ def store_result(
                     RECORD_ANALYSER_RESULT,
                     name=analyser,
                     appid=found["appid"],
-                    success=state.status == "analysed",
+                    success=success,
                     version=version,
                 )
         return [
@@ -2409,24 +2504,23 @@ def store_result(
     return db.transaction(work)
 
 
-def add_app(db: SharedConnection, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
+def add_app(
+    db: SharedConnection, app_id: str, details: dict[str, Any] | None, sent: str | None = None
+) -> tuple[bool, dict]:
     """Insert as queued, under the listing's casing (listed_bundle_id); (created, app). An
     existing app (any letter case) is unchanged, its bundle ID included. A listing that
-    names another app is refused (BadInput) before anything is written."""
+    names another app is refused (BadInput) before anything is written. `sent`: the
+    request's body as sent, whose `details` member is what is stored (exact, as jsonb
+    keeps it; `details` is the same, as parsed, for the checks); None: `details`
+    serialised."""
     stored_id = listed_bundle_id(app_id, details)
     if stored_id is None:
         raise BadInput(f"App Store bundle ID mismatch: details.appId does not name {app_id}")
+    if sent is None:
+        sent = json.dumps({"details": details}, ensure_ascii=False, allow_nan=False)
 
     def work(session: Session) -> tuple[bool, dict]:
-        created = bool(
-            session.run(
-                ADD_APP,
-                appid=stored_id,
-                details=None
-                if details is None
-                else json.dumps(details, ensure_ascii=False, allow_nan=False),
-            )
-        )
+        created = bool(session.run(ADD_APP, appid=stored_id, body=sent))
         (row,) = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
         return created, _app_view(row, admin=True)
 
@@ -3575,12 +3669,14 @@ class _CollectorPause:
 _COLLECTOR = _CollectorPause()
 
 
-def _parse_json(body: bytes, name: str) -> Any:
+def _parse_json_text(body: bytes, name: str) -> tuple[str, Any]:
     """The body as JSON that PostgreSQL can store and the service can read back (400
-    naming the place otherwise)."""
+    naming the place otherwise): its text, which is what is stored, and its value, which
+    the service reads and checks (numbers with a fraction or an exponent as JSONNumber)."""
     try:
         with _COLLECTOR.paused():
-            value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+            text = body.decode("utf-8")
+            value = json.loads(text, parse_float=JSONNumber, parse_constant=_reject_constant)
             problem = json_problem(value, name)
     except RecursionError:
         raise HTTPException(400, f"{name} nests deeper than {MAX_JSON_DEPTH} levels") from None
@@ -3588,7 +3684,12 @@ def _parse_json(body: bytes, name: str) -> Any:
         raise HTTPException(400, f"{name} is not valid JSON: {str(error)[:200]}") from None
     if problem:
         raise HTTPException(400, problem)
-    return value
+    return text, value
+
+
+def _parse_json(body: bytes, name: str) -> Any:
+    """The body's value, as _parse_json_text checks it."""
+    return _parse_json_text(body, name)[1]
 
 
 def _claim_token(request: Request) -> str | None:
@@ -3641,10 +3742,17 @@ def _json_answer(
 
 
 def _store(
-    app_id: str, version: int, payload: dict, token: str | None, credential: Credential
+    app_id: str,
+    version: int,
+    payload: dict,
+    token: str | None,
+    credential: Credential,
+    sent: str | None = None,
 ) -> Response:
     try:
-        rows = store_result(api_connection(), app_id, version, payload, token, credential.analyser)
+        rows = store_result(
+            api_connection(), app_id, version, payload, token, credential.analyser, sent
+        )
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
     except (ResultRefused, IdentityConflict) as refused:
@@ -3819,10 +3927,12 @@ async def upload_analysis(
 ) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("application/json",))
-    payload = await blocking(_parse_json, await _read_body(request), "the analysis", parse=True)
+    sent, payload = await blocking(
+        _parse_json_text, await _read_body(request), "the analysis", parse=True
+    )
     if not isinstance(payload, dict):
         raise HTTPException(400, "the analysis must be a JSON object")
-    return await blocking(_store, app_id, version, payload, token, credential)
+    return await blocking(_store, app_id, version, payload, token, credential, sent)
 
 
 @app.post(
@@ -3860,11 +3970,11 @@ NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any 
 async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
-    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
-    return await blocking(_create_app, body)
+    sent, body = await blocking(_parse_json_text, await _read_body(request), "the body", parse=True)
+    return await blocking(_create_app, body, sent)
 
 
-def _create_app(body: Any) -> Response:
+def _create_app(body: Any, sent: str) -> Response:
     if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
         raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
     app_id = _bundle_id(body["appId"])
@@ -3874,7 +3984,7 @@ def _create_app(body: Any) -> Response:
     problem = details_problem(details or {})
     if problem:
         raise HTTPException(400, problem)
-    created, view = add_app(api_connection(), app_id, details)
+    created, view = add_app(api_connection(), app_id, details, sent)
     return _json_answer(view, 201 if created else 200, droppable=("analysis", "details"))
 
 
