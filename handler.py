@@ -44,7 +44,6 @@ import gc
 import hashlib
 import hmac
 import json
-import math
 import os
 import re
 import signal
@@ -567,15 +566,20 @@ SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
 FROM apps WHERE lower(appid) = lower(:appid)
 """
 # What judge_result and check_result_identity need of the app a result names, under the
-# row's lock.
+# row's lock. Whether the result is the stored one (SAME_RESULT) is asked only when that
+# decides the verdict: the document is parsed by PostgreSQL once per request (store_result).
 FIND_RESULT_TARGET = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
        NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
-       COALESCE(analysis = CAST(:analysis AS jsonb)
-                AND analysisversion IS NOT DISTINCT FROM :version, false) AS same_result,
        analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
        {CLAIM_HOLDER} AS claim_holder, {DOCUMENT.format("details")}, analysed
 FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
+"""
+STORED_AS_SENT = """COALESCE(apps.analysis = {0}
+             AND apps.analysisversion IS NOT DISTINCT FROM :version, false)"""
+SAME_RESULT = f"""
+SELECT {STORED_AS_SENT.format("CAST(:analysis AS jsonb)")} AS same_result
+FROM apps WHERE appid = :appid
 """
 
 # The public queue position: candidates ahead of the app in claim order, counted from the
@@ -622,15 +626,21 @@ SELECT
 
 # == SQL: results and new apps ==========================================================
 
+# The document as sent, cast to jsonb once (a materialized CTE: one parse, however often
+# it is used), stored; with :unless_stored, not when it is the stored result already (no
+# row returned), which is how a result whose verdict hangs on that is told and stored in
+# one statement.
 STORE_RESULT = f"""
-UPDATE apps SET analysis = CAST(:analysis AS jsonb), analysisversion = :version,
+WITH sent AS MATERIALIZED (SELECT CAST(:analysis AS jsonb) AS document)
+UPDATE apps SET analysis = sent.document, analysisversion = :version,
                 analysed = now(), status = :status, failure_reason = :failure_reason,
                 failure_retryable = :failure_retryable, processing_started = NULL,
                 analysis_claim_token = NULL, due = false, lease_attempts = 0,
                 result_claim_token = :result_claim, result_claim_verified = :verified,
                 refetch_requested = false, analysed_by = :analyser
-WHERE appid = :appid
-RETURNING appid, {DOCUMENT.format("details")}, analysed
+FROM sent
+WHERE apps.appid = :appid AND NOT (:unless_stored AND {STORED_AS_SENT.format("sent.document")})
+RETURNING apps.appid, {DOCUMENT.format("details")}, apps.analysed
 """
 
 # The history's analysis_source is the analysis's own when it is a non-empty string, else
@@ -658,8 +668,11 @@ UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NU
 WHERE appid = :appid
 """
 
+# The details as sent: the member "details" of the request's body, cast once (a JSON null
+# is no details).
 ADD_APP = """
-INSERT INTO apps (appid, details) VALUES (:appid, CAST(:details AS jsonb))
+INSERT INTO apps (appid, details)
+VALUES (:appid, NULLIF(CAST(:body AS jsonb) -> 'details', 'null'::jsonb))
 ON CONFLICT DO NOTHING
 RETURNING appid
 """
@@ -674,16 +687,20 @@ SET last_seen = now(), source_address = EXCLUDED.source_address,
     user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
 """
 # Heartbeats: the shared password's (by X-Analyser-Id, or address and User-Agent) and
-# the named analysers' (their own row, not revoked). Ages come from the database's clock,
-# the one that wrote the times; a time the service cannot have written (infinite, or in
-# the future) is not a heartbeat.
-LAST_PING = """
+# the named analysers' (their own row, not revoked: a revoked analyser's requests get
+# 401, so it is active nowhere). Ages come from the database's clock, the one that wrote
+# the times; a time the service cannot have written (infinite, or in the future) is not
+# a heartbeat. An analyser is active when it sent one in the last hour: the figure of
+# ActiveAnalysers, /healthz/analyser and queue-status alike, and each named analyser's
+# `online` (ANALYSER_ACTIVITY).
+ACTIVE_HEARTBEAT = "({0} > now() - interval '1 hour' AND {0} <= now())"
+LAST_PING = f"""
 WITH seen AS (
     SELECT last_seen FROM analyser_heartbeats
     UNION ALL SELECT last_seen FROM analysers WHERE revoked IS NULL AND last_seen IS NOT NULL
 )
 SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_ping,
-       count(*) FILTER (WHERE last_seen > now() - interval '1 hour') AS analysers_last_hour
+       count(*) FILTER (WHERE {ACTIVE_HEARTBEAT.format("last_seen")}) AS analysers_last_hour
 FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
 """
 
@@ -743,7 +760,7 @@ WHERE name = :name
 # an older one too), its results in the last day, and whether it sends an old format.
 ANALYSER_ACTIVITY = f"""
 SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
-       a.revoked IS NULL AND a.last_seen > now() - interval '1 hour' AS online,
+       a.revoked IS NULL AND {ACTIVE_HEARTBEAT.format("a.last_seen")} AS online,
        a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
        a.last_result_version < :analysis_version AS outdated_version,
        held.appid AS holding, held.processing_started AS holding_since,
@@ -821,8 +838,26 @@ LIMIT :limit
 
 # == SQL: refetch =======================================================================
 
-REFETCH_SELECT_BY_ID = """
-SELECT appid, status FROM apps WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
+# A refetch never hands an app out twice: an app under a live lease is re-queued when
+# that lease's result arrives or the lease expires (refetch_requested), unless `force`
+# breaks the lease, which fences its holder (its claim token no longer matches). What
+# happens to each app is its outcome (REFETCH_OUTCOME, the one rule for the dry run and
+# --apply alike): queued, waiting (for the lease) or lease_broken.
+# A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
+# the one the serving API recorded (queue_policy): an operator's command run with other
+# settings than the API's must not break a lease the API still honours.
+REFETCH_LIVE_LEASE = """status = 'processing'
+    AND COALESCE(processing_started, '-infinity') >= now() - make_interval(
+        mins => GREATEST(:timeout_minutes, COALESCE(
+            (SELECT processing_timeout_minutes FROM queue_policy), 0)))"""
+REFETCH_OUTCOME = f"""CASE
+    WHEN status = 'processing' AND :force THEN 'lease_broken'
+    WHEN {REFETCH_LIVE_LEASE} THEN 'waiting'
+    ELSE 'queued'
+END"""
+REFETCH_SELECT_BY_ID = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
+WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
 ORDER BY app_popularity(details) DESC, added, appid
 """
 # An invalid bundle ID is never valid again (apps' CHECK would refuse the UPDATE).
@@ -830,12 +865,12 @@ REFETCH_FAILED_ROWS = """status = 'failed' AND (failure_retryable OR :include_no
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'"""
 REFETCH_ANALYSED_ROWS = "status = 'analysed'"
 REFETCH_SELECT_FAILED = f"""
-SELECT appid, status FROM apps WHERE {REFETCH_FAILED_ROWS}
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_FAILED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
 REFETCH_SELECT_ANALYSED = f"""
-SELECT appid, status FROM apps WHERE {REFETCH_ANALYSED_ROWS}
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_ANALYSED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
@@ -843,48 +878,45 @@ LIMIT :limit
 # one window of :batch rows at a time, and selects the window's rows that match: a window
 # costs the same at any table size, whether none or all of its rows match.
 REFETCH_WALK = """
-SELECT appid, status, {rows} AS selected FROM apps
+SELECT appid, status, {rows} AS selected, {outcome} AS outcome FROM apps
 WHERE appid > :after ORDER BY appid LIMIT :batch
 """
-REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})")
-REFETCH_WALK_ANALYSED = REFETCH_WALK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
+REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})", outcome=REFETCH_OUTCOME)
+REFETCH_WALK_ANALYSED = REFETCH_WALK.format(
+    rows=f"({REFETCH_ANALYSED_ROWS})", outcome=REFETCH_OUTCOME
+)
 # The number of apps the planner believes there are (-1: never counted): a walk's progress
 # total, read without counting.
 APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 'apps'::regclass"
-# A refetch never hands an app out twice: an app under a live lease is re-queued when
-# that lease's result arrives or the lease expires (refetch_requested), unless `force`
-# breaks the lease, which fences its holder (its claim token no longer matches). What
-# happened to each app is the outcome: queued, waiting (for the lease) or lease_broken.
-# A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
-# the one the serving API recorded (queue_policy): an operator's command run with other
-# settings than the API's must not break a lease the API still honours. A refetched app's
-# stored result becomes verified: the token of the claim that stored it may send it again
-# (answered as the first time), but no longer replace it.
+# Applying a refetch first locks the selected rows that still match the selection (in
+# bundle-ID order, so two refetches never deadlock): a row deleted since it was read, or
+# changed so that it no longer matches (a failed app analysed since, an analysed app
+# claimed), is not returned, and is left as it is. The outcome is decided on the locked
+# row, with the dry run's rule. The history snapshot and the apply then act on locked rows.
+REFETCH_LOCK = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
+WHERE appid = ANY(CAST(:appids AS text[])) AND {{rows}}
+ORDER BY appid
+FOR UPDATE
+"""
+REFETCH_LOCK_NAMED = REFETCH_LOCK.format(rows="true")
+REFETCH_LOCK_FAILED = REFETCH_LOCK.format(rows=f"({REFETCH_FAILED_ROWS})")
+REFETCH_LOCK_ANALYSED = REFETCH_LOCK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
+# A refetched app's stored result becomes verified: the token of the claim that stored it
+# may send it again (answered as the first time), but no longer replace it.
 REFETCH_APPLY = """
-WITH chosen AS (
-    SELECT appid, status = 'processing' AS leased,
-           status = 'processing' AND NOT :force
-               AND COALESCE(processing_started, '-infinity') >= now() - make_interval(
-                   mins => GREATEST(:timeout_minutes, COALESCE(
-                       (SELECT processing_timeout_minutes FROM queue_policy), 0))) AS waits
-    FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
-    FOR UPDATE
-), requeued AS (
+WITH requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
                     failure_retryable = NULL, analysis_claim_token = NULL, due = false,
                     refetch_requested = false, lease_attempts = 0,
                     result_claim_verified = true
-    FROM chosen WHERE apps.appid = chosen.appid AND NOT chosen.waits
-    RETURNING apps.appid, chosen.leased
+    WHERE appid = ANY(CAST(:requeue AS text[]))
+    RETURNING 1
 ), deferred AS (
-    UPDATE apps SET refetch_requested = true
-    FROM chosen WHERE apps.appid = chosen.appid AND chosen.waits
-    RETURNING apps.appid
+    UPDATE apps SET refetch_requested = true WHERE appid = ANY(CAST(:wait AS text[]))
+    RETURNING 1
 )
-SELECT appid, CASE WHEN leased AND :force THEN 'lease_broken' ELSE 'queued' END AS outcome
-FROM requeued
-UNION ALL
-SELECT appid, 'waiting' AS outcome FROM deferred
+SELECT (SELECT count(*) FROM requeued) AS requeued, (SELECT count(*) FROM deferred) AS deferred
 """
 
 # == SQL: the ledger ====================================================================
@@ -936,6 +968,13 @@ DATABASE_WRITABLE = """
 SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'
 """
 CLAIM_LOCK_PROBE = "UPDATE apps SET due = due WHERE false"
+# Whether the database has a ledger, and whether this role may read it (a role granted
+# only the queue's tables cannot: /healthz then checks what the claim needs, no more).
+LEDGER_READABLE = """
+SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
+       COALESCE(has_table_privilege(to_regclass('schema_migrations'), 'SELECT'), false)
+           AS readable
+"""
 BACKEND_PID = "SELECT pg_backend_pid()"
 TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 
@@ -1566,6 +1605,12 @@ FAILURE_CLASSES = (
     ("paid_app", False, ("purchasing paid apps is not supported",)),
 )
 NON_RETRYABLE_REASONS = {reason for reason, _, _ in FAILURE_CLASSES} | {"invalid_bundle_id"}
+# The reasons a failure is stored and shown under: the table's, invalid_bundle_id (an
+# analyser's), analysis_failed, and lease_expired (the promoter's, ABANDON_EXPIRED_LEASES).
+# An analyser may name any but the promoter's; whatever else it writes is its own text,
+# kept in the stored record (the admin view), never a reason the public sees.
+ANALYSER_FAILURE_REASONS = NON_RETRYABLE_REASONS | {ANALYSIS_FAILED}
+FAILURE_REASONS = ANALYSER_FAILURE_REASONS | {"lease_expired"}
 
 
 def is_valid_bundle_id(value: str) -> bool:
@@ -1583,18 +1628,48 @@ SIMPLE_KEY = re.compile(r"[A-Za-z0-9_]{1,40}")
 MAX_REVIEW_DIGITS = 20
 
 
-# jsonb keeps a number as numeric and writes it out without an exponent: 1e308 comes back
-# as 309 digits. A number whose written-out form is longer than this is refused, so that
-# nothing stored is much larger than what was sent (the integers JSON parsing allows,
-# 4,300 digits, are written out as sent).
-MAX_NUMBER_TEXT = 64
+# A document is stored as it was sent, and jsonb keeps each number as an exact numeric (1e-400
+# is not 0, a 30-digit decimal keeps its digits), writing it out without an exponent: 1e308
+# comes back as 309 digits, 1e-400 as 402 characters. So the numbers of a document may
+# come back longer than they were sent; how much longer is bounded per document (each
+# GET /apps writes the document out, if only to measure it). A literal's exponent stays
+# within what every PostgreSQL release stores (older ones refuse one beyond ±1000), and a
+# literal within the length of the longest integer Python parses (4,300 digits), so that
+# PostgreSQL's own limits (131,072 digits before the point, 16,383 after) are never met.
+MAX_NUMBER_GROWTH = 65_536
+MAX_NUMBER_EXPONENT = 1000
+MAX_NUMBER_LITERAL = 4300
+NUMBER_LITERAL = re.compile(r"-?([0-9]+)(?:\.([0-9]+))?(?:[eE]([-+]?[0-9]+))?")
 
 
-def stored_number_text(number: float) -> str:
-    """How PostgreSQL's jsonb writes out a JSON number sent as json.dumps writes it
-    (numeric has no negative zero)."""
-    written = Decimal(json.dumps(number))
-    return format(written.copy_abs() if written.is_zero() else written, "f")
+@dataclasses.dataclass(frozen=True, slots=True)
+class JSONNumber:
+    """A JSON number with a fraction or an exponent, as sent (what json.loads hands
+    parse_float): the service never computes with one, it checks what PostgreSQL will
+    write out for it, and stores the document's text. Integers parse as int."""
+
+    literal: str
+
+
+def written_number_length(literal: str) -> int:
+    """How many characters jsonb writes out for a JSON number literal, counted, not
+    written: numeric keeps the literal's digits after the point (less its exponent), has
+    no exponent and no negative zero."""
+    match = NUMBER_LITERAL.fullmatch(literal)
+    integer, fraction, exponent = match[1], match[2] or "", int(match[3] or 0)
+    scale = max(0, len(fraction) - exponent)
+    after_point = scale + 1 if scale else 0
+    significant = (integer + fraction).lstrip("0")
+    if not significant:
+        return 1 + after_point
+    before_point = max(len(significant) + exponent - len(fraction), 1)
+    return literal.startswith("-") + before_point + after_point
+
+
+def written_number_text(literal: str) -> str:
+    """The text jsonb writes out for a JSON number literal (for one known to be short)."""
+    value = Decimal(literal)
+    return format(value.copy_abs() if value.is_zero() else value, "f")
 
 
 def _text_problem(text: str, where: str) -> str | None:
@@ -1608,31 +1683,43 @@ def _text_problem(text: str, where: str) -> str | None:
     return None
 
 
-def _number_problem(number: float, where: str) -> str | None:
-    if not math.isfinite(number):
-        return f"{where} is a number too large to store"
-    written = stored_number_text(number)
-    if len(written) > MAX_NUMBER_TEXT:
-        return f"{where} is a number PostgreSQL would write out with {len(written)} digits"
-    return None
-
-
-def _value_problem(item: Any, where: str) -> str | None:
-    if isinstance(item, str):
-        return _text_problem(item, where)
-    if isinstance(item, float):
-        return _number_problem(item, where)
-    return None
+def _number_problem(number: JSONNumber, where: str, growth: int) -> tuple[str | None, int]:
+    """Why PostgreSQL may not store this number as sent, or why, with it, the document's
+    numbers would come back too much longer than sent (`growth` before it; None: neither);
+    and the growth with it."""
+    literal = number.literal
+    if len(literal) > MAX_NUMBER_LITERAL:
+        return f"{where} is a number of more than {MAX_NUMBER_LITERAL} characters", growth
+    exponent = NUMBER_LITERAL.fullmatch(literal)[3]
+    if exponent is not None and abs(int(exponent)) > MAX_NUMBER_EXPONENT:
+        return (
+            f"{where} is a number with an exponent beyond ±{MAX_NUMBER_EXPONENT},"
+            " which PostgreSQL may not store",
+            growth,
+        )
+    written = written_number_length(literal)
+    growth += max(0, written - len(literal))
+    if growth > MAX_NUMBER_GROWTH:
+        return (
+            f"{where} is a number PostgreSQL would write out with {written} characters"
+            f" (sent as {len(literal)}): the document's numbers would come back more than"
+            f" {MAX_NUMBER_GROWTH} bytes longer than they were sent",
+            growth,
+        )
+    return None, growth
 
 
 def json_problem(value: Any, name: str) -> str | None:
-    """Why PostgreSQL's jsonb cannot store value as parsed from JSON, or the service could
-    not read it back, naming the place (e.g. "the analysis.trackers[3]"); None if it can.
-    Places are named only on the way to a problem: the walk over a document without one
-    builds no names (a 4 MB upload has millions of values)."""
+    """Why PostgreSQL's jsonb cannot store value as parsed from JSON (by _parse_json: its
+    numbers with a fraction or an exponent as JSONNumber), or the service could not read
+    it back, naming the place (e.g. "the analysis.trackers[3]"); None if it can. Places
+    are named only on the way to a problem: the walk over a document without one builds
+    no names (a 4 MB upload has millions of values)."""
+    if isinstance(value, JSONNumber):
+        return _number_problem(value, name, 0)[0]
     if not isinstance(value, dict | list):
-        return _value_problem(value, name)
-    stack = [(value, 0)]
+        return _text_problem(value, name) if isinstance(value, str) else None
+    stack, growth = [(value, 0)], 0
     while stack:
         item, depth = stack.pop()
         children = item.values() if isinstance(item, dict) else item
@@ -1643,19 +1730,28 @@ def json_problem(value: Any, name: str) -> str | None:
         for child in children:
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
-            elif _value_problem(child, ""):
-                return _named_problem(value, name)
+            elif isinstance(child, str):
+                if _text_problem(child, ""):
+                    return _named_problem(value, name)
+            elif isinstance(child, JSONNumber):
+                problem, growth = _number_problem(child, "", growth)
+                if problem:
+                    return _named_problem(value, name)
     return None
 
 
 def _named_problem(value: Any, name: str) -> str | None:
     """json_problem's answer with the place named (the slow walk, run once it is known
-    that there is a problem)."""
-    stack = [(value, name, 0)]
+    that there is a problem; the numbers' growth is summed in this walk's order)."""
+    stack, growth = [(value, name, 0)], 0
     while stack:
         item, where, depth = stack.pop()
         if not isinstance(item, dict | list):
-            problem = _value_problem(item, where)
+            problem = None
+            if isinstance(item, str):
+                problem = _text_problem(item, where)
+            elif isinstance(item, JSONNumber):
+                problem, growth = _number_problem(item, where, growth)
             if problem:
                 return problem
             continue
@@ -1675,15 +1771,18 @@ def _named_problem(value: Any, name: str) -> str | None:
 
 def details_problem(details: dict[str, Any]) -> str | None:
     """Beyond json_problem: what the claim index needs of an app's details. Its key is
-    details->>'reviews' as PostgreSQL writes it (a float such as 1e20 comes out as 21
+    details->>'reviews' as PostgreSQL writes it (a number such as 1e20 comes out as 21
     digits), when that is all digits."""
     problem = json_problem(details, "details")
     if problem:
         return problem
     reviews = details.get("reviews")
-    if isinstance(reviews, bool) or not isinstance(reviews, int | float | str):
+    if isinstance(reviews, bool) or not isinstance(reviews, int | str | JSONNumber):
         return None
-    written = stored_number_text(reviews) if isinstance(reviews, float) else str(reviews)
+    if isinstance(reviews, JSONNumber):
+        written = written_number_text(reviews.literal)
+    else:
+        written = str(reviews)
     if written.isascii() and written.isdigit() and len(written) > MAX_REVIEW_DIGITS:
         return (
             f"details.reviews has {len(written)} digits;"
@@ -1725,13 +1824,17 @@ class AnalysisState:
 def derive_analysis_state(payload: Any) -> AnalysisState:
     """The status columns for a stored payload: `success: false` is a failure (its reason
     and retryable flag taken from the payload when given, else from the log text);
-    anything else is a completed analysis."""
+    anything else is a completed analysis. The reason is always one of
+    ANALYSER_FAILURE_REASONS: a reason the payload names that is not one of them is its
+    own text (kept in the stored record only) and classified analysis_failed, retryable
+    as any reason outside the table always was."""
     if not (isinstance(payload, dict) and payload.get("success") is False):
         return AnalysisState("analysed")
     logs = payload.get("logs")
     reason, retryable = classify_analysis_failure(logs if isinstance(logs, str) else "")
     if isinstance(payload.get("reason"), str) and payload["reason"]:
-        reason = payload["reason"]
+        written = payload["reason"]
+        reason = written if written in ANALYSER_FAILURE_REASONS else ANALYSIS_FAILED
         retryable = reason not in NON_RETRYABLE_REASONS
     if isinstance(payload.get("retryable"), bool):
         retryable = payload["retryable"]
@@ -1937,13 +2040,21 @@ APP_STATES = ("queued", "processing", "analysed", "failed")
 
 
 def format_queue_status(status: dict[str, Any]) -> str:
+    """The queue-status report (queue_status's document) as text, for people."""
     counts, backlog = status["counts"], status["backlog"]
     lines = ["Apps by state"]
     for state in APP_STATES:
         lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
     lines.append(f"  {'  of which retryable':<20}{status['failed_retryable']:>10}")
     lines.append(f"  {'total':<20}{status['total']:>10}")
-    lines += ["", "Backlog under the current policy " + status["policy_text"]]
+    policy = status["policy"]
+    lines += [
+        "",
+        f"Backlog under the current policy (version {policy['analysis_version']},"
+        f" stale after {policy['stale_days']} days,"
+        f" lease {policy['processing_timeout_minutes']} min,"
+        f" {policy['max_lease_attempts']} expired leases in a row back off)",
+    ]
     for reason, text in REASON_TEXT.items():
         lines.append(f"  {text:<42}{backlog.get(reason, 0):>10}")
     lines.append(f"  {'total':<42}{status['backlog_total']:>10}")
@@ -2004,8 +2115,8 @@ BACKLOG_REASON_METRICS = {
     "stale": "BacklogStale",
     "retry_failed": "BacklogRetryFailed",
 }
-# Failed apps by the reasons the service assigns; any other (a reason an analyser sent,
-# a legacy row without one) is FailedOther.
+# Failed apps by the reasons the service assigns; any other (a legacy row's: an
+# analyser's own text from before reasons were classified, or none) is FailedOther.
 FAILURE_REASON_METRICS = {
     reason: "Failed" + "".join(word.title() for word in reason.split("_"))
     for reason in (
@@ -2023,7 +2134,7 @@ UNITLESS_METRICS = frozenset({"EtaHours", "MinutesSinceLastPing", "OldestLeaseMi
 
 
 def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
-    """The queue-status report's metrics: name -> value."""
+    """The queue-status report's metrics (of queue_status's document): name -> value."""
     counts, throughput = status["counts"], status["throughput"]
     values: dict[str, float] = {
         "Backlog": status["backlog_total"],
@@ -2034,15 +2145,17 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
         "AnalysedLastHour": throughput["analysed_1h"],
         "FailedLastHour": throughput["failed_1h"],
         "OutdatedResultsLast24h": throughput["outdated_24h"],
-        # Analysers that sent a heartbeat in the last hour, named or under the shared
-        # password: one dead host of several shows as a drop (template.yaml alarms on it).
+        # Analysers that sent a heartbeat in the last hour (LAST_PING: revoked ones not),
+        # one dead host of several shows as a drop (template.yaml alarms on it).
         "ActiveAnalysers": status["analysers_last_hour"],
     }
     for reason, name in BACKLOG_REASON_METRICS.items():
         values[name] = status["backlog"].get(reason, 0)
     values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
-    for reason, apps in status["failed_by_reason"].items():
-        values[FAILURE_REASON_METRICS.get(reason, OTHER_FAILURES_METRIC)] += apps
+    for failed in status["failed_by_reason"]:
+        values[FAILURE_REASON_METRICS.get(failed["reason"], OTHER_FAILURES_METRIC)] += failed[
+            "apps"
+        ]
     # No finished analysis in a day with work waiting: the ETA is unbounded.
     eta = status["eta_hours"]
     values["EtaHours"] = 1e6 if eta is None else eta
@@ -2056,18 +2169,34 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
     return values
 
 
+def snake_case_keys(value: Any) -> Any:
+    """value with every object key in snake_case (`results24h` -> `results_24h`): the
+    queue-status document writes its keys one way, the API's answers (camelCase) another."""
+    if isinstance(value, dict):
+        return {
+            re.sub(r"(?<=[a-z])(?=[A-Z0-9])", "_", key).lower(): snake_case_keys(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [snake_case_keys(item) for item in value]
+    return value
+
+
 def queue_status_document(status: dict[str, Any]) -> dict[str, Any]:
-    """The queue-status report for scripts (`queue-status --json`): the figures of the
-    text under keys that do not vary with the data. Every state and every backlog reason
-    is there (0 when no app is), failed apps by reason are a list of {reason, apps}, and
-    lists of apps hold objects with the same keys each."""
-    document = {name: value for name, value in status.items() if name != "policy_text"}
+    """The queue-status report as one document, the only shape it has: what `queue-status
+    --json` prints, the scheduled report logs and returns, and the text and the metrics
+    are made of (docs/dashboard-and-alarms.md lists its keys). Its keys do not vary with
+    the data and are all snake_case: every state and every backlog reason is there (0
+    when no app is), failed apps by reason are a list of {reason, apps}, and lists of
+    apps and analysers hold objects with the same keys each."""
+    document = dict(status)
     document["counts"] = {state: status["counts"].get(state, 0) for state in APP_STATES}
     document["backlog"] = {reason: status["backlog"].get(reason, 0) for reason in REASON_TEXT}
     document["failed_by_reason"] = [
         {"reason": reason, "apps": apps}
         for reason, apps in sorted(status["failed_by_reason"].items())
     ]
+    document["analysers"] = snake_case_keys(status["analysers"])
     return document
 
 
@@ -2077,11 +2206,11 @@ def _format_analyser_rows(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for row in rows:
         state = "revoked" if row["revoked"] else "online" if row["online"] else "offline"
-        holding = row["holding"]["appId"] if row["holding"] else "-"
-        flag = "  outdated analysis version" if row["outdatedVersion"] else ""
+        holding = row["holding"]["app_id"] if row["holding"] else "-"
+        flag = "  outdated analysis version" if row["outdated_version"] else ""
         lines.append(
             f"  {row['name']:<24} {state:<8} holding {holding:<40}"
-            f" 24h {row['results24h']:>4} ok / {row['failures24h']} failed{flag}"
+            f" 24h {row['results_24h']:>4} ok / {row['failures_24h']} failed{flag}"
         )
     return lines
 
@@ -2322,22 +2451,34 @@ def store_result(
     payload: dict[str, Any],
     claim_token: str | None,
     analyser: str | None = None,
+    sent: str | None = None,
 ) -> list[dict[str, Any]]:
     """Write an analysis or failure record, snapshot it into history, end the lease, as
     judge_result decides; a result that is stored already is answered as the first time
     (a retry after a lost reply, the service's own or the analyser's). `analyser`: the
     credential it came with (None: the shared password), which check_result_identity
-    holds a tokenless result to."""
+    holds a tokenless result to. `sent`: the document's JSON text as the analyser sent
+    it, which is what is stored (jsonb keeps its numbers exact); None: `payload`, which
+    the service built, serialised.
+
+    PostgreSQL parses the document once per request, whatever the verdict: whether it is
+    the stored result is asked only when that decides the verdict, and then, when it
+    would otherwise be stored, by the statement that stores it (STORE_RESULT's
+    :unless_stored)."""
     state = derive_analysis_state(payload)
-    document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    success = state.status == "analysed"
+    document = json.dumps(payload, ensure_ascii=False, allow_nan=False) if sent is None else sent
+
+    def may_store(found: dict[str, Any]) -> bool:
+        try:
+            check_result_identity(found, analyser, claim_token)
+        except IdentityConflict:
+            return False
+        return True
 
     def work(session: Session) -> list[dict[str, Any]]:
         rows = session.records(
-            FIND_RESULT_TARGET,
-            appid=app_id,
-            analysis=document,
-            version=version,
-            document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
+            FIND_RESULT_TARGET, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES
         )
         if not rows:
             raise UnknownApp(app_id)
@@ -2347,17 +2488,30 @@ def store_result(
             version=found["analysisversion"],
             has_result=found["has_result"],
             stored_success=found["stored_success"],
-            same_result=found["same_result"],
+            same_result=False,
             claim=found["analysis_claim_token"],
             result_claim=found["result_claim_token"],
             result_verified=found["result_claim_verified"],
         )
-        verdict = judge_result(target, version, state.status == "analysed", claim_token)
+        verdict = judge_result(target, version, success, claim_token)
+        if_stored = judge_result(
+            dataclasses.replace(target, same_result=True), version, success, claim_token
+        )
+        unless_stored = False
+        if verdict != if_stored:
+            if verdict.action == "store" and if_stored.action == "stored" and may_store(found):
+                unless_stored = True  # STORE_RESULT tells, storing it unless it is stored
+            else:
+                ((same,),) = session.run(
+                    SAME_RESULT, appid=found["appid"], analysis=document, version=version
+                )
+                verdict = if_stored if same else verdict
         if verdict.action == "refuse":
             raise ResultRefused(verdict.why)
+        stored = []
         if verdict.action == "store":
             check_result_identity(found, analyser, claim_token)
-            (found,) = session.records(
+            stored = session.records(
                 STORE_RESULT,
                 document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
                 appid=found["appid"],
@@ -2369,7 +2523,10 @@ def store_result(
                 result_claim=verdict.claim,
                 verified=verdict.verified,
                 analyser=analyser,
+                unless_stored=unless_stored,
             )
+        if stored:
+            (found,) = stored
             session.run(RECORD_HISTORY, appids=[found["appid"]])
             # A refetch asked during this claim: queued again once its result is in (and
             # still queued when its holder replaces a result stored without the token).
@@ -2381,7 +2538,7 @@ def store_result(
                     RECORD_ANALYSER_RESULT,
                     name=analyser,
                     appid=found["appid"],
-                    success=state.status == "analysed",
+                    success=success,
                     version=version,
                 )
         return [
@@ -2395,24 +2552,23 @@ def store_result(
     return db.transaction(work)
 
 
-def add_app(db: SharedConnection, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
+def add_app(
+    db: SharedConnection, app_id: str, details: dict[str, Any] | None, sent: str | None = None
+) -> tuple[bool, dict]:
     """Insert as queued, under the listing's casing (listed_bundle_id); (created, app). An
     existing app (any letter case) is unchanged, its bundle ID included. A listing that
-    names another app is refused (BadInput) before anything is written."""
+    names another app is refused (BadInput) before anything is written. `sent`: the
+    request's body as sent, whose `details` member is what is stored (exact, as jsonb
+    keeps it; `details` is the same, as parsed, for the checks); None: `details`
+    serialised."""
     stored_id = listed_bundle_id(app_id, details)
     if stored_id is None:
         raise BadInput(f"App Store bundle ID mismatch: details.appId does not name {app_id}")
+    if sent is None:
+        sent = json.dumps({"details": details}, ensure_ascii=False, allow_nan=False)
 
     def work(session: Session) -> tuple[bool, dict]:
-        created = bool(
-            session.run(
-                ADD_APP,
-                appid=stored_id,
-                details=None
-                if details is None
-                else json.dumps(details, ensure_ascii=False, allow_nan=False),
-            )
-        )
+        created = bool(session.run(ADD_APP, appid=stored_id, body=sent))
         (row,) = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
         return created, _app_view(row, admin=True)
 
@@ -2429,6 +2585,15 @@ def _document(field: str, text: str | None, size: int | None) -> dict[str, Any]:
 
 def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
     return {name: _plain(value) for name, value in row.items()}
+
+
+def shown_failure_reason(reason: str | None) -> str | None:
+    """A failed app's reason as GET /apps shows it: one of FAILURE_REASONS (None: the row
+    has none). A row written before reasons were classified, or by another program,
+    may hold an analyser's own text: that is analysis_failed here, to anyone."""
+    if reason is None or reason in FAILURE_REASONS:
+        return reason
+    return ANALYSIS_FAILED
 
 
 def _app_view(row: dict[str, Any], admin: bool = False, identities: bool = False) -> dict:
@@ -2451,7 +2616,10 @@ def _app_view(row: dict[str, Any], admin: bool = False, identities: bool = False
         ),
     }
     if row["status"] == "failed":
-        view["failure"] = {"reason": row["failure_reason"], "retryable": row["failure_retryable"]}
+        view["failure"] = {
+            "reason": shown_failure_reason(row["failure_reason"]),
+            "retryable": row["failure_retryable"],
+        }
     if row["status"] == "processing":
         view["processingStarted"] = _plain(row["processing_started"])
     if admin and identities:
@@ -2502,16 +2670,47 @@ def app_status(
     return db.transaction(work)
 
 
-def claim_readiness(db: SharedConnection) -> str | None:
-    """Why a claim could not run now, or None. A lock it would wait for past the
-    lock_timeout raises (55P03: 503 like any claim)."""
+NOT_MIGRATED = "not migrated"
 
-    def work(session: Session) -> str | None:
+
+@dataclasses.dataclass(frozen=True)
+class Readiness:
+    """Why a claim could not run now (`problem` None: it could). `status` is the word
+    /healthz answers; `ledger` the last file the database's ledger records (None: it has
+    no ledger), said when the database is behind this code's ledger."""
+
+    problem: str | None = None
+    status: str = "ok"
+    ledger: str | None = None
+
+
+def claim_readiness(db: SharedConnection, ledger_files: tuple[str, ...]) -> Readiness:
+    """Whether a claim could run now, against the ledger files this code needs
+    (`ledger_files`): the database takes writes, its ledger records every one of them
+    (else it is "not migrated": a first deploy whose migration failed, a database the
+    ledger never reached), and the claim's lock is granted. A role that may not read the
+    ledger skips that check: a table or column the code needs and the database lacks is
+    still a 503 "not migrated", on this route as on every other. A lock it would wait for
+    past the lock_timeout raises (55P03: 503 like any claim)."""
+
+    def work(session: Session) -> Readiness:
         ((writable,),) = session.run(DATABASE_WRITABLE)
         if not writable:
-            return "the database is read-only (a replica?)"
+            return Readiness("the database is read-only (a replica?)", "unavailable")
+        ((has_ledger, readable),) = session.run(LEDGER_READABLE)
+        recorded = [name for name, _ in session.run(LEDGER_READ_NAMES)] if readable else []
+        missing = [name for name in ledger_files if name not in recorded]
+        if missing and (readable or not has_ledger):
+            at = max(recorded) if recorded else None
+            where = f"its ledger is at {at}" if at else "it has no ledger (no schema_migrations)"
+            return Readiness(
+                f"the database is not migrated: {where}; this code needs {ledger_files[-1]}"
+                f" ({len(missing)} file(s) to apply: run python handler.py migrate)",
+                NOT_MIGRATED,
+                at,
+            )
         session.run(CLAIM_LOCK_PROBE)
-        return None
+        return Readiness()
 
     return db.transaction(work)
 
@@ -2646,7 +2845,8 @@ def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[
 
 
 def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
-    """Everything the queue-status report says, as data."""
+    """Everything the queue-status report says, as its one document
+    (queue_status_document)."""
 
     def work(session: Session) -> dict[str, Any]:
         params = policy.sql_params()
@@ -2701,25 +2901,28 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> di
             "processing": processing,
             "top_backlog": top_rows,
             "policy": dataclasses.asdict(policy),
-            "policy_text": (
-                f"(version {policy.analysis_version}, stale after {policy.stale_days} days,"
-                f" lease {policy.processing_timeout_minutes} min,"
-                f" {policy.max_lease_attempts} expired leases in a row back off)"
-            ),
         }
 
-    return db.transaction(work)
+    return queue_status_document(db.transaction(work))
 
 
 def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
     return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
 
 
+# What a refetch does to each app it selected, and how the CLI says it: one vocabulary
+# for the dry run (what --apply would do), --apply, and the report function's answer.
 REFETCH_OUTCOMES = {
     "queued": "queued",
-    "waiting": "queued when its lease ends (a result, or expiry); --force breaks the lease",
+    "waiting": "waits for its lease to end (its result, or expiry), then queued;"
+    " --force breaks the lease",
     "lease_broken": "lease broken (--force): queued, and its holder's claim token is refused",
+    "skipped": "left as it is: deleted, or changed so that it is no longer selected, since"
+    " the selection was read",
 }
+# Queued now: what `Queued N apps for refetch.` counts, the line the exact-app hosts wait
+# for (docs/api.md), so never an app still leased to another analyser.
+QUEUED_NOW = ("queued", "lease_broken")
 
 
 # A refetch works in committed batches: one transaction over 300,000 analysed apps ran
@@ -2733,16 +2936,23 @@ REFETCH_BATCH = 1000
 
 @dataclasses.dataclass
 class RefetchProgress:
-    """Where a batched refetch is: apps selected (and, with apply, queued) so far, rows
-    examined of `total` (None: unknown; a walk's total is the planner's estimate),
-    batches committed, and whether it went through to the end."""
+    """Where a batched refetch is: apps selected so far and what happened to them (or,
+    in a dry run, would: `outcomes`, a count for each of REFETCH_OUTCOMES), rows examined
+    of `total` (None: unknown; a walk's total is the planner's estimate), batches
+    committed, and whether it went through to the end."""
 
     selected: int = 0
     examined: int = 0
     total: int | None = None
     batches: int = 0
     complete: bool = False
-    waiting: int = 0  # applied to apps under a live lease: queued when it ends
+    outcomes: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(REFETCH_OUTCOMES, 0)
+    )
+
+    @property
+    def queued_now(self) -> int:
+        return sum(self.outcomes[outcome] for outcome in QUEUED_NOW)
 
 
 def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
@@ -2751,15 +2961,30 @@ def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def refetch_apps(
-    session: Session, appids: list[str], policy: QueuePolicy, force: bool
-) -> dict[str, str]:
-    """What a refetch does to the apps it selected: snapshot their current analysis into
+    session: Session,
+    rows: list[dict[str, str]],
+    lock: str,
+    policy: QueuePolicy,
+    force: bool,
+    **selection: Any,
+) -> list[dict[str, str]]:
+    """What a refetch does to the apps it selected (`rows`, as the selection read them),
+    in the caller's transaction: lock those that still match the selection (`lock`, a
+    REFETCH_LOCK, with the selection's parameters), snapshot their current analysis into
     history and reset them to queued (the analysis stays visible until replaced), except
-    an app under a live lease, which waits for it unless `force` (REFETCH_APPLY). Each
-    app's outcome (REFETCH_OUTCOMES) by bundle ID."""
-    session.run(RECORD_HISTORY, appids=appids)
-    rows = session.records(REFETCH_APPLY, appids=appids, force=force, **policy.sql_params())
-    return {row["appid"]: row["outcome"] for row in rows}
+    an app under a live lease, which waits for it unless `force` (REFETCH_OUTCOME). Each
+    row back with the status the lock found and its outcome (REFETCH_OUTCOMES): one the
+    lock no longer found (deleted or changed since) is "skipped", left as it is."""
+    params = {**policy.sql_params(), "force": force, **selection}
+    locked = {row["appid"]: row for row in session.records(lock, appids=rows_ids(rows), **params)}
+    if locked:
+        session.run(RECORD_HISTORY, appids=list(locked))
+        session.run(
+            REFETCH_APPLY,
+            requeue=[appid for appid, row in locked.items() if row["outcome"] != "waiting"],
+            wait=[appid for appid, row in locked.items() if row["outcome"] == "waiting"],
+        )
+    return [locked.get(row["appid"], {**row, "outcome": "skipped"}) for row in rows]
 
 
 def refetch_in_batches(
@@ -2778,15 +3003,21 @@ def refetch_in_batches(
 ) -> RefetchProgress:
     """Select apps to analyse again and, with apply, refetch them, batch by batch. After
     each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
-    "status"}, the status before, and with apply the "outcome"). Past `deadline` (on
-    `clock`, checked before each batch but the first) it stops, with progress.complete
-    False."""
+    "status", "outcome"}: the status before, and what happened, or in a dry run what
+    --apply would do now, by the same rule). Past `deadline` (on `clock`, checked before
+    each batch but the first) it stops, with progress.complete False."""
     progress = RefetchProgress()
     policy = policy or QueuePolicy()
+    rule = {**policy.sql_params(), "force": force}
+    if app_ids:
+        lock, selection = REFETCH_LOCK_NAMED, {}
+    elif failed:
+        lock, selection = REFETCH_LOCK_FAILED, {"include_non_retryable": include_non_retryable}
+    else:
+        lock, selection = REFETCH_LOCK_ANALYSED, {}
 
     def refetch(session: Session, rows: list[dict[str, str]]) -> list[dict[str, str]]:
-        outcomes = refetch_apps(session, rows_ids(rows), policy, force)
-        return [{**row, "outcome": outcomes[row["appid"]]} for row in rows]
+        return refetch_apps(session, rows, lock, policy, force, **selection)
 
     def out_of_time() -> bool:
         return deadline is not None and progress.batches > 0 and clock() >= deadline
@@ -2795,19 +3026,18 @@ def refetch_in_batches(
         progress.batches += 1
         progress.examined += examined
         progress.selected += len(rows)
-        progress.waiting += sum(row.get("outcome") == "waiting" for row in rows)
+        for row in rows:
+            progress.outcomes[row["outcome"]] += 1
         on_batch(rows, progress)
 
     if app_ids or limit is not None:
         if app_ids:
             lowered = [a.lower() for a in app_ids]
-            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered)[:limit]
+            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered, **rule)[:limit]
         elif failed:
-            selected = db.records(
-                REFETCH_SELECT_FAILED, include_non_retryable=include_non_retryable, limit=limit
-            )
+            selected = db.records(REFETCH_SELECT_FAILED, limit=limit, **selection, **rule)
         else:
-            selected = db.records(REFETCH_SELECT_ANALYSED, limit=limit)
+            selected = db.records(REFETCH_SELECT_ANALYSED, limit=limit, **rule)
         progress.total = len(selected)
         for start in range(0, len(selected), batch_size):
             if out_of_time():
@@ -2822,13 +3052,16 @@ def refetch_in_batches(
     ((estimate,),) = db.run(APPS_ESTIMATE)
     progress.total = int(estimate) if estimate >= 0 else None
     walk = REFETCH_WALK_FAILED if failed else REFETCH_WALK_ANALYSED
-    params = {"include_non_retryable": include_non_retryable} if failed else {}
     after = ""
     while not out_of_time():
 
         def work(session: Session, after: str = after) -> tuple[list[dict[str, Any]], list]:
-            window = session.records(walk, after=after, batch=batch_size, **params)
-            rows = [{"appid": r["appid"], "status": r["status"]} for r in window if r["selected"]]
+            window = session.records(walk, after=after, batch=batch_size, **selection, **rule)
+            rows = [
+                {"appid": r["appid"], "status": r["status"], "outcome": r["outcome"]}
+                for r in window
+                if r["selected"]
+            ]
             if apply and rows:
                 rows = refetch(session, rows)
             return window, rows
@@ -2852,8 +3085,8 @@ def queue_refetch(
     policy: QueuePolicy | None = None,
     force: bool = False,
 ) -> list[dict[str, str]]:
-    """refetch_in_batches to the end, its apps as one list ({"appid", "status"} each, the
-    status before, and with apply the "outcome")."""
+    """refetch_in_batches to the end, its apps as one list ({"appid", "status",
+    "outcome"} each: the status before, and what happened or, in a dry run, would)."""
     selected: list[dict[str, str]] = []
     refetch_in_batches(
         db,
@@ -2947,6 +3180,13 @@ def migration_files(directory: Path | None = None) -> list[MigrationFile]:
             )
         )
     return files
+
+
+@functools.cache
+def ledger_file_names() -> tuple[str, ...]:
+    """The names of the ledger files in sql/, in order: what a database this code serves
+    must have applied. Read once per process."""
+    return tuple(migration.name for migration in migration_files())
 
 
 @functools.cache
@@ -3490,12 +3730,14 @@ class _CollectorPause:
 _COLLECTOR = _CollectorPause()
 
 
-def _parse_json(body: bytes, name: str) -> Any:
+def _parse_json_text(body: bytes, name: str) -> tuple[str, Any]:
     """The body as JSON that PostgreSQL can store and the service can read back (400
-    naming the place otherwise)."""
+    naming the place otherwise): its text, which is what is stored, and its value, which
+    the service reads and checks (numbers with a fraction or an exponent as JSONNumber)."""
     try:
         with _COLLECTOR.paused():
-            value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+            text = body.decode("utf-8")
+            value = json.loads(text, parse_float=JSONNumber, parse_constant=_reject_constant)
             problem = json_problem(value, name)
     except RecursionError:
         raise HTTPException(400, f"{name} nests deeper than {MAX_JSON_DEPTH} levels") from None
@@ -3503,7 +3745,12 @@ def _parse_json(body: bytes, name: str) -> Any:
         raise HTTPException(400, f"{name} is not valid JSON: {str(error)[:200]}") from None
     if problem:
         raise HTTPException(400, problem)
-    return value
+    return text, value
+
+
+def _parse_json(body: bytes, name: str) -> Any:
+    """The body's value, as _parse_json_text checks it."""
+    return _parse_json_text(body, name)[1]
 
 
 def _claim_token(request: Request) -> str | None:
@@ -3556,10 +3803,17 @@ def _json_answer(
 
 
 def _store(
-    app_id: str, version: int, payload: dict, token: str | None, credential: Credential
+    app_id: str,
+    version: int,
+    payload: dict,
+    token: str | None,
+    credential: Credential,
+    sent: str | None = None,
 ) -> Response:
     try:
-        rows = store_result(api_connection(), app_id, version, payload, token, credential.analyser)
+        rows = store_result(
+            api_connection(), app_id, version, payload, token, credential.analyser, sent
+        )
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
     except (ResultRefused, IdentityConflict) as refused:
@@ -3734,10 +3988,12 @@ async def upload_analysis(
 ) -> JSONResponse:
     app_id, version, token = _result_target(request)
     _require_content_type(request, ("application/json",))
-    payload = await blocking(_parse_json, await _read_body(request), "the analysis", parse=True)
+    sent, payload = await blocking(
+        _parse_json_text, await _read_body(request), "the analysis", parse=True
+    )
     if not isinstance(payload, dict):
         raise HTTPException(400, "the analysis must be a JSON object")
-    return await blocking(_store, app_id, version, payload, token, credential)
+    return await blocking(_store, app_id, version, payload, token, credential, sent)
 
 
 @app.post(
@@ -3775,11 +4031,11 @@ NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any 
 async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
-    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
-    return await blocking(_create_app, body)
+    sent, body = await blocking(_parse_json_text, await _read_body(request), "the body", parse=True)
+    return await blocking(_create_app, body, sent)
 
 
-def _create_app(body: Any) -> Response:
+def _create_app(body: Any, sent: str) -> Response:
     if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
         raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
     app_id = _bundle_id(body["appId"])
@@ -3789,7 +4045,7 @@ def _create_app(body: Any) -> Response:
     problem = details_problem(details or {})
     if problem:
         raise HTTPException(400, problem)
-    created, view = add_app(api_connection(), app_id, details)
+    created, view = add_app(api_connection(), app_id, details, sent)
     return _json_answer(view, 201 if created else 200, droppable=("analysis", "details"))
 
 
@@ -3805,16 +4061,17 @@ APP_ID_PATH = {
 async def get_app(request: Request) -> JSONResponse:
     """Public: an app's state, failure reason, analysis and queue position. With the
     admin token also a stored failure record (the analyser's raw log) and who claimed and
-    stored it; with any other Authorization (or none) the public answer."""
+    stored it; with any other Authorization (or none) the public answer. A public route
+    stays public whatever the caller sends: a token the server cannot check (no admin
+    token configured, its secret unreadable) is no admin token either, never a 503."""
     admin = False
     credentials = await admin_bearer(request)  # read here: the route is public
     if credentials is not None:
         try:
             await require_admin(credentials)
             admin = True
-        except HTTPException as refused:
-            if refused.status_code != 401:
-                raise
+        except HTTPException:
+            admin = False
     app_id = _bundle_id(request.path_params["appId"])
 
     def answer() -> Response:
@@ -3975,16 +4232,16 @@ HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` sa
 
 @app.get("/healthz", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz() -> JSONResponse:
-    """ok when a claim could run now (see claim_readiness), else 503; with the version
-    of the code that answers (package_version)."""
-    problem = await blocking(lambda: claim_readiness(api_connection()))
+    """ok when a claim could run now (see claim_readiness), else 503 and why (a database
+    the ledger has not reached: "not migrated", and the last file its ledger records);
+    with the version of the code that answers (package_version)."""
+    readiness = await blocking(lambda: claim_readiness(api_connection(), ledger_file_names()))
     version = package_version()
-    if problem:
-        return JSONResponse(
-            {"status": "unavailable", "detail": problem, "version": version},
-            status_code=503,
-            headers=RETRY_AFTER,
-        )
+    if readiness.problem:
+        body = {"status": readiness.status, "detail": readiness.problem, "version": version}
+        if readiness.status == NOT_MIGRATED:
+            body["databaseLedger"] = readiness.ledger
+        return JSONResponse(body, status_code=503, headers=RETRY_AFTER)
     return JSONResponse({"status": "ok", "version": version})
 
 
@@ -4024,6 +4281,9 @@ TRANSIENT_SQLSTATES = ("40", "53", "55", "57", "58", "25006")
 # Errors about a value (class 22: data exception, 54: program limit, such as an index
 # entry too large). Input checks should have caught it: 400, and logged so we add one.
 VALUE_SQLSTATE_CLASSES = ("22", "54")
+# An undefined table, column or function: the database is older than this code (the
+# ledger has not reached it). Not the request's fault, nor a bug to trace: 503 and why.
+UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
 
 
 @app.exception_handler(BadInput)
@@ -4047,6 +4307,16 @@ async def _database_error(request: Request, error: pg8000.native.DatabaseError) 
             "database busy", extra={"path": request.url.path, "error": _error_text(error)}
         )
         detail = "the database is busy (a lock or timeout), try again shortly"
+        return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_AFTER)
+    if state in UNMIGRATED_SQLSTATES:
+        logger.warning(
+            "database not migrated",
+            extra={"path": request.url.path, "error": _error_text(error)},
+        )
+        detail = (
+            "the database is not migrated: it lacks a table, column or function this code"
+            " uses (GET /healthz names its ledger file)"
+        )
         return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_AFTER)
     if state[:2] in VALUE_SQLSTATE_CLASSES:
         logger.error(
@@ -4437,11 +4707,21 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             policy=policy,
             force=event.get("force") is True,
         )
+        applied = event.get("apply") is True
         result = {
             "command": command,
-            "applied": event.get("apply") is True,
-            "apps": [row["appid"] for row in listed],
-            "count": progress.selected,
+            "applied": applied,
+            # What happened to the apps (in a dry run: what --apply would do now), in the
+            # CLI's words: `queuedNow` is its `Queued N apps for refetch.`
+            "selected": progress.selected,
+            "queuedNow": progress.queued_now,
+            "outcomes": [
+                {"outcome": outcome, "apps": apps} for outcome, apps in progress.outcomes.items()
+            ],
+            "apps": [
+                {"appId": row["appid"], "status": row["status"], "outcome": row["outcome"]}
+                for row in listed
+            ],
             "batches": progress.batches,
             "complete": progress.complete,
         }
@@ -4449,14 +4729,11 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             result["notListed"] = progress.selected - len(listed)
         if not progress.complete:
             result["stopped"] = (
-                f"the function's time ran out after {progress.batches} batch(es),"
-                f" {progress.selected} app(s) {'queued' if result['applied'] else 'selected'};"
+                f"the function's time ran out after {progress.batches} batch(es):"
+                f" {progress.selected} app(s) selected,"
+                f" {progress.queued_now} {'queued now' if applied else 'to be queued now'};"
                 " invoke it again for the rest"
             )
-        if event.get("apply") is True:
-            # Of the listed apps; `waiting` counts every app left with its live lease.
-            result["outcomes"] = {row["appid"]: row["outcome"] for row in listed}
-            result["waiting"] = progress.waiting
         if app_ids and event.get("limit") is None:
             result["unknown"] = unknown_app_ids(app_ids, named)
         logger.info("queue refetch", extra={"queue_refetch": result})
@@ -4467,7 +4744,6 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     # requests do it in small shares; this does a large one).
     promote_due_apps(api_connection(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
     status = queue_status(api_connection(), policy)
-    status.pop("policy_text")
     logger.info("queue status", extra={"queue_status": status})
     _publish_queue_metrics(status)
     return status
@@ -4623,17 +4899,24 @@ def _local_defaults() -> None:
     must not change its schema."""
     _local_database(apply=True)
     config = settings()
-    for name, configured, local_value in (
-        (
-            "UPLOAD_PASSWORD",
-            config.upload_password or config.upload_password_secret,
-            "local-upload-password",
-        ),
-        ("ADMIN_TOKEN", config.admin_token or config.admin_token_secret, "local-admin-token"),
+    local_tokens = []
+    # Only what will be accepted is announced: turned off, the shared password is a wrong
+    # token (401) however it is set.
+    if config.shared_password_accepted and not (
+        config.upload_password or config.upload_password_secret
     ):
-        if not configured:
-            use_cli_runtime(**{name: local_value})
-            print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
+        local_tokens.append(("UPLOAD_PASSWORD", "local-upload-password"))
+    if not (config.admin_token or config.admin_token_secret):
+        local_tokens.append(("ADMIN_TOKEN", "local-admin-token"))
+    for name, local_value in local_tokens:
+        use_cli_runtime(**{name: local_value})
+        print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
+    if not config.shared_password_accepted:
+        print(
+            "ACCEPT_SHARED_UPLOAD_PASSWORD is false: the shared password is refused;"
+            " analysers need a token of their own (python handler.py analysers add NAME)",
+            file=sys.stderr,
+        )
 
 
 # `serve`: the routes' blocking work on this many worker threads, each with a database
@@ -4841,7 +5124,7 @@ def _cli_queue_status(args: argparse.Namespace) -> int:
     _local_database(apply=True)
     status = queue_status(api_connection(), settings().policy, top=args.top)
     if args.json:
-        print(json.dumps(queue_status_document(status), indent=2, sort_keys=True))
+        print(json.dumps(status, indent=2, sort_keys=True))
     else:
         print(format_queue_status(status))
     return 0
@@ -4877,6 +5160,29 @@ def _bulk_refetch_confirmed(args: argparse.Namespace) -> bool:
     return False
 
 
+def refetch_totals(progress: RefetchProgress, applied: bool) -> list[str]:
+    """A refetch's last lines: apps queued now (the line the exact-app hosts check for,
+    whose meaning is frozen: docs/api.md), then each other outcome that happened. A dry
+    run says the same of what --apply would do now."""
+    outcomes = progress.outcomes
+    if applied:
+        lines = [f"Queued {progress.queued_now} apps for refetch."]
+        said = {
+            "lease_broken": "of them had their lease broken (--force): their holders' claim"
+            " tokens are refused.",
+            "waiting": "apps wait for their leases to end (see above).",
+            "skipped": "apps were left as they are: deleted or changed since they were selected.",
+        }
+    else:
+        lines = [f"Would queue {progress.queued_now} apps for refetch (dry run; add --apply)."]
+        said = {
+            "lease_broken": "of them would have their lease broken (--force).",
+            "waiting": "apps would wait for their leases to end (see above).",
+        }
+    lines += [f"{outcomes[outcome]} {text}" for outcome, text in said.items() if outcomes[outcome]]
+    return lines
+
+
 def _cli_queue_refetch(args: argparse.Namespace) -> int:
     for app_id in args.appid:
         if not is_valid_bundle_id(app_id):
@@ -4885,7 +5191,6 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
     if not _bulk_refetch_confirmed(args):
         return 2
     _local_database(apply=True)
-    verb = "queued" if args.apply else "selected"
     found: list[dict[str, str]] = []
     # Named apps are a batch or two: no progress for the exact-app hosts to parse.
     line = None if args.appid else ProgressLine("queue-refetch")
@@ -4895,17 +5200,18 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         # A walk's total is the planner's estimate of the table's rows.
         estimate = "" if args.limit else "~"
         total = "" if progress.total is None else f" of {estimate}{progress.total}"
-        return (
-            f"{progress.selected} apps {verb}, {progress.examined}{total} examined,"
-            f" {progress.batches} batches committed"
+        done = (
+            f"{progress.queued_now} apps queued"
+            if args.apply
+            else f"{progress.selected} apps selected"
         )
+        return f"{done}, {progress.examined}{total} examined, {progress.batches} batches committed"
 
     def show(rows: list[dict[str, str]], progress: RefetchProgress) -> None:
         nonlocal last
         last = progress
         for row in rows:
-            outcome = f": {REFETCH_OUTCOMES[row['outcome']]}" if "outcome" in row else ""
-            print(f"  {row['appid']} ({row['status']}){outcome}")
+            print(f"  {row['appid']} ({row['status']}): {REFETCH_OUTCOMES[row['outcome']]}")
         found.extend(rows if args.appid else ())
         if line is not None:
             line.update(progress.examined, progress.total, status(progress))
@@ -4928,14 +5234,8 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
         raise
     if line is not None:  # a walk that went through is all the way, whatever the estimate
         line.finish(progress.examined, progress.examined or 1, f"done: {status(progress)}")
-    if args.apply:
-        # The exact-app hosts check for this line before they process the app, so it
-        # counts only apps queued now, never one still leased to another analyser.
-        print(f"Queued {progress.selected - progress.waiting} apps for refetch.")
-        if progress.waiting:
-            print(f"{progress.waiting} apps wait for their leases to end (see above).")
-    else:
-        print(f"Would queue {progress.selected} apps for refetch (dry run; add --apply).")
+    for total in refetch_totals(progress, args.apply):
+        print(total)
     unknown = unknown_app_ids(args.appid, found) if args.limit is None else []
     for app_id in unknown:
         print(f"unknown app: {app_id}", file=sys.stderr)
@@ -5028,8 +5328,6 @@ def _exit_on_signal(number: int, frame: Any) -> None:
     raise SystemExit(128 + number)
 
 
-# An undefined table, column or function: the database is older than this code.
-UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
 CLI_ERROR_LIMIT = 500  # characters of the one error line
 
 

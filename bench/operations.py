@@ -119,8 +119,10 @@ def bench_refetch(server_url: str, count: int) -> dict[str, str]:
     started = time.monotonic()
 
     def everything(session: handler.Session) -> None:
-        rows = session.records(handler.REFETCH_SELECT_ANALYSED, limit=None)
-        handler.refetch_apps(session, handler.rows_ids(rows))
+        policy = handler.QueuePolicy()
+        rule = {**policy.sql_params(), "force": False}
+        rows = session.records(handler.REFETCH_SELECT_ANALYSED, limit=None, **rule)
+        handler.refetch_apps(session, rows, handler.REFETCH_LOCK_ANALYSED, policy, False)
         raise RuntimeError("rolled back on purpose")
 
     try:

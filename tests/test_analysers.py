@@ -12,7 +12,7 @@ import pytest
 from kit import ADMIN, ANALYSER, configure_service
 
 import handler
-from helpers import app_row, insert_app, run_cli
+from helpers import LambdaContext, app_row, insert_app, json_lines, load_event, run_cli
 
 ANALYSER_ROUTES = [
     ("GET", "/ping", None),
@@ -372,3 +372,31 @@ def test_the_schema_says_get_apps_is_public_with_an_optional_admin_token():
     for path in ("/ping", "/queue", "/uploadAnalysis", "/reportAnalysisFailure"):
         for operation in paths[path].values():
             assert operation["security"] == [{"AnalyserPassword": []}], path
+
+
+def test_active_analysers_agree_everywhere_and_revoked_ones_drop_out(client, sql, capsys):
+    """ActiveAnalysers (the report's metric), /healthz/analyser's analysersLastHour and
+    queue-status's analysers_last_hour are one figure, and each named analyser counted in
+    it is `online`: a revoked analyser drops out of all of them (its requests get 401),
+    and so does a heartbeat the service cannot have written (in the future)."""
+    one, two = add(client, "pi-1"), add(client, "pi-2")
+    for headers in (one, two, {**ANALYSER, "X-Analyser-Id": "shared-1"}):
+        assert client.get("/ping", headers=headers).status_code == 200
+
+    def figures() -> tuple[int, int, int, int]:
+        health = client.get("/healthz/analyser").json()["analysersLastHour"]
+        status = handler.queue_status(handler.api_connection(), handler.settings().policy)
+        online = sum(analyser["online"] for analyser in status["analysers"])
+        capsys.readouterr()
+        handler.report(load_event("schedule.json"), LambdaContext())
+        (emf,) = json_lines(capsys.readouterr().out)
+        metric = emf["ActiveAnalysers"]
+        metric = metric[0] if isinstance(metric, list) else metric
+        return health, status["analysers_last_hour"], metric, online
+
+    assert figures() == (3, 3, 3, 2)
+    assert client.delete("/analysers/pi-2", headers=ADMIN).status_code == 200
+    assert client.get("/ping", headers=two).status_code == 401
+    assert figures() == (2, 2, 2, 1)
+    sql.run("UPDATE analysers SET last_seen = now() + interval '1 day' WHERE name = 'pi-1'")
+    assert figures() == (1, 1, 1, 0)

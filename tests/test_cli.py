@@ -7,13 +7,14 @@ import os
 import subprocess
 
 import pytest
+from test_entry_report import arrange_every_state, assert_the_status_of_every_state
 
 import handler
 from helpers import app_row, connect, days_ago, history, insert_app, minutes_ago, run_cli
 
 
-def cli(database_url: str, *args: str, unset=()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DATABASE_URL": database_url}
+def cli(database_url: str, *args: str, unset=(), **extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DATABASE_URL": database_url, **extra}
     for name in unset:
         env.pop(name, None)
     return run_cli(*args, env=env)
@@ -165,7 +166,12 @@ def test_invoke_runs_the_entry_points_on_event_files(database_url, sql):
     assert app_row(sql, "com.example.app")["status"] == "processing"
     scheduled = cli(database_url, "invoke", "report", "events/schedule.json")
     assert scheduled.returncode == 0, scheduled.stderr
-    assert json.loads(scheduled.stdout.splitlines()[-1])["counts"] == {"processing": 1}
+    assert json.loads(scheduled.stdout.splitlines()[-1])["counts"] == {
+        "queued": 0,
+        "processing": 1,
+        "analysed": 0,
+        "failed": 0,
+    }
 
 
 def test_invoke_migrate_with_the_placeholder_response_url_says_so_in_one_line(empty_database):
@@ -270,3 +276,42 @@ def test_invoke_with_an_unreadable_event_says_so_in_one_line(database_url, tmp_p
         2,
         f"the event {tmp_path / 'list.json'} is not a JSON object",
     )
+
+
+@pytest.mark.parametrize("accepted", ["true", "false"])
+def test_serve_and_invoke_announce_only_the_tokens_they_accept(database_url, accepted):
+    """With the shared password turned off, no local upload password is announced (it
+    would be refused: 401); the local admin token still is, and works."""
+    env = {"ACCEPT_SHARED_UPLOAD_PASSWORD": accepted}
+    local_tokens = ("UPLOAD_PASSWORD", "ADMIN_TOKEN")
+    done = cli(database_url, "invoke", "api", "events/ping.json", unset=local_tokens, **env)
+    announced = "UPLOAD_PASSWORD is unset; using 'local-upload-password' locally"
+    assert (announced in done.stderr) == (accepted == "true"), done.stderr
+    assert "ADMIN_TOKEN is unset; using 'local-admin-token' locally" in done.stderr
+    ping = json.loads(done.stdout.splitlines()[-1])
+    assert ping["statusCode"] == (200 if accepted == "true" else 401)
+    if accepted == "false":
+        assert "analysers need a token of their own" in done.stderr
+    added = cli(database_url, "invoke", "api", "events/add-app.json", unset=local_tokens, **env)
+    assert json.loads(added.stdout.splitlines()[-1])["statusCode"] == 201
+
+
+def test_queue_status_json_is_the_scheduled_reports_document(database_url, sql):
+    """`queue-status --json` prints the document the scheduled report logs and returns:
+    held to the same expectation as the report (tests/test_entry_report.py), and equal to
+    the report's answer but for the figures that move with the clock."""
+    arrange_every_state(sql)
+    printed = cli(database_url, "queue-status", "--json")
+    assert printed.returncode == 0, printed.stderr
+    document = json.loads(printed.stdout)
+    assert_the_status_of_every_state(document)
+    scheduled = cli(database_url, "invoke", "report", "events/schedule.json")
+    assert scheduled.returncode == 0, scheduled.stderr
+    reported = json.loads(scheduled.stdout.splitlines()[-1])
+
+    def steady(status: dict) -> dict:
+        moving = {**status, "minutes_since_last_ping": None}
+        moving["processing"] = [{**p, "age_minutes": None} for p in status["processing"]]
+        return moving
+
+    assert steady(reported) == steady(document)

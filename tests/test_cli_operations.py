@@ -184,9 +184,10 @@ def test_the_report_refetch_stops_in_time_and_says_how_far_it_got(database_url, 
     # Less time left than the margin: one batch, then it stops.
     short = LambdaContext(remaining_ms=handler.REPORT_TIME_MARGIN_SECONDS * 1000)
     first = handler.report({"command": "queue-refetch", "apply": True}, short)
-    assert (first["complete"], first["batches"], first["count"]) == (
+    assert (first["complete"], first["batches"], first["selected"], first["queuedNow"]) == (
         False,
         1,
+        handler.REFETCH_BATCH,
         handler.REFETCH_BATCH,
     )
     assert "time ran out after 1 batch(es)" in first["stopped"]
@@ -194,7 +195,7 @@ def test_the_report_refetch_stops_in_time_and_says_how_far_it_got(database_url, 
     assert len(first["apps"]) == handler.REPORT_APPS_LISTED
     assert statuses(sql) == {"queued": handler.REFETCH_BATCH, "analysed": 200}
     rest = handler.report({"command": "queue-refetch", "apply": True}, LambdaContext())
-    assert (rest["complete"], rest["count"]) == (True, 200)
+    assert (rest["complete"], rest["selected"], rest["queuedNow"]) == (True, 200, 200)
     assert "stopped" not in rest
     assert statuses(sql) == {"queued": total}
 
@@ -223,11 +224,14 @@ def test_batches_refetch_exactly_the_apps_one_read_selects(
     for n, state in enumerate(states):
         status, retryable = (state, True) if state != "failed-final" else ("failed", False)
         insert_app(sql, f"gen.{n:03d}", status=status, retryable=retryable, version=4)
+    rule = {"force": False, "timeout_minutes": 120}
     if failed:
-        oracle = sql.run(handler.REFETCH_SELECT_FAILED, include_non_retryable=False, limit=limit)
+        oracle = sql.run(
+            handler.REFETCH_SELECT_FAILED, include_non_retryable=False, limit=limit, **rule
+        )
     else:
-        oracle = sql.run(handler.REFETCH_SELECT_ANALYSED, limit=limit)
-    expected = [{"appid": appid, "status": status} for appid, status in oracle]
+        oracle = sql.run(handler.REFETCH_SELECT_ANALYSED, limit=limit, **rule)
+    expected = [{"appid": appid, "status": status} for appid, status, _ in oracle]
     if limit is None:
         expected.sort(key=lambda row: row["appid"])
     before = {

@@ -25,7 +25,16 @@ from kit import ADMIN, ANALYSER, Databases, configure_service
 from pg_password import PasswordServer
 
 import handler
-from helpers import LambdaContext, app_row, connect, database_at, invoke_api, load_event, migrate
+from helpers import (
+    LambdaContext,
+    app_row,
+    connect,
+    database_at,
+    invoke_api,
+    json_answer,
+    load_event,
+    migrate,
+)
 
 OPERATIONS = handler.HERE / "docs" / "operations.md"
 
@@ -237,6 +246,26 @@ def queue_role(database_url, server_url, monkeypatch):
 
 
 @pytest.mark.private_database  # queue_role grants on its schema and tables
+def test_healthz_as_a_role_that_may_not_read_the_ledger(queue_role, sql):
+    """The documented block lets /healthz read the ledger; a role granted before it
+    (the queue's tables only) gets ok when a claim could run, never a 500."""
+    assert json_answer(invoke_api("healthz.json")) == {
+        "status": "ok",
+        "version": handler.package_version(),
+    }
+    sql.run(f"REVOKE SELECT ON schema_migrations FROM {queue_role['role']}")
+    handler.use_runtime(None)
+    assert json_answer(invoke_api("healthz.json"))["status"] == "ok"
+    sql.run(
+        "DELETE FROM schema_migrations"
+        " WHERE filename = (SELECT max(filename) FROM schema_migrations)"
+    )
+    assert json_answer(invoke_api("healthz.json"))["status"] == "ok"  # it cannot tell
+    sql.run(f"GRANT SELECT ON schema_migrations TO {queue_role['role']}")
+    assert json_answer(invoke_api("healthz.json"))["status"] == "not migrated"
+
+
+@pytest.mark.private_database  # queue_role grants on its schema and tables
 def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
     assert invoke_api("healthz.json")["statusCode"] == 200
     whoami = handler.api_connection().run("SELECT current_user")[0][0]
@@ -273,7 +302,7 @@ def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
         {"command": "queue-refetch", "appIds": ["com.example.app"], "apply": True},
         LambdaContext(),
     )
-    assert refetch["apps"] == ["com.example.app"]
+    assert [app["appId"] for app in refetch["apps"]] == ["com.example.app"]
     assert handler.report({"command": "priority-report"}, LambdaContext())["apps"]
 
 

@@ -141,6 +141,121 @@ def arrange_every_state(sql) -> None:
         "INSERT INTO analyser_heartbeats (analyser_id, last_seen) VALUES"
         " ('pi-kitchen', now() - interval '12 minutes'), ('pi-attic', now() - interval '3 hours')"
     )
+    # A named analyser that pinged a minute ago and was revoked: active nowhere.
+    sql.run(
+        "INSERT INTO analysers (name, token_hash, last_seen, revoked)"
+        " VALUES ('pi-named', :hash, now() - interval '1 minute', now())",
+        hash=handler.token_hash("aqa_revoked"),
+    )
+
+
+def assert_the_status_of_every_state(status: dict) -> None:
+    """The queue-status document of arrange_every_state's queue, field by field: the one
+    expectation the scheduled report's record and answer (here) and `queue-status --json`
+    (tests/test_cli.py) are both held to, since they are one document."""
+    assert status["counts"] == {"queued": 4, "processing": 2, "analysed": 3, "failed": 5}
+    assert status["total"] == 14
+    assert status["failed_retryable"] == 3
+    assert status["failed_by_reason"] == [
+        {"reason": "analysis_failed", "apps": 3},
+        {"reason": "app_not_found", "apps": 1},
+        {"reason": "ipa_too_large", "apps": 1},
+    ]
+    assert status["backlog"] == {
+        "queued": 4,
+        "lease_expired": 1,
+        "outdated_version": 1,
+        "stale": 1,
+        "retry_failed": 1,
+    }
+    assert status["backlog_total"] == 8
+    assert status["expired_leases"] == 1
+    assert status["throughput"] == {
+        "analysed_1h": 2,
+        "failed_1h": 0,
+        "analysed_24h": 6,
+        "failed_24h": 1,
+        "analysed_7d": 7,
+        "failed_7d": 1,
+        "outdated_24h": 0,
+    }
+    assert status["held_back"] == {
+        "lease_expired_failures": 0,
+        "abandoned_leases": 0,
+        "outdated_settling": 0,
+        "refetch_waiting": 0,
+    }
+    assert status["eta_hours"] == 27.4  # 8 apps at 7 finished per 24 h: 27.43 h
+    assert abs(status["minutes_since_last_ping"] - 12.0) <= 0.5
+    assert status["analysers_last_hour"] == 1
+    # One named analyser (pi-named, revoked): its keys are snake_case like the rest.
+    (named,) = status["analysers"]
+    assert set(named) == {
+        "name",
+        "created",
+        "rotated",
+        "previous_token_valid_until",
+        "revoked",
+        "last_seen",
+        "online",
+        "holding",
+        "last_result",
+        "results_24h",
+        "failures_24h",
+        "outdated_version",
+    }
+    assert (named["name"], named["online"], named["results_24h"]) == ("pi-named", False, 0)
+    processing = status["processing"]
+    assert [(p["appid"], p["expired"]) for p in processing] == [
+        ("app.processing.expired", True),
+        ("app.processing.live", False),
+    ]
+    assert abs(processing[0]["age_minutes"] - 200) < 1
+    assert abs(processing[1]["age_minutes"] - 5) < 1
+    assert all(isinstance(datetime.fromisoformat(p["started"]), datetime) for p in processing)
+    assert [(t["appid"], t["popularity"], t["reason"]) for t in status["top_backlog"]] == (
+        EXPECTED_TOP_BACKLOG
+    )
+    assert status["top_backlog"][0]["added"] == "2025-01-01T00:00:00+00:00"
+    assert status["policy"] == {
+        "analysis_version": 4,
+        "stale_days": 180,
+        "processing_timeout_minutes": 120,
+        "max_lease_attempts": 3,
+    }
+    assert set(status) == set(QUEUE_STATUS_KEYS)
+    keys = all_keys(status)
+    assert all(key == key.lower() for key in keys), keys  # snake_case throughout
+
+
+# The top-level keys of the queue-status document (docs/dashboard-and-alarms.md).
+QUEUE_STATUS_KEYS = (
+    "counts",
+    "total",
+    "failed_retryable",
+    "failed_by_reason",
+    "backlog",
+    "backlog_total",
+    "expired_leases",
+    "throughput",
+    "eta_hours",
+    "minutes_since_last_ping",
+    "analysers_last_hour",
+    "processing",
+    "held_back",
+    "analysers",
+    "top_backlog",
+    "policy",
+)
+
+
+def all_keys(value) -> list[str]:
+    """Every object key in a JSON value, at any depth."""
+    if isinstance(value, dict):
+        return [key for k, v in value.items() for key in (k, *all_keys(v))]
+    if isinstance(value, list):
+        return [key for item in value for key in all_keys(item)]
+    return []
 
 
 def _minutes(value: float) -> timedelta:
@@ -175,56 +290,7 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
     assert record["function_memory_size"] == 512
     assert isinstance(record["cold_start"], bool)
     status = record["queue_status"]
-    assert status["counts"] == {"queued": 4, "processing": 2, "analysed": 3, "failed": 5}
-    assert status["total"] == 14
-    assert status["failed_retryable"] == 3
-    assert status["backlog"] == {
-        "queued": 4,
-        "lease_expired": 1,
-        "stale": 1,
-        "outdated_version": 1,
-        "retry_failed": 1,
-    }
-    assert status["backlog_total"] == 8
-    assert status["expired_leases"] == 1
-    assert status["throughput"] == {
-        "analysed_1h": 2,
-        "failed_1h": 0,
-        "analysed_24h": 6,
-        "failed_24h": 1,
-        "analysed_7d": 7,
-        "failed_7d": 1,
-        "outdated_24h": 0,
-    }
-    assert status["held_back"] == {
-        "lease_expired_failures": 0,
-        "abandoned_leases": 0,
-        "outdated_settling": 0,
-        "refetch_waiting": 0,
-    }
-    assert status["eta_hours"] == 27.4  # 8 apps at 7 finished per 24 h: 27.43 h
-    assert abs(status["minutes_since_last_ping"] - 12.0) <= 0.2
-    assert status["analysers_last_hour"] == 1
-    assert status["analysers"] == []  # no named analyser: the fleet uses the shared password
-    processing = status["processing"]
-    assert [(p["appid"], p["expired"]) for p in processing] == [
-        ("app.processing.expired", True),
-        ("app.processing.live", False),
-    ]
-    assert abs(processing[0]["age_minutes"] - 200) < 1
-    assert abs(processing[1]["age_minutes"] - 5) < 1
-    assert all(isinstance(datetime.fromisoformat(p["started"]), datetime) for p in processing)
-    assert [(t["appid"], t["popularity"], t["reason"]) for t in status["top_backlog"]] == (
-        EXPECTED_TOP_BACKLOG
-    )
-    assert status["top_backlog"][0]["added"] == "2025-01-01T00:00:00+00:00"
-    assert status["policy"] == {
-        "analysis_version": 4,
-        "stale_days": 180,
-        "processing_timeout_minutes": 120,
-        "max_lease_attempts": 3,
-    }
-    assert "policy_text" not in status
+    assert_the_status_of_every_state(status)
     assert returned == status
 
     (document,) = emf
@@ -261,11 +327,6 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "FailedInvalidBundleId": 0,
         "FailedLeaseExpired": 0,
         "FailedOther": 0,
-    }
-    assert status["failed_by_reason"] == {
-        "analysis_failed": 3,
-        "app_not_found": 1,
-        "ipa_too_large": 1,
     }
     assert set(units) == {*expected, "MinutesSinceLastPing", "OldestLeaseMinutes"}
     assert set(document) == {"_aws", "service", *units}
@@ -320,7 +381,7 @@ def test_failed_apps_by_class_add_up_to_the_failed_apps(failed_by_reason):
     counted once: its class's metric, or FailedOther; the classes add up to Failed."""
     status = {
         "counts": {"failed": sum(failed_by_reason.values())},
-        "failed_by_reason": failed_by_reason,
+        "failed_by_reason": [{"reason": r, "apps": n} for r, n in failed_by_reason.items()],
         "backlog": {},
         "backlog_total": 0,
         "throughput": {"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
@@ -356,6 +417,11 @@ def test_report_priority_report_command(database_url, sql, capsys):
     assert len(default["apps"]) == len(EXPECTED_TOP_BACKLOG)
 
 
+def outcome_counts(**apps: int) -> list[dict]:
+    """The report's `outcomes`: each of the refetch vocabulary, in its order, zeros kept."""
+    return [{"outcome": name, "apps": apps.get(name, 0)} for name in handler.REFETCH_OUTCOMES]
+
+
 def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, capsys):
     analysis = {"success": True, "trackers": {"a": "b"}}
     insert_app(
@@ -376,8 +442,10 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
     assert dry == {
         "command": "queue-refetch",
         "applied": False,
-        "apps": ["com.example.done"],
-        "count": 1,
+        "selected": 1,
+        "queuedNow": 1,  # what --apply would do now
+        "outcomes": outcome_counts(queued=1),
+        "apps": [{"appId": "com.example.done", "status": "analysed", "outcome": "queued"}],
         "batches": 1,
         "complete": True,
         "unknown": ["com.example.nope"],  # named, not in the queue
@@ -395,17 +463,7 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         {"command": "queue-refetch", "appIds": ["com.example.done"], "apply": True},
         LambdaContext(),
     )
-    assert done == {
-        "command": "queue-refetch",
-        "applied": True,
-        "apps": ["com.example.done"],
-        "outcomes": {"com.example.done": "queued"},
-        "waiting": 0,
-        "count": 1,
-        "batches": 1,
-        "complete": True,
-        "unknown": [],
-    }
+    assert done == {**dry, "applied": True, "unknown": []}
     logs, _ = output_records(capsys.readouterr())
     assert one_record(logs, "queue refetch")["queue_refetch"] == done
     row = app_row(sql, "com.example.done")
@@ -434,12 +492,12 @@ def test_report_queue_refetch_failed_apps(database_url, sql):
         analysed=datetime.now(UTC),
     )
     retryable = handler.report({"command": "queue-refetch", "failed": True}, LambdaContext())
-    assert retryable["apps"] == ["app.failed.retry"]
+    assert [app["appId"] for app in retryable["apps"]] == ["app.failed.retry"]
     every = handler.report(
         {"command": "queue-refetch", "failed": True, "includeNonRetryable": True, "limit": 5},
         LambdaContext(),
     )
-    assert sorted(every["apps"]) == ["app.failed.final", "app.failed.retry"]
+    assert sorted(app["appId"] for app in every["apps"]) == ["app.failed.final", "app.failed.retry"]
     assert app_row(sql, "app.failed.retry")["status"] == "failed"
 
 

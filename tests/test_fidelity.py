@@ -260,7 +260,7 @@ def test_the_report_functions_refetch_records_the_source_or_legacy(sql, source, 
         {"command": "queue-refetch", "appIds": ["com.example.app"], "apply": True},
         LambdaContext(),
     )
-    assert done["apps"] == ["com.example.app"]
+    assert [app["appId"] for app in done["apps"]] == ["com.example.app"]
     assert sources_of(sql, "com.example.app") == [expected_source(source)]
 
 

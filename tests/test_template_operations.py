@@ -101,7 +101,7 @@ def report_metric_names() -> set[str]:
     """Every metric the report publishes (its ping metric only once an analyser pinged)."""
     status = {
         "counts": {},
-        "failed_by_reason": {},
+        "failed_by_reason": [],
         "backlog": {},
         "backlog_total": 0,
         "throughput": {"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
