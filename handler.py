@@ -287,18 +287,37 @@ metrics = Metrics(
 # Every statement the service runs is a named constant in the SQL sections, grouped by
 # operation. Parameters are :name (pg8000.native).
 
+
+def lease_expired(minutes: str = ":timeout_minutes") -> str:
+    """Whether a processing row's lease is over, for a lease of `minutes` (SQL): it started
+    more than a lease ago, or never (NULL, -infinity), or more than a lease after now().
+    Only a foreign write (a hand edit, another host's clock; +infinity is one) makes such
+    a start, and without this it would never expire. A start up to a lease ahead is a
+    clock's skew, and its lease ends a lease after it: a statement's now() is its
+    transaction's start, so it may well read a claim another one wrote a moment later,
+    which must stay live. Written as index ranges on processing_started
+    (apps_unflagged_leases). Every reader that judges a lease's age uses this fragment:
+    the rule, the claim's heads, the promoter, the report, refetch."""
+    return f"""(processing_started IS NULL
+     OR processing_started < now() - make_interval(mins => {minutes})
+     OR processing_started > now() + make_interval(mins => {minutes}))"""
+
+
+LEASE_EXPIRED = lease_expired()
 # The queue's candidate rule (docs/queue.md), written once. It is the oracle the
 # claim is tested against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
-CANDIDATE = """(
+# An analysis of a version above the current one is no candidate by age: an analyser at
+# or below the current version could only be refused (judge_result), so it waits for the
+# setting to reach its version, or for an operator's refetch.
+CANDIDATE = f"""(
     status = 'queued'
-    OR (status = 'processing'
-        AND COALESCE(processing_started, '-infinity')
-            < now() - make_interval(mins => :timeout_minutes)
-        AND lease_attempts < :max_lease_attempts)
+    OR (status = 'processing' AND {LEASE_EXPIRED} AND lease_attempts < :max_lease_attempts)
     OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
         AND ((COALESCE(analysisversion, 0) < :analysis_version
               AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
-             OR COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days)))
+             OR (COALESCE(analysisversion, 0) <= :analysis_version
+                 AND COALESCE(analysed, '-infinity')
+                     < now() - make_interval(days => :stale_days))))
 )"""
 CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
 CANDIDATE_REASON = """CASE
@@ -319,10 +338,13 @@ RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryab
 #   version_heads  apps_version_order: one head per old analysis version present
 #                  (found by a skip scan, so negative and NULL versions count too);
 #   lease_heads    expired leases not flagged yet (normally none: apps_unflagged_leases);
-#   stale_heads    stale analyses not flagged yet, one head per analysis day older than
-#                  the cutoff (apps_stale_day_order). Read only when the oldest unflagged
-#                  analysis (the head of apps_stale_watch) is past the cutoff: after a
-#                  policy change, while the promoter is still flagging in batches.
+#   stale_heads    stale analyses not flagged yet, one head per analysis version up to
+#                  the current one and analysis day older than the cutoff
+#                  (apps_stale_version_day_order). Read only when the oldest unflagged
+#                  analysis of such a version (a head of apps_stale_version_watch) is
+#                  past the cutoff: after a policy change, while the promoter is still
+#                  flagging in batches. An analysis of a version above the current one
+#                  is never stale (CANDIDATE), and these heads never read it.
 # Every head re-checks CANDIDATE, so the flag is bookkeeping, never a decision.
 OLD_VERSIONS = f"""old_versions(version) AS (
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
@@ -334,22 +356,42 @@ OLD_VERSIONS = f"""old_versions(version) AS (
               AND COALESCE(analysisversion, 0) < :analysis_version)
     FROM old_versions v WHERE v.version IS NOT NULL
 )"""
+# The versions that can be stale: each one present up to the current version, found as
+# OLD_VERSIONS finds the old ones (a skip scan, here of apps_stale_version_watch).
+STALE_VERSIONS = f"""stale_versions(version) AS (
+    SELECT min(COALESCE(analysisversion, 0)) FROM apps
+    WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) <= :analysis_version
+  UNION ALL
+    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE}
+              AND COALESCE(analysisversion, 0) > v.version
+              AND COALESCE(analysisversion, 0) <= :analysis_version)
+    FROM stale_versions v WHERE v.version IS NOT NULL
+)"""
 STALE_CUTOFF = "now() - make_interval(days => :stale_days)"
 LEASE_CUTOFF = "now() - make_interval(mins => :timeout_minutes)"
 # An analysis of an outdated version is due again once it is a lease old: an analyser
 # still on the old version cannot put the same app back at the head in a loop.
 OUTDATED_RESULT_SETTLED = f"COALESCE(analysed, '-infinity') < {LEASE_CUTOFF}"
+# Whether an unflagged analysis is stale: the oldest of each version in stale_versions,
+# one probe each (the statement defines stale_versions).
 UNFLAGGED_STALE_EXIST = f"""(
-    SELECT min(COALESCE(analysed, '-infinity')) FROM apps WHERE NOT due AND {RETRY_ELIGIBLE}
+    SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
+        SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version) f
 ) < {STALE_CUTOFF}"""
-STALE_DAYS = f"""stale_days(day) AS (
-    SELECT min(analysis_day(analysed)) FROM apps
-    WHERE NOT due AND {RETRY_ELIGIBLE} AND {UNFLAGGED_STALE_EXIST}
+STALE_DAYS = f"""stale_days(version, day) AS (
+    SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
+                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                         AND COALESCE(analysisversion, 0) = s.version
+                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
+    FROM stale_versions s WHERE s.version IS NOT NULL AND {UNFLAGGED_STALE_EXIST}
   UNION ALL
-    SELECT (SELECT min(analysis_day(analysed)) FROM apps
-            WHERE NOT due AND {RETRY_ELIGIBLE}
-              AND analysis_day(analysed) > d.day
-              AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
+    SELECT d.version, (SELECT min(analysis_day(analysed)) FROM apps
+                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                         AND COALESCE(analysisversion, 0) = d.version
+                         AND analysis_day(analysed) > d.day
+                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
     FROM stale_days d WHERE d.day IS NOT NULL AND d.day < analysis_day({STALE_CUTOFF})
 )"""
 CLAIM_KEYS = "appid, app_popularity(details) AS popularity, added"
@@ -360,7 +402,7 @@ CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
     refetch_requested = false,
     lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
 CLAIM_NEXT_APP = f"""
-WITH RECURSIVE {OLD_VERSIONS}, {STALE_DAYS},
+WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}, {STALE_DAYS},
 head AS (
     SELECT {CLAIM_KEYS} FROM apps
     WHERE (status = 'queued' OR due) AND {CANDIDATE}
@@ -376,15 +418,15 @@ head AS (
     ) h
 ), lease_heads AS (
     SELECT {CLAIM_KEYS} FROM apps
-    WHERE status = 'processing' AND NOT due
-      AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})
+    WHERE status = 'processing' AND NOT due AND {LEASE_EXPIRED}
       AND lease_attempts < :max_lease_attempts
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
     SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE} AND analysis_day(analysed) = d.day
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = d.version
+          AND analysis_day(analysed) = d.day
           AND COALESCE(analysed, '-infinity') < {STALE_CUTOFF}
         ORDER BY {CLAIM_ORDER}
         LIMIT 1 FOR UPDATE SKIP LOCKED
@@ -423,16 +465,17 @@ SELECT appid FROM apps WHERE status = 'processing' AND analysis_claim_token = :t
 # one bounded batch and commits it, so a mass change (STALE_ANALYSIS_DAYS lowered over a
 # million analyses) is worked off over several requests, each within its time budget,
 # and what was done survives a killed process. Rows locked elsewhere are skipped, never
-# waited for. Stale rows go in analysis-time order (apps_stale_watch): without the ORDER
-# BY ... LIMIT the planner, which cannot see that flagged rows left the partial index,
-# estimates a fifth of the table and scans it.
+# waited for. Stale rows go in analysis-time order (apps_stale_version_watch, one range
+# per version that can be stale): without the ORDER BY ... LIMIT the planner, which
+# cannot see that flagged rows left the partial index, estimates a fifth of the table
+# and scans it.
 PROMOTE_EXPIRED_LEASES = f"""
 WITH flagged AS (
     UPDATE apps SET due = true
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
         WHERE status = 'processing' AND NOT due
-          AND (processing_started IS NULL
+          AND ({LEASE_EXPIRED}
                OR processing_started < {LEASE_CUTOFF} + make_interval(secs => :horizon_seconds))
           AND lease_attempts < :max_lease_attempts
         LIMIT :batch FOR UPDATE SKIP LOCKED))
@@ -443,9 +486,53 @@ SELECT count(*) AS flagged FROM flagged
 # An app whose last max_lease_attempts leases in a row expired without a result is not
 # handed out again (CANDIDATE): the promoter records a retryable lease_expired failure on
 # the analysers' behalf, which waits like any retryable failure (a version bump, the
-# staleness window, or an operator's refetch). Its history row says so.
+# staleness window, or an operator's refetch). Its history row says so. That failure is
+# a result like an analyser's, written as the open claim's holder, so judge_result
+# decides it (PromotionPass.back_off): a batch of such leases is read under its row locks
+# with what judge_result needs, and one statement applies the verdicts.
 SERVER_FAILURE_SOURCE = "queue-server"
-ABANDON_EXPIRED_LEASES = f"""
+BACK_OFF_LEASES = f"""
+SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
+       NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
+       false AS same_result,  -- a new failure each time; a retry finds the lease ended
+       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested
+FROM apps
+WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE_EXPIRED}
+  AND NOT refetch_requested
+LIMIT :batch FOR UPDATE SKIP LOCKED
+"""
+# What the columns of a stored failure record are derived from (stored_result_state, by
+# derive_analysis_state): its reason, its retryable flag, and its log when it names no
+# reason. Read for the few rows a lease ends on without a result, never answered.
+STORED_RESULT_PARTS = """
+SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
+       CASE WHEN jsonb_typeof(analysis->'reason') = 'string'
+            THEN analysis->>'reason' END AS reason,
+       CASE WHEN jsonb_typeof(analysis->'retryable') = 'boolean'
+            THEN (analysis->'retryable')::boolean END AS retryable,
+       CASE WHEN jsonb_typeof(analysis->'logs') = 'string'
+             AND NOT COALESCE(jsonb_typeof(analysis->'reason') = 'string'
+                              AND analysis->>'reason' <> '', false)
+            THEN analysis->>'logs' END AS logs
+FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
+"""
+# A lease that ends without its result being stored, because judge_result refused it as
+# older than the stored one (the holder's result, or the back-off's failure): the app
+# goes back to the state its stored result says (:ended, from stored_result_state), or
+# is queued when an operator's refetch waited for this lease. The lease is answered, so
+# lease_attempts starts again at 0.
+RETURN_TO_STORED_RESULT = """
+UPDATE apps SET status = CASE WHEN apps.refetch_requested THEN 'queued' ELSE e.status END,
+    failure_reason = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_reason END,
+    failure_retryable = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_retryable END,
+    processing_started = NULL, analysis_claim_token = NULL, due = false, lease_attempts = 0,
+    refetch_requested = false
+FROM jsonb_to_recordset(CAST(:ended AS jsonb))
+     AS e(appid text, status text, failure_reason text, failure_retryable boolean)
+WHERE apps.appid = e.appid AND apps.status = 'processing'
+RETURNING apps.appid
+"""
+BACK_OFF_APPLY = f"""
 WITH abandoned AS (
     UPDATE apps SET status = 'failed', failure_reason = 'lease_expired',
         failure_retryable = true, analysisversion = :analysis_version, analysed = now(),
@@ -453,16 +540,11 @@ WITH abandoned AS (
             'success', false, 'reason', 'lease_expired', 'retryable', true,
             'analysis_source', '{SERVER_FAILURE_SOURCE}',
             'logs', format('no result after %s leases in a row of %s minutes each',
-                           lease_attempts, :timeout_minutes)),
+                           lease_attempts, CAST(:timeout_minutes AS integer))),
         processing_started = NULL, analysis_claim_token = NULL, due = false,
         lease_attempts = 0, refetch_requested = false,
-        result_claim_token = NULL, result_claim_verified = false
-    WHERE appid = ANY(ARRAY(
-        SELECT appid FROM apps
-        WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-          AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF}
-          AND NOT refetch_requested
-        LIMIT :batch FOR UPDATE SKIP LOCKED))
+        result_claim_token = NULL, result_claim_verified = false, analysed_by = NULL
+    WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'
     RETURNING appid, analysis, analysisversion, analysed, details
 ), recorded AS (
     INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
@@ -472,11 +554,12 @@ WITH abandoned AS (
     FROM abandoned
     ON CONFLICT DO NOTHING
     RETURNING 1
-)
-SELECT count(*) AS flagged FROM abandoned
+), returned AS ({RETURN_TO_STORED_RESULT})
+SELECT (SELECT count(*) FROM abandoned) AS abandoned,
+       (SELECT count(*) FROM returned) AS returned
 """
 # Such a lease with an operator's refetch waiting for it: the refetch wins, and the app
-# is queued (an operator asked for it) instead of backing off.
+# is queued (an operator asked for it) instead of backing off. No result is written.
 REQUEUE_REFETCHED_LEASES = f"""
 WITH requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, analysis_claim_token = NULL,
@@ -484,23 +567,24 @@ WITH requeued AS (
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
         WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-          AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF}
-          AND refetch_requested
+          AND {LEASE_EXPIRED} AND refetch_requested
         LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
 SELECT count(*) AS flagged FROM requeued
 """
 PROMOTE_STALE_BATCH = f"""
-WITH flagged AS (
+WITH RECURSIVE {STALE_VERSIONS}, flagged AS (
     UPDATE apps SET due = true
     WHERE appid = ANY(ARRAY(
-        SELECT appid FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE}
-          AND COALESCE(analysed, '-infinity')
-              < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
-        ORDER BY COALESCE(analysed, '-infinity')
-        LIMIT :batch FOR UPDATE SKIP LOCKED))
+        SELECT r.appid FROM stale_versions s CROSS JOIN LATERAL (
+            SELECT appid FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version
+              AND COALESCE(analysed, '-infinity')
+                  < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
+            ORDER BY COALESCE(analysed, '-infinity')
+            LIMIT :batch FOR UPDATE SKIP LOCKED) r
+        LIMIT :batch))
     RETURNING 1
 )
 SELECT count(*) AS flagged FROM flagged
@@ -536,7 +620,7 @@ WITH examined AS (
         SELECT appid FROM apps
         WHERE appid IN (SELECT appid FROM examined)
           AND due AND status <> 'queued' AND NOT {CANDIDATE}
-          AND NOT (status = 'processing' AND processing_started >= {LEASE_CUTOFF})
+          AND NOT (status = 'processing' AND NOT {LEASE_EXPIRED})
         FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
@@ -602,11 +686,10 @@ def _rows_ahead(where: str, order: str) -> str:
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
 OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
     AND {OUTDATED_RESULT_SETTLED}"""
-UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due
-    AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})
+UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due AND {LEASE_EXPIRED}
     AND lease_attempts < :max_lease_attempts"""
 QUEUE_POSITION = f"""
-WITH RECURSIVE {OLD_VERSIONS}
+WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}
 SELECT
     (SELECT count(*) FROM (
         {_rows_ahead(QUEUED_OR_DUE_CANDIDATE, CLAIM_ORDER)}
@@ -653,8 +736,13 @@ ON CONFLICT DO NOTHING
 """
 
 # An operator's refetch asked during the lease this result ended (refetch_requested).
+# The app is queued with refetch_requested still set, until the next claim: the mark
+# says that the stored result is the one that queued it, so that result sent again is
+# answered as the first time (judge_result) instead of being stored as a new one and
+# undoing the refetch. An operator's refetch of the queued app clears the mark.
 REQUEUE_AFTER_RESULT = """
-UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false
+UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false,
+                refetch_requested = true
 WHERE appid = :appid
 """
 
@@ -775,12 +863,11 @@ FROM app_analyses WHERE analysed > now() - interval '7 days'
 FAILED_BY_REASON = """
 SELECT failure_reason AS reason, count(*) AS apps FROM apps WHERE status = 'failed' GROUP BY 1
 """
-PROCESSING_APPS = """
+PROCESSING_APPS = f"""
 SELECT appid, processing_started, lease_attempts, refetch_requested,
        CASE WHEN isfinite(processing_started)
             THEN extract(epoch FROM now() - processing_started) / 60 END AS age_minutes,
-       COALESCE(processing_started, '-infinity')
-           < now() - make_interval(mins => :timeout_minutes) AS expired
+       {LEASE_EXPIRED} AS expired
 FROM apps WHERE status = 'processing'
 ORDER BY processing_started
 LIMIT :limit
@@ -792,8 +879,7 @@ HELD_BACK = f"""
 SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expired')
            AS lease_expired_failures,
        count(*) FILTER (WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-                        AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF})
-           AS abandoned_leases,
+                        AND {LEASE_EXPIRED}) AS abandoned_leases,
        count(*) FILTER (WHERE {RETRY_ELIGIBLE}
                         AND COALESCE(analysisversion, 0) < :analysis_version
                         AND NOT {OUTDATED_RESULT_SETTLED}) AS outdated_settling,
@@ -848,13 +934,13 @@ APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 
 # settings than the API's must not break a lease the API still honours. A refetched app's
 # stored result becomes verified: the token of the claim that stored it may send it again
 # (answered as the first time), but no longer replace it.
-REFETCH_APPLY = """
+REFETCH_LEASE_EXPIRED = lease_expired(
+    "GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0))"
+)
+REFETCH_APPLY = f"""
 WITH chosen AS (
     SELECT appid, status = 'processing' AS leased,
-           status = 'processing' AND NOT :force
-               AND COALESCE(processing_started, '-infinity') >= now() - make_interval(
-                   mins => GREATEST(:timeout_minutes, COALESCE(
-                       (SELECT processing_timeout_minutes FROM queue_policy), 0))) AS waits
+           status = 'processing' AND NOT :force AND NOT {REFETCH_LEASE_EXPIRED} AS waits
     FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
     FOR UPDATE
 ), requeued AS (
@@ -1708,6 +1794,16 @@ def tokens_match(given: str | None, stored: uuid.UUID | None) -> bool:
     return hmac.compare_digest(given.lower().encode("utf-8", "replace"), str(stored).encode())
 
 
+def stored_result_state(parts: dict[str, Any]) -> AnalysisState:
+    """The status columns the stored result says (derive_analysis_state), from the parts of
+    it that decide them (STORED_RESULT_PARTS): the service never parses a stored document."""
+    if not parts["failure_record"]:
+        return AnalysisState("analysed")
+    payload = {"success": False}
+    payload.update({k: parts[k] for k in ("reason", "retryable", "logs") if parts[k] is not None})
+    return derive_analysis_state(payload)
+
+
 @dataclasses.dataclass(frozen=True)
 class ResultTarget:
     """What the app's row says when a result arrives for it (read under its row lock)."""
@@ -1720,41 +1816,75 @@ class ResultTarget:
     claim: uuid.UUID | None  # the open claim's token (while processing)
     result_claim: uuid.UUID | None  # the claim whose result is stored
     result_verified: bool  # that result came with that claim's token
+    # An operator's refetch: waiting for the open claim's result (processing), or done by
+    # the stored result, which queued the app again (queued; REQUEUE_AFTER_RESULT).
+    refetch_requested: bool = False
+
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> ResultTarget:
+        """From a row of FIND_RESULT_TARGET or BACK_OFF_LEASES."""
+        return cls(
+            status=row["status"],
+            version=row["analysisversion"],
+            has_result=row["has_result"],
+            stored_success=row["stored_success"],
+            same_result=row["same_result"],
+            claim=row["analysis_claim_token"],
+            result_claim=row["result_claim_token"],
+            result_verified=row["result_claim_verified"],
+            refetch_requested=row["refetch_requested"],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """store: write the result as the result of claim `claim` (`verified`: it came with
     that claim's token). stored: this very result is stored already; answer as the first
-    time, write nothing. Otherwise refused: 409, nothing written, `why` says why."""
+    time, write nothing. Otherwise refused: 409, the result is not written, `why` says why;
+    with `ends_lease`, it is the open claim's holder's, refused as older than the stored
+    result: the lease ends (RETURN_TO_STORED_RESULT), as any answer ends it."""
 
     action: str  # "store", "stored" or "refuse"
     claim: uuid.UUID | None = None
     verified: bool = False
     why: str = ""
+    ends_lease: bool = False
 
 
 def judge_result(target: ResultTarget, version: int, success: bool, token: str | None) -> Verdict:
     """Whether a result is stored, already stored, or refused (docs/queue.md, "Results").
+    Every result the service stores is judged here: an analyser's, and the failure the
+    promoter records for a lease that keeps expiring (as the open claim's holder).
 
     With a claim token, the result is the open claim's, or a retry of the claim whose
     result is stored; any other token is stale. Without one (the deployed analysers send
     none) the sender cannot be told apart, so the result is judged by what it would
     replace: never a result of a newer analysisVersion; never, within one claim, a success
     by a failure; never, when no claim is open, an acknowledged success. And it never
-    makes the open claim's token stop working: that holder may still replace it."""
+    makes the open claim's token stop working: that holder may still replace it.
+
+    The stored result sent again is answered as the first time in every state its first
+    delivery can leave (a retry after a lost reply, the service's own or the analyser's):
+    analysed or failed, or queued again for the refetch that waited for it. Not while a
+    claim is open: an app analysed again unchanged can give the same document, and that
+    is the open claim's result."""
     held = target.status == "processing"
-    finished = target.status in ("analysed", "failed")
-    if target.same_result and finished:
+    left_by_a_result = target.status in ("analysed", "failed") or (
+        target.status == "queued" and target.refetch_requested
+    )
+    if target.same_result and left_by_a_result:
         return Verdict("stored")
     newer = target.has_result and target.version is not None and target.version > version
     refused_as_older = Verdict(
         "refuse",
         why=f"a result of analysisVersion {target.version} is stored; this one is {version}",
     )
+    # The holder's answer, refused: its lease ends, so it is not counted as a lease that
+    # expired without a result.
+    holders_refused_as_older = dataclasses.replace(refused_as_older, ends_lease=True)
     if token is not None:
         if held and tokens_match(token, target.claim):
-            return refused_as_older if newer else Verdict("store", target.claim, True)
+            return holders_refused_as_older if newer else Verdict("store", target.claim, True)
         if tokens_match(token, target.result_claim):
             if target.same_result:
                 return Verdict("stored")
@@ -1766,7 +1896,7 @@ def judge_result(target: ResultTarget, version: int, success: bool, token: str |
             return Verdict("refuse", why="this claim's result is stored already")
         return Verdict("refuse", why="this claim is no longer the app's current claim")
     if newer:
-        return refused_as_older
+        return holders_refused_as_older if held else refused_as_older
     if held:
         return Verdict("store", target.claim)
     if target.status == "queued":
@@ -1964,7 +2094,7 @@ FAILURE_REASON_METRICS = {
         *(r for r, _, _ in FAILURE_CLASSES),
         "invalid_bundle_id",
         ANALYSIS_FAILED,
-        "lease_expired",  # recorded by the promoter (ABANDON_EXPIRED_LEASES)
+        "lease_expired",  # recorded by the promoter (BACK_OFF_APPLY)
     )
 }
 OTHER_FAILURES_METRIC = "FailedOther"
@@ -2051,7 +2181,7 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # == Queue operations ===================================================================
 # The queue logic applied to the database.
 #
-# How /queue stays an index read at any size (sql/010-017): filtering CANDIDATE and
+# How /queue stays an index read at any size (sql/010-017, 024, 025): filtering CANDIDATE and
 # sorting grows with the table, so the claim reads index heads instead ("SQL: the claim"
 # lists them). The promoter moves rows that fell due by time into apps_claim_order in
 # bounded batches; until it has, the claim finds them through the heads of the unflagged
@@ -2073,6 +2203,9 @@ class Promotion:
     cleared: int = 0
     requeued: int = 0
     abandoned: int = 0
+    # Leases that backed off with a newer analysisVersion stored than the current one:
+    # judge_result refused the lease_expired failure, and the app went back to its result.
+    returned: int = 0
     leases: int = 0
     stale: int = 0
     complete: bool = True
@@ -2121,14 +2254,57 @@ class PromotionPass:
 
     def _repeat(self, sql: str) -> tuple[int, bool]:
         """Run a flagging statement batch after batch: (rows changed, finished)."""
+        return self._repeat_batches(lambda: self._batch(sql)["flagged"])
+
+    def _repeat_batches(self, batch: Callable[[], int]) -> tuple[int, bool]:
+        """Run batch() until it does less than a full batch: (rows, finished)."""
         total = 0
         while not self._out_of_time():
-            count = self._batch(sql)["flagged"]
+            count = batch()
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
             self.full_batches += 1
         return total, False
+
+    def back_off(self) -> tuple[int, int, bool]:
+        """The lease rescuer's back-off, batch after batch: each lease that expired
+        max_lease_attempts times in a row gets the server's lease_expired failure, as its
+        open claim's holder, if judge_result stores it; refused (a newer analysisVersion
+        is stored than the policy's), the lease ends and the app goes back to its stored
+        result. (failures stored, leases returned, finished)."""
+        version = self.policy.analysis_version
+        totals = {"abandoned": 0, "returned": 0}
+
+        def work(session: Session) -> dict[str, Any]:
+            session.execute(PLAN_WITH_VALUES)
+            rows = session.records(BACK_OFF_LEASES, **self.params)
+            if not rows:
+                return {"flagged": 0, "abandoned": 0, "returned": 0}
+            failed, returned = [], []
+            for row in rows:
+                target = ResultTarget.of(row)
+                holder = None if target.claim is None else str(target.claim)
+                verdict = judge_result(target, version, False, holder)
+                (failed if verdict.action == "store" else returned).append(row["appid"])
+            ended = []
+            if returned:
+                for parts in session.records(STORED_RESULT_PARTS, appids=returned):
+                    state = stored_result_state(parts)
+                    ended.append({"appid": parts["appid"], **dataclasses.asdict(state)})
+            (applied,) = session.records(
+                BACK_OFF_APPLY, **self.params, failed=failed, ended=json.dumps(ended)
+            )
+            return {"flagged": len(rows), **applied}
+
+        def batch() -> int:
+            step = self.db.transaction(work)
+            for name in totals:
+                totals[name] += step[name]
+            return step["flagged"]
+
+        _, finished = self._repeat_batches(batch)
+        return totals["abandoned"], totals["returned"], finished
 
     def clear_unsupported_flags(self) -> tuple[int, bool]:
         """Walk apps_due from the memo's cursor, clearing flags the policy does not back."""
@@ -2156,7 +2332,7 @@ class PromotionPass:
             done.complete = cleared_all and bool(self.db.run(RECORD_QUEUE_POLICY, **params))
         # The lease rescuer, then the staleness scheduler.
         done.requeued, requeued_all = self._repeat(REQUEUE_REFETCHED_LEASES)
-        done.abandoned, abandoned_all = self._repeat(ABANDON_EXPIRED_LEASES)
+        done.abandoned, done.returned, abandoned_all = self.back_off()
         done.leases, leases_all = self._repeat(PROMOTE_EXPIRED_LEASES)
         done.stale, stale_all = self._repeat(PROMOTE_STALE_BATCH)
         done.complete = done.complete and requeued_all and abandoned_all
@@ -2233,7 +2409,13 @@ def claim_next_app(
 
 
 class ResultRefused(ServiceError):
-    """judge_result refused the result (409): nothing was written; the message says why."""
+    """judge_result refused the result (409): it was not written; the message says why.
+    `lease_ended`: the open claim's holder's result, refused as older than the stored
+    one: its lease ended (RETURN_TO_STORED_RESULT); else nothing was written."""
+
+    def __init__(self, why: str, lease_ended: bool = False):
+        super().__init__(why)
+        self.lease_ended = lease_ended
 
 
 class IdentityConflict(ServiceError):
@@ -2279,11 +2461,25 @@ def store_result(
     judge_result decides; a result that is stored already is answered as the first time
     (a retry after a lost reply, the service's own or the analyser's). `analyser`: the
     credential it came with (None: the shared password), which check_result_identity
-    holds a tokenless result to."""
+    holds a tokenless result to. A refused result raises ResultRefused once its
+    transaction is over: the holder's result refused as older ends its lease (committed),
+    and its retry after a lost reply finds the lease ended and is refused again."""
     state = derive_analysis_state(payload)
     document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
-    def work(session: Session) -> list[dict[str, Any]]:
+    def refuse(session: Session, found: dict[str, Any], verdict: Verdict) -> ResultRefused:
+        if verdict.ends_lease:
+            try:
+                check_result_identity(found, analyser, claim_token)
+            except IdentityConflict:
+                return ResultRefused(verdict.why)  # not the holder's: nothing changes
+            (parts,) = session.records(STORED_RESULT_PARTS, appids=[found["appid"]])
+            ended = {"appid": found["appid"], **dataclasses.asdict(stored_result_state(parts))}
+            session.run(RETURN_TO_STORED_RESULT, ended=json.dumps([ended]))
+            return ResultRefused(verdict.why, lease_ended=True)
+        return ResultRefused(verdict.why)
+
+    def work(session: Session) -> list[dict[str, Any]] | ResultRefused:
         rows = session.records(
             FIND_RESULT_TARGET,
             appid=app_id,
@@ -2294,19 +2490,10 @@ def store_result(
         if not rows:
             raise UnknownApp(app_id)
         (found,) = rows
-        target = ResultTarget(
-            status=found["status"],
-            version=found["analysisversion"],
-            has_result=found["has_result"],
-            stored_success=found["stored_success"],
-            same_result=found["same_result"],
-            claim=found["analysis_claim_token"],
-            result_claim=found["result_claim_token"],
-            result_verified=found["result_claim_verified"],
-        )
+        target = ResultTarget.of(found)
         verdict = judge_result(target, version, state.status == "analysed", claim_token)
         if verdict.action == "refuse":
-            raise ResultRefused(verdict.why)
+            return refuse(session, found, verdict)
         if verdict.action == "store":
             check_result_identity(found, analyser, claim_token)
             (found,) = session.records(
@@ -2325,7 +2512,7 @@ def store_result(
             session.run(RECORD_HISTORY, appids=[found["appid"]])
             # A refetch asked during this claim: queued again once its result is in (and
             # still queued when its holder replaces a result stored without the token).
-            waited = target.status == "processing" and rows[0]["refetch_requested"]
+            waited = target.status == "processing" and target.refetch_requested
             if waited or (target.status == "queued" and verdict.claim is not None):
                 session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
             if analyser is not None:
@@ -2344,7 +2531,10 @@ def store_result(
             }
         ]
 
-    return db.transaction(work)
+    stored = db.transaction(work)
+    if isinstance(stored, ResultRefused):
+        raise stored
+    return stored
 
 
 def add_app(db: SharedConnection, app_id: str, details: dict[str, Any] | None) -> tuple[bool, dict]:
@@ -3121,13 +3311,17 @@ def upgrade_database(
         step = promote_due_apps(db, policy, MIGRATE_PROMOTION_SLICE_SECONDS, force=True)
         done.cleared += step.cleared
         done.abandoned += step.abandoned
+        done.returned += step.returned
         done.leases += step.leases
         done.stale += step.stale
         flagged = (
             f"{done.leases} expired leases and {done.stale} stale analyses flagged,"
             f" {done.abandoned} leases expired too often failed as lease_expired"
+            f" ({done.returned} more went back to their newer analysisVersion)"
         )
-        if step.complete or not (step.cleared or step.abandoned or step.leases or step.stale):
+        if step.complete or not (
+            step.cleared or step.abandoned or step.returned or step.leases or step.stale
+        ):
             break  # done, or nothing to gain from another slice now (a row locked elsewhere)
         _say(progress, f"promotion: {flagged} so far ({time.monotonic() - started:.1f} s)")
     _say(
@@ -3503,6 +3697,8 @@ def _store(
         raise HTTPException(404, f"unknown app {app_id}") from None
     except (ResultRefused, IdentityConflict) as refused:
         detail = getattr(refused, "detail", str(refused))
+        if getattr(refused, "lease_ended", False):
+            raise HTTPException(409, f"{detail}; it was not written, and its lease ended") from None
         raise HTTPException(409, f"{detail}; nothing was written") from None
     fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
     return _json_answer({"rowCount": len(rows), "rows": fitted})
@@ -3515,8 +3711,9 @@ ERROR_ANSWERS = {
     404: "No such app (bundle IDs match in any letter case); nothing was written.",
     409: "The result is refused, and `detail` says why (a stale X-Analysis-Claim-Token, a"
     " result of a newer analysisVersion stored, a claim answered already, or, sent without"
-    " a token, another credential's claim): nothing was written, and this result is not"
-    " the stored one.",
+    " a token, another credential's claim): it was not written, and it is not the stored"
+    " one. Nothing else changed, but for the lease's holder refused for a newer"
+    " analysisVersion stored: that lease ended.",
     413: "The body is larger than MAX_BODY_BYTES.",
     415: "The Content-Type is not one the route takes.",
     503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"
