@@ -517,10 +517,11 @@ SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_r
 FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
 """
 # A lease that ends without its result being stored, because judge_result refused it as
-# older than the stored one (the holder's result, or the back-off's failure): the app
-# goes back to the state its stored result says (:ended, from stored_result_state), or
-# is queued when an operator's refetch waited for this lease. The lease is answered, so
-# lease_attempts starts again at 0.
+# older than a stored result of a version above the current one (the holder's result,
+# or the back-off's failure; Verdict.lease "ended"): the app goes back to the state its
+# stored result says (:ended, from stored_result_state), or is queued when an operator's
+# refetch waited for this lease. The lease is answered, so lease_attempts starts again
+# at 0.
 RETURN_TO_STORED_RESULT = """
 UPDATE apps SET status = CASE WHEN apps.refetch_requested THEN 'queued' ELSE e.status END,
     failure_reason = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_reason END,
@@ -744,6 +745,11 @@ REQUEUE_AFTER_RESULT = """
 UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false,
                 refetch_requested = true
 WHERE appid = :appid
+"""
+# The lease's holder answered with a result refused as older than the stored one: not a
+# lease that expired without a result (judge_result, Verdict.lease).
+ANSWER_LEASE = """
+UPDATE apps SET lease_attempts = 0 WHERE appid = :appid AND status = 'processing'
 """
 
 ADD_APP = """
@@ -1840,21 +1846,27 @@ class ResultTarget:
 class Verdict:
     """store: write the result as the result of claim `claim` (`verified`: it came with
     that claim's token). stored: this very result is stored already; answer as the first
-    time, write nothing. Otherwise refused: 409, the result is not written, `why` says why;
-    with `ends_lease`, it is the open claim's holder's, refused as older than the stored
-    result: the lease ends (RETURN_TO_STORED_RESULT), as any answer ends it."""
+    time, write nothing. Otherwise refused: 409, the result is not written, `why` says why.
+    `lease`: what a refusal does to the open claim's lease when it is that claim's
+    holder's, refused as older than the stored result: "answered" (lease_attempts back to
+    0; the lease runs out as any does), or "ended" (the stored result is of a version
+    above the current one, which no analyser the setting expects can improve: the app
+    goes back to it at once, RETURN_TO_STORED_RESULT); "" for any other verdict."""
 
     action: str  # "store", "stored" or "refuse"
     claim: uuid.UUID | None = None
     verified: bool = False
     why: str = ""
-    ends_lease: bool = False
+    lease: str = ""
 
 
-def judge_result(target: ResultTarget, version: int, success: bool, token: str | None) -> Verdict:
+def judge_result(
+    target: ResultTarget, version: int, success: bool, token: str | None, current_version: int
+) -> Verdict:
     """Whether a result is stored, already stored, or refused (docs/queue.md, "Results").
     Every result the service stores is judged here: an analyser's, and the failure the
     promoter records for a lease that keeps expiring (as the open claim's holder).
+    `current_version`: CURRENT_ANALYSIS_VERSION, for what a refusal does to the lease.
 
     With a claim token, the result is the open claim's, or a retry of the claim whose
     result is stored; any other token is stale. Without one (the deployed analysers send
@@ -1879,9 +1891,13 @@ def judge_result(target: ResultTarget, version: int, success: bool, token: str |
         "refuse",
         why=f"a result of analysisVersion {target.version} is stored; this one is {version}",
     )
-    # The holder's answer, refused: its lease ends, so it is not counted as a lease that
-    # expired without a result.
-    holders_refused_as_older = dataclasses.replace(refused_as_older, ends_lease=True)
+    # The holder's answer, refused: its lease is answered, not one that expired without a
+    # result. It runs out as leases do (an outdated analyser cannot take the app back at
+    # the head in a loop), unless no analyser of the current version could do better.
+    holders_refused_as_older = dataclasses.replace(
+        refused_as_older,
+        lease="ended" if newer and target.version > current_version else "answered",
+    )
     if token is not None:
         if held and tokens_match(token, target.claim):
             return holders_refused_as_older if newer else Verdict("store", target.claim, True)
@@ -1899,14 +1915,19 @@ def judge_result(target: ResultTarget, version: int, success: bool, token: str |
         return holders_refused_as_older if held else refused_as_older
     if held:
         return Verdict("store", target.claim)
-    if target.status == "queued":
-        return Verdict("store")
-    if target.status == "failed" and success:
-        return Verdict("store", target.result_claim)
+    # Queued by its stored result for the refetch that waited for it: no claim is open
+    # and no exact-app host was handed the app (the refetch said it waits), so a result
+    # without a token is late, as for the finished app it was (the app stays queued).
+    queued_by_its_result = target.status == "queued" and target.refetch_requested
+    if target.status == "queued" and not queued_by_its_result:
+        return Verdict("store")  # an operator queued it: an exact-app host's result
+    if (target.status == "failed" or queued_by_its_result) and success:
+        if target.status == "failed" or not target.stored_success:
+            return Verdict("store", target.result_claim)
+    state = "queued for a refetch after its result" if queued_by_its_result else target.status
     return Verdict(
         "refuse",
-        why=f"the app is {target.status} and no claim is open; send the claim token"
-        " to replace its result",
+        why=f"the app is {state} and no claim is open; send the claim token to replace its result",
     )
 
 
@@ -2285,7 +2306,7 @@ class PromotionPass:
             for row in rows:
                 target = ResultTarget.of(row)
                 holder = None if target.claim is None else str(target.claim)
-                verdict = judge_result(target, version, False, holder)
+                verdict = judge_result(target, version, False, holder, version)
                 (failed if verdict.action == "store" else returned).append(row["appid"])
             ended = []
             if returned:
@@ -2410,12 +2431,11 @@ def claim_next_app(
 
 class ResultRefused(ServiceError):
     """judge_result refused the result (409): it was not written; the message says why.
-    `lease_ended`: the open claim's holder's result, refused as older than the stored
-    one: its lease ended (RETURN_TO_STORED_RESULT); else nothing was written."""
+    `lease`: "answered" or "ended" (Verdict.lease), as it was done; "": nothing changed."""
 
-    def __init__(self, why: str, lease_ended: bool = False):
+    def __init__(self, why: str, lease: str = ""):
         super().__init__(why)
-        self.lease_ended = lease_ended
+        self.lease = lease
 
 
 class IdentityConflict(ServiceError):
@@ -2456,28 +2476,34 @@ def store_result(
     payload: dict[str, Any],
     claim_token: str | None,
     analyser: str | None = None,
+    *,
+    current_version: int,
 ) -> list[dict[str, Any]]:
     """Write an analysis or failure record, snapshot it into history, end the lease, as
     judge_result decides; a result that is stored already is answered as the first time
     (a retry after a lost reply, the service's own or the analyser's). `analyser`: the
     credential it came with (None: the shared password), which check_result_identity
-    holds a tokenless result to. A refused result raises ResultRefused once its
-    transaction is over: the holder's result refused as older ends its lease (committed),
-    and its retry after a lost reply finds the lease ended and is refused again."""
+    holds a tokenless result to; `current_version`: CURRENT_ANALYSIS_VERSION. A refused
+    result raises ResultRefused once its transaction is over: the holder's result refused
+    as older answers or ends its lease (committed), and its retry after a lost reply
+    finds that done and is refused again."""
     state = derive_analysis_state(payload)
     document = json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
     def refuse(session: Session, found: dict[str, Any], verdict: Verdict) -> ResultRefused:
-        if verdict.ends_lease:
-            try:
-                check_result_identity(found, analyser, claim_token)
-            except IdentityConflict:
-                return ResultRefused(verdict.why)  # not the holder's: nothing changes
-            (parts,) = session.records(STORED_RESULT_PARTS, appids=[found["appid"]])
-            ended = {"appid": found["appid"], **dataclasses.asdict(stored_result_state(parts))}
-            session.run(RETURN_TO_STORED_RESULT, ended=json.dumps([ended]))
-            return ResultRefused(verdict.why, lease_ended=True)
-        return ResultRefused(verdict.why)
+        if not verdict.lease:
+            return ResultRefused(verdict.why)
+        try:
+            check_result_identity(found, analyser, claim_token)
+        except IdentityConflict:
+            return ResultRefused(verdict.why)  # not the holder's: nothing changes
+        if verdict.lease == "answered":
+            session.run(ANSWER_LEASE, appid=found["appid"])
+            return ResultRefused(verdict.why, "answered")
+        (parts,) = session.records(STORED_RESULT_PARTS, appids=[found["appid"]])
+        ended = {"appid": found["appid"], **dataclasses.asdict(stored_result_state(parts))}
+        session.run(RETURN_TO_STORED_RESULT, ended=json.dumps([ended]))
+        return ResultRefused(verdict.why, "ended")
 
     def work(session: Session) -> list[dict[str, Any]] | ResultRefused:
         rows = session.records(
@@ -2491,7 +2517,8 @@ def store_result(
             raise UnknownApp(app_id)
         (found,) = rows
         target = ResultTarget.of(found)
-        verdict = judge_result(target, version, state.status == "analysed", claim_token)
+        success = state.status == "analysed"
+        verdict = judge_result(target, version, success, claim_token, current_version)
         if verdict.action == "refuse":
             return refuse(session, found, verdict)
         if verdict.action == "store":
@@ -2511,9 +2538,13 @@ def store_result(
             )
             session.run(RECORD_HISTORY, appids=[found["appid"]])
             # A refetch asked during this claim: queued again once its result is in (and
-            # still queued when its holder replaces a result stored without the token).
+            # still queued when a result replaces one stored without the token, or one
+            # that queued the app so).
             waited = target.status == "processing" and target.refetch_requested
-            if waited or (target.status == "queued" and verdict.claim is not None):
+            replaced = target.status == "queued" and (
+                verdict.claim is not None or target.refetch_requested
+            )
+            if waited or replaced:
                 session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
             if analyser is not None:
                 session.run(
@@ -3692,13 +3723,23 @@ def _store(
     app_id: str, version: int, payload: dict, token: str | None, credential: Credential
 ) -> Response:
     try:
-        rows = store_result(api_connection(), app_id, version, payload, token, credential.analyser)
+        rows = store_result(
+            api_connection(),
+            app_id,
+            version,
+            payload,
+            token,
+            credential.analyser,
+            current_version=settings().policy.analysis_version,
+        )
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
     except (ResultRefused, IdentityConflict) as refused:
         detail = getattr(refused, "detail", str(refused))
-        if getattr(refused, "lease_ended", False):
-            raise HTTPException(409, f"{detail}; it was not written, and its lease ended") from None
+        lease = getattr(refused, "lease", "")
+        if lease:
+            written = "its lease ended" if lease == "ended" else "its lease counts as answered"
+            raise HTTPException(409, f"{detail}; it was not written, and {written}") from None
         raise HTTPException(409, f"{detail}; nothing was written") from None
     fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
     return _json_answer({"rowCount": len(rows), "rows": fitted})
@@ -3713,7 +3754,8 @@ ERROR_ANSWERS = {
     " result of a newer analysisVersion stored, a claim answered already, or, sent without"
     " a token, another credential's claim): it was not written, and it is not the stored"
     " one. Nothing else changed, but for the lease's holder refused for a newer"
-    " analysisVersion stored: that lease ended.",
+    " analysisVersion stored: that lease counts as answered (and ends at once when the"
+    " stored version is above CURRENT_ANALYSIS_VERSION).",
     413: "The body is larger than MAX_BODY_BYTES.",
     415: "The Content-Type is not one the route takes.",
     503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"

@@ -175,6 +175,36 @@ def test_older_analysers_and_back_off_never_replace_a_newer_analysis(client, sql
     assert client.get("/queue", headers=ANALYSER).text == ""
 
 
+def test_an_outdated_analysers_refused_result_answers_its_lease(client, sql):
+    """A stale analysis of the current version, claimed by an analyser of an older one:
+    its result is refused, and its lease counts as answered (lease_attempts 0: three of
+    them are not three leases without a result) but runs out as any lease does, so the
+    analyser's next claim does not get the same app back at once."""
+    stored = {"success": True, "trackers": {"v4": 1}}
+    insert_app(sql, "com.example.app", status="analysed", version=4, analysed=days_ago(400))
+    sql.run("UPDATE apps SET analysis = CAST(:a AS jsonb)", a=json.dumps(stored))
+    for attempt in range(3):
+        time_passes()
+        answer = client.get("/queue", headers=ANALYSER)
+        assert answer.text == "com.example.app"
+        token = answer.headers["x-analysis-claim-token"]
+        old = "/uploadAnalysis?appId=com.example.app&analysisVersion=3"
+        refused = client.post(old, json={"success": True, "v3": attempt}, headers=ANALYSER)
+        assert refused.status_code == 409
+        assert "its lease counts as answered" in refused.json()["detail"]
+        row = app_row(sql, "com.example.app")
+        assert (row["status"], row["claim_token"]) == ("processing", token)
+        assert sql.run("SELECT lease_attempts FROM apps") == [[0]]
+        time_passes()
+        assert client.get("/queue", headers=ANALYSER).text == ""  # a lease later, again
+        sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    time_passes()
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysis"]) == ("processing", stored)  # never backed off
+    assert history(sql, "com.example.app") == []
+
+
 def test_the_back_offs_failure_is_stored_by_no_analyser(client, sql):
     """The lease_expired failure is the server's result: who stored the app's result
     (analysedBy) is nobody, not the analyser whose result it replaced."""
@@ -217,6 +247,21 @@ def test_a_result_that_queued_its_app_for_a_refetch_is_answered_as_the_first_tim
     assert (again.status_code, again.json()) == (200, first.json())
     assert app_row(sql, "com.example.app")["status"] == "queued"  # and stays done
     assert len(history(sql, "com.example.app")) == 1
+
+
+def test_a_late_tokenless_result_does_not_undo_a_refetch_that_waited(client, sql):
+    """An app queued again by its result for the refetch that waited for its lease: no
+    claim is open and no exact-app host was handed it, so a result without a token (from
+    an analyser whose lease was taken over) is late, as for the finished app it was."""
+    insert_app(sql, "com.example.app")
+    claim(client, "com.example.app")
+    assert refetch("com.example.app") == "waiting"
+    path = "/uploadAnalysis?appId=com.example.app&analysisVersion=4"
+    assert client.post(path, json={"success": True, "n": 1}, headers=ANALYSER).status_code == 200
+    late = client.post(path, json={"success": True, "n": 2}, headers=ANALYSER)
+    assert late.status_code == 409
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysis"]) == ("queued", {"success": True, "n": 1})
 
 
 NUMBER_SETTINGS = {
