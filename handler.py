@@ -1881,9 +1881,11 @@ def judge_result(
     claim is open: an app analysed again unchanged can give the same document, and that
     is the open claim's result."""
     held = target.status == "processing"
-    left_by_a_result = target.status in ("analysed", "failed") or (
-        target.status == "queued" and target.refetch_requested
-    )
+    # Queued again by its stored result for the refetch that waited for it (the mark of
+    # REQUEUE_AFTER_RESULT): no claim is open, and no exact-app host was handed the app
+    # (the refetch said it waits), so it is judged as the finished app it was.
+    queued_by_its_result = target.status == "queued" and target.refetch_requested
+    left_by_a_result = target.status in ("analysed", "failed") or queued_by_its_result
     if target.same_result and left_by_a_result:
         return Verdict("stored")
     newer = target.has_result and target.version is not None and target.version > version
@@ -1915,10 +1917,6 @@ def judge_result(
         return holders_refused_as_older if held else refused_as_older
     if held:
         return Verdict("store", target.claim)
-    # Queued by its stored result for the refetch that waited for it: no claim is open
-    # and no exact-app host was handed the app (the refetch said it waits), so a result
-    # without a token is late, as for the finished app it was (the app stays queued).
-    queued_by_its_result = target.status == "queued" and target.refetch_requested
     if target.status == "queued" and not queued_by_its_result:
         return Verdict("store")  # an operator queued it: an exact-app host's result
     if (target.status == "failed" or queued_by_its_result) and success:

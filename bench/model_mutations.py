@@ -73,8 +73,8 @@ MUTATIONS = {
         "             OR (true\n",
     ),
     "a result that queued its app for a refetch is stored again when resent": (
-        '        target.status == "queued" and target.refetch_requested\n',
-        "        False\n",
+        '    left_by_a_result = target.status in ("analysed", "failed") or queued_by_its_result\n',
+        '    left_by_a_result = target.status in ("analysed", "failed")\n',
     ),
     "a late tokenless result undoes a refetch that waited for a lease": (
         '    if target.status == "queued" and not queued_by_its_result:\n',
