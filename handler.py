@@ -494,7 +494,6 @@ SERVER_FAILURE_SOURCE = "queue-server"
 BACK_OFF_LEASES = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
        NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
-       false AS same_result,  -- a new failure each time; a retry finds the lease ended
        analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested
 FROM apps
 WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE_EXPIRED}
@@ -1827,14 +1826,14 @@ class ResultTarget:
     refetch_requested: bool = False
 
     @classmethod
-    def of(cls, row: dict[str, Any]) -> ResultTarget:
+    def of(cls, row: dict[str, Any], same_result: bool) -> ResultTarget:
         """From a row of FIND_RESULT_TARGET or BACK_OFF_LEASES."""
         return cls(
             status=row["status"],
             version=row["analysisversion"],
             has_result=row["has_result"],
             stored_success=row["stored_success"],
-            same_result=row["same_result"],
+            same_result=same_result,
             claim=row["analysis_claim_token"],
             result_claim=row["result_claim_token"],
             result_verified=row["result_claim_verified"],
@@ -2302,7 +2301,9 @@ class PromotionPass:
                 return {"flagged": 0, "abandoned": 0, "returned": 0}
             failed, returned = [], []
             for row in rows:
-                target = ResultTarget.of(row)
+                # A new failure each time, never the stored result sent again: a retry
+                # after a lost COMMIT finds the lease ended.
+                target = ResultTarget.of(row, same_result=False)
                 holder = None if target.claim is None else str(target.claim)
                 verdict = judge_result(target, version, False, holder, version)
                 (failed if verdict.action == "store" else returned).append(row["appid"])
@@ -2514,7 +2515,7 @@ def store_result(
         if not rows:
             raise UnknownApp(app_id)
         (found,) = rows
-        target = ResultTarget.of(found)
+        target = ResultTarget.of(found, found["same_result"])
         success = state.status == "analysed"
         verdict = judge_result(target, version, success, claim_token, current_version)
         if verdict.action == "refuse":
