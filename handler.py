@@ -286,18 +286,37 @@ metrics = Metrics(
 # Every statement the service runs is a named constant in the SQL sections, grouped by
 # operation. Parameters are :name (pg8000.native).
 
+
+def lease_expired(minutes: str = ":timeout_minutes") -> str:
+    """Whether a processing row's lease is over, for a lease of `minutes` (SQL): it started
+    more than a lease ago, or never (NULL, -infinity), or more than a lease after now().
+    Only a foreign write (a hand edit, another host's clock; +infinity is one) makes such
+    a start, and without this it would never expire. A start up to a lease ahead is a
+    clock's skew, and its lease ends a lease after it: a statement's now() is its
+    transaction's start, so it may well read a claim another one wrote a moment later,
+    which must stay live. Written as index ranges on processing_started
+    (apps_unflagged_leases). Every reader that judges a lease's age uses this fragment:
+    the rule, the claim's heads, the promoter, the report, refetch."""
+    return f"""(processing_started IS NULL
+     OR processing_started < now() - make_interval(mins => {minutes})
+     OR processing_started > now() + make_interval(mins => {minutes}))"""
+
+
+LEASE_EXPIRED = lease_expired()
 # The queue's candidate rule (docs/queue.md), written once. It is the oracle the
 # claim is tested against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
-CANDIDATE = """(
+# An analysis of a version above the current one is no candidate by age: an analyser at
+# or below the current version could only be refused (judge_result), so it waits for the
+# setting to reach its version, or for an operator's refetch.
+CANDIDATE = f"""(
     status = 'queued'
-    OR (status = 'processing'
-        AND COALESCE(processing_started, '-infinity')
-            < now() - make_interval(mins => :timeout_minutes)
-        AND lease_attempts < :max_lease_attempts)
+    OR (status = 'processing' AND {LEASE_EXPIRED} AND lease_attempts < :max_lease_attempts)
     OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
         AND ((COALESCE(analysisversion, 0) < :analysis_version
               AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
-             OR COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days)))
+             OR (COALESCE(analysisversion, 0) <= :analysis_version
+                 AND COALESCE(analysed, '-infinity')
+                     < now() - make_interval(days => :stale_days))))
 )"""
 CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
 CANDIDATE_REASON = """CASE
@@ -318,10 +337,13 @@ RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryab
 #   version_heads  apps_version_order: one head per old analysis version present
 #                  (found by a skip scan, so negative and NULL versions count too);
 #   lease_heads    expired leases not flagged yet (normally none: apps_unflagged_leases);
-#   stale_heads    stale analyses not flagged yet, one head per analysis day older than
-#                  the cutoff (apps_stale_day_order). Read only when the oldest unflagged
-#                  analysis (the head of apps_stale_watch) is past the cutoff: after a
-#                  policy change, while the promoter is still flagging in batches.
+#   stale_heads    stale analyses not flagged yet, one head per analysis version up to
+#                  the current one and analysis day older than the cutoff
+#                  (apps_stale_version_day_order). Read only when the oldest unflagged
+#                  analysis of such a version (a head of apps_stale_version_watch) is
+#                  past the cutoff: after a policy change, while the promoter is still
+#                  flagging in batches. An analysis of a version above the current one
+#                  is never stale (CANDIDATE), and these heads never read it.
 # Every head re-checks CANDIDATE, so the flag is bookkeeping, never a decision.
 OLD_VERSIONS = f"""old_versions(version) AS (
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
@@ -333,22 +355,42 @@ OLD_VERSIONS = f"""old_versions(version) AS (
               AND COALESCE(analysisversion, 0) < :analysis_version)
     FROM old_versions v WHERE v.version IS NOT NULL
 )"""
+# The versions that can be stale: each one present up to the current version, found as
+# OLD_VERSIONS finds the old ones (a skip scan, here of apps_stale_version_watch).
+STALE_VERSIONS = f"""stale_versions(version) AS (
+    SELECT min(COALESCE(analysisversion, 0)) FROM apps
+    WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) <= :analysis_version
+  UNION ALL
+    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE}
+              AND COALESCE(analysisversion, 0) > v.version
+              AND COALESCE(analysisversion, 0) <= :analysis_version)
+    FROM stale_versions v WHERE v.version IS NOT NULL
+)"""
 STALE_CUTOFF = "now() - make_interval(days => :stale_days)"
 LEASE_CUTOFF = "now() - make_interval(mins => :timeout_minutes)"
 # An analysis of an outdated version is due again once it is a lease old: an analyser
 # still on the old version cannot put the same app back at the head in a loop.
 OUTDATED_RESULT_SETTLED = f"COALESCE(analysed, '-infinity') < {LEASE_CUTOFF}"
+# Whether an unflagged analysis is stale: the oldest of each version in stale_versions,
+# one probe each (the statement defines stale_versions).
 UNFLAGGED_STALE_EXIST = f"""(
-    SELECT min(COALESCE(analysed, '-infinity')) FROM apps WHERE NOT due AND {RETRY_ELIGIBLE}
+    SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
+        SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version) f
 ) < {STALE_CUTOFF}"""
-STALE_DAYS = f"""stale_days(day) AS (
-    SELECT min(analysis_day(analysed)) FROM apps
-    WHERE NOT due AND {RETRY_ELIGIBLE} AND {UNFLAGGED_STALE_EXIST}
+STALE_DAYS = f"""stale_days(version, day) AS (
+    SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
+                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                         AND COALESCE(analysisversion, 0) = s.version
+                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
+    FROM stale_versions s WHERE s.version IS NOT NULL AND {UNFLAGGED_STALE_EXIST}
   UNION ALL
-    SELECT (SELECT min(analysis_day(analysed)) FROM apps
-            WHERE NOT due AND {RETRY_ELIGIBLE}
-              AND analysis_day(analysed) > d.day
-              AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
+    SELECT d.version, (SELECT min(analysis_day(analysed)) FROM apps
+                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                         AND COALESCE(analysisversion, 0) = d.version
+                         AND analysis_day(analysed) > d.day
+                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
     FROM stale_days d WHERE d.day IS NOT NULL AND d.day < analysis_day({STALE_CUTOFF})
 )"""
 CLAIM_KEYS = "appid, app_popularity(details) AS popularity, added"
@@ -359,7 +401,7 @@ CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
     refetch_requested = false,
     lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
 CLAIM_NEXT_APP = f"""
-WITH RECURSIVE {OLD_VERSIONS}, {STALE_DAYS},
+WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}, {STALE_DAYS},
 head AS (
     SELECT {CLAIM_KEYS} FROM apps
     WHERE (status = 'queued' OR due) AND {CANDIDATE}
@@ -375,15 +417,15 @@ head AS (
     ) h
 ), lease_heads AS (
     SELECT {CLAIM_KEYS} FROM apps
-    WHERE status = 'processing' AND NOT due
-      AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})
+    WHERE status = 'processing' AND NOT due AND {LEASE_EXPIRED}
       AND lease_attempts < :max_lease_attempts
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
     SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE} AND analysis_day(analysed) = d.day
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = d.version
+          AND analysis_day(analysed) = d.day
           AND COALESCE(analysed, '-infinity') < {STALE_CUTOFF}
         ORDER BY {CLAIM_ORDER}
         LIMIT 1 FOR UPDATE SKIP LOCKED
@@ -422,16 +464,17 @@ SELECT appid FROM apps WHERE status = 'processing' AND analysis_claim_token = :t
 # one bounded batch and commits it, so a mass change (STALE_ANALYSIS_DAYS lowered over a
 # million analyses) is worked off over several requests, each within its time budget,
 # and what was done survives a killed process. Rows locked elsewhere are skipped, never
-# waited for. Stale rows go in analysis-time order (apps_stale_watch): without the ORDER
-# BY ... LIMIT the planner, which cannot see that flagged rows left the partial index,
-# estimates a fifth of the table and scans it.
+# waited for. Stale rows go in analysis-time order (apps_stale_version_watch, one range
+# per version that can be stale): without the ORDER BY ... LIMIT the planner, which
+# cannot see that flagged rows left the partial index, estimates a fifth of the table
+# and scans it.
 PROMOTE_EXPIRED_LEASES = f"""
 WITH flagged AS (
     UPDATE apps SET due = true
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
         WHERE status = 'processing' AND NOT due
-          AND (processing_started IS NULL
+          AND ({LEASE_EXPIRED}
                OR processing_started < {LEASE_CUTOFF} + make_interval(secs => :horizon_seconds))
           AND lease_attempts < :max_lease_attempts
         LIMIT :batch FOR UPDATE SKIP LOCKED))
@@ -442,9 +485,53 @@ SELECT count(*) AS flagged FROM flagged
 # An app whose last max_lease_attempts leases in a row expired without a result is not
 # handed out again (CANDIDATE): the promoter records a retryable lease_expired failure on
 # the analysers' behalf, which waits like any retryable failure (a version bump, the
-# staleness window, or an operator's refetch). Its history row says so.
+# staleness window, or an operator's refetch). Its history row says so. That failure is
+# a result like an analyser's, written as the open claim's holder, so judge_result
+# decides it (PromotionPass.back_off): a batch of such leases is read under its row locks
+# with what judge_result needs, and one statement applies the verdicts.
 SERVER_FAILURE_SOURCE = "queue-server"
-ABANDON_EXPIRED_LEASES = f"""
+BACK_OFF_LEASES = f"""
+SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
+       NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
+       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested
+FROM apps
+WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE_EXPIRED}
+  AND NOT refetch_requested
+LIMIT :batch FOR UPDATE SKIP LOCKED
+"""
+# What the columns of a stored failure record are derived from (stored_result_state, by
+# derive_analysis_state): its reason, its retryable flag, and its log when it names no
+# reason. Read for the few rows a lease ends on without a result, never answered.
+STORED_RESULT_PARTS = """
+SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
+       CASE WHEN jsonb_typeof(analysis->'reason') = 'string'
+            THEN analysis->>'reason' END AS reason,
+       CASE WHEN jsonb_typeof(analysis->'retryable') = 'boolean'
+            THEN (analysis->'retryable')::boolean END AS retryable,
+       CASE WHEN jsonb_typeof(analysis->'logs') = 'string'
+             AND NOT COALESCE(jsonb_typeof(analysis->'reason') = 'string'
+                              AND analysis->>'reason' <> '', false)
+            THEN analysis->>'logs' END AS logs
+FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
+"""
+# A lease that ends without its result being stored, because judge_result refused it as
+# older than a stored result of a version above the current one (the holder's result,
+# or the back-off's failure; Verdict.lease "ended"): the app goes back to the state its
+# stored result says (:ended, from stored_result_state), or is queued when an operator's
+# refetch waited for this lease. The lease is answered, so lease_attempts starts again
+# at 0.
+RETURN_TO_STORED_RESULT = """
+UPDATE apps SET status = CASE WHEN apps.refetch_requested THEN 'queued' ELSE e.status END,
+    failure_reason = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_reason END,
+    failure_retryable = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_retryable END,
+    processing_started = NULL, analysis_claim_token = NULL, due = false, lease_attempts = 0,
+    refetch_requested = false
+FROM jsonb_to_recordset(CAST(:ended AS jsonb))
+     AS e(appid text, status text, failure_reason text, failure_retryable boolean)
+WHERE apps.appid = e.appid AND apps.status = 'processing'
+RETURNING apps.appid
+"""
+BACK_OFF_APPLY = f"""
 WITH abandoned AS (
     UPDATE apps SET status = 'failed', failure_reason = 'lease_expired',
         failure_retryable = true, analysisversion = :analysis_version, analysed = now(),
@@ -452,16 +539,11 @@ WITH abandoned AS (
             'success', false, 'reason', 'lease_expired', 'retryable', true,
             'analysis_source', '{SERVER_FAILURE_SOURCE}',
             'logs', format('no result after %s leases in a row of %s minutes each',
-                           lease_attempts, :timeout_minutes)),
+                           lease_attempts, CAST(:timeout_minutes AS integer))),
         processing_started = NULL, analysis_claim_token = NULL, due = false,
         lease_attempts = 0, refetch_requested = false,
-        result_claim_token = NULL, result_claim_verified = false
-    WHERE appid = ANY(ARRAY(
-        SELECT appid FROM apps
-        WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-          AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF}
-          AND NOT refetch_requested
-        LIMIT :batch FOR UPDATE SKIP LOCKED))
+        result_claim_token = NULL, result_claim_verified = false, analysed_by = NULL
+    WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'
     RETURNING appid, analysis, analysisversion, analysed, details
 ), recorded AS (
     INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
@@ -471,11 +553,12 @@ WITH abandoned AS (
     FROM abandoned
     ON CONFLICT DO NOTHING
     RETURNING 1
-)
-SELECT count(*) AS flagged FROM abandoned
+), returned AS ({RETURN_TO_STORED_RESULT})
+SELECT (SELECT count(*) FROM abandoned) AS abandoned,
+       (SELECT count(*) FROM returned) AS returned
 """
 # Such a lease with an operator's refetch waiting for it: the refetch wins, and the app
-# is queued (an operator asked for it) instead of backing off.
+# is queued (an operator asked for it) instead of backing off. No result is written.
 REQUEUE_REFETCHED_LEASES = f"""
 WITH requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, analysis_claim_token = NULL,
@@ -483,23 +566,24 @@ WITH requeued AS (
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
         WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-          AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF}
-          AND refetch_requested
+          AND {LEASE_EXPIRED} AND refetch_requested
         LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
 SELECT count(*) AS flagged FROM requeued
 """
 PROMOTE_STALE_BATCH = f"""
-WITH flagged AS (
+WITH RECURSIVE {STALE_VERSIONS}, flagged AS (
     UPDATE apps SET due = true
     WHERE appid = ANY(ARRAY(
-        SELECT appid FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE}
-          AND COALESCE(analysed, '-infinity')
-              < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
-        ORDER BY COALESCE(analysed, '-infinity')
-        LIMIT :batch FOR UPDATE SKIP LOCKED))
+        SELECT r.appid FROM stale_versions s CROSS JOIN LATERAL (
+            SELECT appid FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version
+              AND COALESCE(analysed, '-infinity')
+                  < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
+            ORDER BY COALESCE(analysed, '-infinity')
+            LIMIT :batch FOR UPDATE SKIP LOCKED) r
+        LIMIT :batch))
     RETURNING 1
 )
 SELECT count(*) AS flagged FROM flagged
@@ -535,7 +619,7 @@ WITH examined AS (
         SELECT appid FROM apps
         WHERE appid IN (SELECT appid FROM examined)
           AND due AND status <> 'queued' AND NOT {CANDIDATE}
-          AND NOT (status = 'processing' AND processing_started >= {LEASE_CUTOFF})
+          AND NOT (status = 'processing' AND NOT {LEASE_EXPIRED})
         FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )
@@ -606,11 +690,10 @@ def _rows_ahead(where: str, order: str) -> str:
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
 OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
     AND {OUTDATED_RESULT_SETTLED}"""
-UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due
-    AND (processing_started IS NULL OR processing_started < {LEASE_CUTOFF})
+UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due AND {LEASE_EXPIRED}
     AND lease_attempts < :max_lease_attempts"""
 QUEUE_POSITION = f"""
-WITH RECURSIVE {OLD_VERSIONS}
+WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}
 SELECT
     (SELECT count(*) FROM (
         {_rows_ahead(QUEUED_OR_DUE_CANDIDATE, CLAIM_ORDER)}
@@ -663,9 +746,19 @@ ON CONFLICT DO NOTHING
 """
 
 # An operator's refetch asked during the lease this result ended (refetch_requested).
+# The app is queued with refetch_requested still set, until the next claim: the mark
+# says that the stored result is the one that queued it, so that result sent again is
+# answered as the first time (judge_result) instead of being stored as a new one and
+# undoing the refetch. An operator's refetch of the queued app clears the mark.
 REQUEUE_AFTER_RESULT = """
-UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false
+UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false,
+                refetch_requested = true
 WHERE appid = :appid
+"""
+# The lease's holder answered with a result refused as older than the stored one: not a
+# lease that expired without a result (judge_result, Verdict.lease).
+ANSWER_LEASE = """
+UPDATE apps SET lease_attempts = 0 WHERE appid = :appid AND status = 'processing'
 """
 
 # The details as sent: the member "details" of the request's body, cast once (a JSON null
@@ -804,12 +897,11 @@ FROM app_analyses WHERE analysed > now() - interval '7 days'
 FAILED_BY_REASON = """
 SELECT failure_reason AS reason, count(*) AS apps FROM apps WHERE status = 'failed' GROUP BY 1
 """
-PROCESSING_APPS = """
+PROCESSING_APPS = f"""
 SELECT appid, processing_started, lease_attempts, refetch_requested,
        CASE WHEN isfinite(processing_started)
             THEN extract(epoch FROM now() - processing_started) / 60 END AS age_minutes,
-       COALESCE(processing_started, '-infinity')
-           < now() - make_interval(mins => :timeout_minutes) AS expired
+       {LEASE_EXPIRED} AS expired
 FROM apps WHERE status = 'processing'
 ORDER BY processing_started
 LIMIT :limit
@@ -821,8 +913,7 @@ HELD_BACK = f"""
 SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expired')
            AS lease_expired_failures,
        count(*) FILTER (WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-                        AND COALESCE(processing_started, '-infinity') < {LEASE_CUTOFF})
-           AS abandoned_leases,
+                        AND {LEASE_EXPIRED}) AS abandoned_leases,
        count(*) FILTER (WHERE {RETRY_ELIGIBLE}
                         AND COALESCE(analysisversion, 0) < :analysis_version
                         AND NOT {OUTDATED_RESULT_SETTLED}) AS outdated_settling,
@@ -846,10 +937,10 @@ LIMIT :limit
 # A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
 # the one the serving API recorded (queue_policy): an operator's command run with other
 # settings than the API's must not break a lease the API still honours.
-REFETCH_LIVE_LEASE = """status = 'processing'
-    AND COALESCE(processing_started, '-infinity') >= now() - make_interval(
-        mins => GREATEST(:timeout_minutes, COALESCE(
-            (SELECT processing_timeout_minutes FROM queue_policy), 0)))"""
+REFETCH_LEASE_EXPIRED = lease_expired(
+    "GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0))"
+)
+REFETCH_LIVE_LEASE = f"status = 'processing' AND NOT {REFETCH_LEASE_EXPIRED}"
 REFETCH_OUTCOME = f"""CASE
     WHEN status = 'processing' AND :force THEN 'lease_broken'
     WHEN {REFETCH_LIVE_LEASE} THEN 'waiting'
@@ -1859,6 +1950,16 @@ def tokens_match(given: str | None, stored: uuid.UUID | None) -> bool:
     return hmac.compare_digest(given.lower().encode("utf-8", "replace"), str(stored).encode())
 
 
+def stored_result_state(parts: dict[str, Any]) -> AnalysisState:
+    """The status columns the stored result says (derive_analysis_state), from the parts of
+    it that decide them (STORED_RESULT_PARTS): the service never parses a stored document."""
+    if not parts["failure_record"]:
+        return AnalysisState("analysed")
+    payload = {"success": False}
+    payload.update({k: parts[k] for k in ("reason", "retryable", "logs") if parts[k] is not None})
+    return derive_analysis_state(payload)
+
+
 @dataclasses.dataclass(frozen=True)
 class ResultTarget:
     """What the app's row says when a result arrives for it (read under its row lock)."""
@@ -1871,41 +1972,87 @@ class ResultTarget:
     claim: uuid.UUID | None  # the open claim's token (while processing)
     result_claim: uuid.UUID | None  # the claim whose result is stored
     result_verified: bool  # that result came with that claim's token
+    # An operator's refetch: waiting for the open claim's result (processing), or done by
+    # the stored result, which queued the app again (queued; REQUEUE_AFTER_RESULT).
+    refetch_requested: bool = False
+
+    @classmethod
+    def of(cls, row: dict[str, Any], same_result: bool) -> ResultTarget:
+        """From a row of FIND_RESULT_TARGET or BACK_OFF_LEASES."""
+        return cls(
+            status=row["status"],
+            version=row["analysisversion"],
+            has_result=row["has_result"],
+            stored_success=row["stored_success"],
+            same_result=same_result,
+            claim=row["analysis_claim_token"],
+            result_claim=row["result_claim_token"],
+            result_verified=row["result_claim_verified"],
+            refetch_requested=row["refetch_requested"],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """store: write the result as the result of claim `claim` (`verified`: it came with
     that claim's token). stored: this very result is stored already; answer as the first
-    time, write nothing. Otherwise refused: 409, nothing written, `why` says why."""
+    time, write nothing. Otherwise refused: 409, the result is not written, `why` says why.
+    `lease`: what a refusal does to the open claim's lease when it is that claim's
+    holder's, refused as older than the stored result: "answered" (lease_attempts back to
+    0; the lease runs out as any does), or "ended" (the stored result is of a version
+    above the current one, which no analyser the setting expects can improve: the app
+    goes back to it at once, RETURN_TO_STORED_RESULT); "" for any other verdict."""
 
     action: str  # "store", "stored" or "refuse"
     claim: uuid.UUID | None = None
     verified: bool = False
     why: str = ""
+    lease: str = ""
 
 
-def judge_result(target: ResultTarget, version: int, success: bool, token: str | None) -> Verdict:
+def judge_result(
+    target: ResultTarget, version: int, success: bool, token: str | None, current_version: int
+) -> Verdict:
     """Whether a result is stored, already stored, or refused (docs/queue.md, "Results").
+    Every result the service stores is judged here: an analyser's, and the failure the
+    promoter records for a lease that keeps expiring (as the open claim's holder).
+    `current_version`: CURRENT_ANALYSIS_VERSION, for what a refusal does to the lease.
 
     With a claim token, the result is the open claim's, or a retry of the claim whose
     result is stored; any other token is stale. Without one (the deployed analysers send
     none) the sender cannot be told apart, so the result is judged by what it would
     replace: never a result of a newer analysisVersion; never, within one claim, a success
     by a failure; never, when no claim is open, an acknowledged success. And it never
-    makes the open claim's token stop working: that holder may still replace it."""
+    makes the open claim's token stop working: that holder may still replace it.
+
+    The stored result sent again is answered as the first time in every state its first
+    delivery can leave (a retry after a lost reply, the service's own or the analyser's):
+    analysed or failed, or queued again for the refetch that waited for it. Not while a
+    claim is open: an app analysed again unchanged can give the same document, and that
+    is the open claim's result."""
     held = target.status == "processing"
-    finished = target.status in ("analysed", "failed")
-    if target.same_result and finished:
+    # Queued again by its stored result for the refetch that waited for it (the mark of
+    # REQUEUE_AFTER_RESULT): no claim is open, and no exact-app host was handed the app
+    # (the refetch said it waits), so it is judged as the finished app it was.
+    queued_by_its_result = target.status == "queued" and target.refetch_requested
+    left_by_a_result = target.status in ("analysed", "failed") or queued_by_its_result
+    if target.same_result and left_by_a_result:
         return Verdict("stored")
     newer = target.has_result and target.version is not None and target.version > version
     refused_as_older = Verdict(
         "refuse",
         why=f"a result of analysisVersion {target.version} is stored; this one is {version}",
     )
+    # The holder's answer, refused: its lease is answered, not one that expired without a
+    # result. It runs out as leases do (an outdated analyser cannot take the app back at
+    # the head in a loop), unless no analyser of the current version could do better.
+    holders_refused_as_older = dataclasses.replace(
+        refused_as_older,
+        lease="ended" if newer and target.version > current_version else "answered",
+    )
     if token is not None:
         if held and tokens_match(token, target.claim):
-            return refused_as_older if newer else Verdict("store", target.claim, True)
+            return holders_refused_as_older if newer else Verdict("store", target.claim, True)
         if tokens_match(token, target.result_claim):
             if target.same_result:
                 return Verdict("stored")
@@ -1917,17 +2064,18 @@ def judge_result(target: ResultTarget, version: int, success: bool, token: str |
             return Verdict("refuse", why="this claim's result is stored already")
         return Verdict("refuse", why="this claim is no longer the app's current claim")
     if newer:
-        return refused_as_older
+        return holders_refused_as_older if held else refused_as_older
     if held:
         return Verdict("store", target.claim)
-    if target.status == "queued":
-        return Verdict("store")
-    if target.status == "failed" and success:
-        return Verdict("store", target.result_claim)
+    if target.status == "queued" and not queued_by_its_result:
+        return Verdict("store")  # an operator queued it: an exact-app host's result
+    if (target.status == "failed" or queued_by_its_result) and success:
+        if target.status == "failed" or not target.stored_success:
+            return Verdict("store", target.result_claim)
+    state = "queued for a refetch after its result" if queued_by_its_result else target.status
     return Verdict(
         "refuse",
-        why=f"the app is {target.status} and no claim is open; send the claim token"
-        " to replace its result",
+        why=f"the app is {state} and no claim is open; send the claim token to replace its result",
     )
 
 
@@ -2123,7 +2271,7 @@ FAILURE_REASON_METRICS = {
         *(r for r, _, _ in FAILURE_CLASSES),
         "invalid_bundle_id",
         ANALYSIS_FAILED,
-        "lease_expired",  # recorded by the promoter (ABANDON_EXPIRED_LEASES)
+        "lease_expired",  # recorded by the promoter (BACK_OFF_APPLY)
     )
 }
 OTHER_FAILURES_METRIC = "FailedOther"
@@ -2228,7 +2376,7 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # == Queue operations ===================================================================
 # The queue logic applied to the database.
 #
-# How /queue stays an index read at any size (sql/010-017): filtering CANDIDATE and
+# How /queue stays an index read at any size (sql/010-017, 024, 025): filtering CANDIDATE and
 # sorting grows with the table, so the claim reads index heads instead ("SQL: the claim"
 # lists them). The promoter moves rows that fell due by time into apps_claim_order in
 # bounded batches; until it has, the claim finds them through the heads of the unflagged
@@ -2250,6 +2398,9 @@ class Promotion:
     cleared: int = 0
     requeued: int = 0
     abandoned: int = 0
+    # Leases that backed off with a newer analysisVersion stored than the current one:
+    # judge_result refused the lease_expired failure, and the app went back to its result.
+    returned: int = 0
     leases: int = 0
     stale: int = 0
     complete: bool = True
@@ -2298,14 +2449,59 @@ class PromotionPass:
 
     def _repeat(self, sql: str) -> tuple[int, bool]:
         """Run a flagging statement batch after batch: (rows changed, finished)."""
+        return self._repeat_batches(lambda: self._batch(sql)["flagged"])
+
+    def _repeat_batches(self, batch: Callable[[], int]) -> tuple[int, bool]:
+        """Run batch() until it does less than a full batch: (rows, finished)."""
         total = 0
         while not self._out_of_time():
-            count = self._batch(sql)["flagged"]
+            count = batch()
             total += count
             if count < PROMOTION_BATCH:
                 return total, True
             self.full_batches += 1
         return total, False
+
+    def back_off(self) -> tuple[int, int, bool]:
+        """The lease rescuer's back-off, batch after batch: each lease that expired
+        max_lease_attempts times in a row gets the server's lease_expired failure, as its
+        open claim's holder, if judge_result stores it; refused (a newer analysisVersion
+        is stored than the policy's), the lease ends and the app goes back to its stored
+        result. (failures stored, leases returned, finished)."""
+        version = self.policy.analysis_version
+        totals = {"abandoned": 0, "returned": 0}
+
+        def work(session: Session) -> dict[str, Any]:
+            session.execute(PLAN_WITH_VALUES)
+            rows = session.records(BACK_OFF_LEASES, **self.params)
+            if not rows:
+                return {"flagged": 0, "abandoned": 0, "returned": 0}
+            failed, returned = [], []
+            for row in rows:
+                # A new failure each time, never the stored result sent again: a retry
+                # after a lost COMMIT finds the lease ended.
+                target = ResultTarget.of(row, same_result=False)
+                holder = None if target.claim is None else str(target.claim)
+                verdict = judge_result(target, version, False, holder, version)
+                (failed if verdict.action == "store" else returned).append(row["appid"])
+            ended = []
+            if returned:
+                for parts in session.records(STORED_RESULT_PARTS, appids=returned):
+                    state = stored_result_state(parts)
+                    ended.append({"appid": parts["appid"], **dataclasses.asdict(state)})
+            (applied,) = session.records(
+                BACK_OFF_APPLY, **self.params, failed=failed, ended=json.dumps(ended)
+            )
+            return {"flagged": len(rows), **applied}
+
+        def batch() -> int:
+            step = self.db.transaction(work)
+            for name in totals:
+                totals[name] += step[name]
+            return step["flagged"]
+
+        _, finished = self._repeat_batches(batch)
+        return totals["abandoned"], totals["returned"], finished
 
     def clear_unsupported_flags(self) -> tuple[int, bool]:
         """Walk apps_due from the memo's cursor, clearing flags the policy does not back."""
@@ -2333,7 +2529,7 @@ class PromotionPass:
             done.complete = cleared_all and bool(self.db.run(RECORD_QUEUE_POLICY, **params))
         # The lease rescuer, then the staleness scheduler.
         done.requeued, requeued_all = self._repeat(REQUEUE_REFETCHED_LEASES)
-        done.abandoned, abandoned_all = self._repeat(ABANDON_EXPIRED_LEASES)
+        done.abandoned, done.returned, abandoned_all = self.back_off()
         done.leases, leases_all = self._repeat(PROMOTE_EXPIRED_LEASES)
         done.stale, stale_all = self._repeat(PROMOTE_STALE_BATCH)
         done.complete = done.complete and requeued_all and abandoned_all
@@ -2410,7 +2606,12 @@ def claim_next_app(
 
 
 class ResultRefused(ServiceError):
-    """judge_result refused the result (409): nothing was written; the message says why."""
+    """judge_result refused the result (409): it was not written; the message says why.
+    `lease`: "answered" or "ended" (Verdict.lease), as it was done; "": nothing changed."""
+
+    def __init__(self, why: str, lease: str = ""):
+        super().__init__(why)
+        self.lease = lease
 
 
 class IdentityConflict(ServiceError):
@@ -2452,6 +2653,8 @@ def store_result(
     claim_token: str | None,
     analyser: str | None = None,
     sent: str | None = None,
+    *,
+    current_version: int,
 ) -> list[dict[str, Any]]:
     """Write an analysis or failure record, snapshot it into history, end the lease, as
     judge_result decides; a result that is stored already is answered as the first time
@@ -2459,12 +2662,14 @@ def store_result(
     credential it came with (None: the shared password), which check_result_identity
     holds a tokenless result to. `sent`: the document's JSON text as the analyser sent
     it, which is what is stored (jsonb keeps its numbers exact); None: `payload`, which
-    the service built, serialised.
+    the service built, serialised. `current_version`: CURRENT_ANALYSIS_VERSION.
 
     PostgreSQL parses the document once per request, whatever the verdict: whether it is
     the stored result is asked only when that decides the verdict, and then, when it
     would otherwise be stored, by the statement that stores it (STORE_RESULT's
-    :unless_stored)."""
+    :unless_stored). A refused result raises ResultRefused once its transaction is over:
+    the holder's result refused as older answers or ends its lease (committed), and its
+    retry after a lost reply finds that done and is refused again."""
     state = derive_analysis_state(payload)
     success = state.status == "analysed"
     document = json.dumps(payload, ensure_ascii=False, allow_nan=False) if sent is None else sent
@@ -2476,26 +2681,36 @@ def store_result(
             return False
         return True
 
-    def work(session: Session) -> list[dict[str, Any]]:
+    def refuse(session: Session, found: dict[str, Any], verdict: Verdict) -> ResultRefused:
+        if not verdict.lease:
+            return ResultRefused(verdict.why)
+        try:
+            check_result_identity(found, analyser, claim_token)
+        except IdentityConflict:
+            return ResultRefused(verdict.why)  # not the holder's: nothing changes
+        if verdict.lease == "answered":
+            session.run(ANSWER_LEASE, appid=found["appid"])
+            return ResultRefused(verdict.why, "answered")
+        (parts,) = session.records(STORED_RESULT_PARTS, appids=[found["appid"]])
+        ended = {"appid": found["appid"], **dataclasses.asdict(stored_result_state(parts))}
+        session.run(RETURN_TO_STORED_RESULT, ended=json.dumps([ended]))
+        return ResultRefused(verdict.why, "ended")
+
+    def work(session: Session) -> list[dict[str, Any]] | ResultRefused:
         rows = session.records(
             FIND_RESULT_TARGET, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES
         )
         if not rows:
             raise UnknownApp(app_id)
         (found,) = rows
-        target = ResultTarget(
-            status=found["status"],
-            version=found["analysisversion"],
-            has_result=found["has_result"],
-            stored_success=found["stored_success"],
-            same_result=False,
-            claim=found["analysis_claim_token"],
-            result_claim=found["result_claim_token"],
-            result_verified=found["result_claim_verified"],
-        )
-        verdict = judge_result(target, version, success, claim_token)
+        target = ResultTarget.of(found, same_result=False)
+        verdict = judge_result(target, version, success, claim_token, current_version)
         if_stored = judge_result(
-            dataclasses.replace(target, same_result=True), version, success, claim_token
+            dataclasses.replace(target, same_result=True),
+            version,
+            success,
+            claim_token,
+            current_version,
         )
         unless_stored = False
         if verdict != if_stored:
@@ -2507,7 +2722,7 @@ def store_result(
                 )
                 verdict = if_stored if same else verdict
         if verdict.action == "refuse":
-            raise ResultRefused(verdict.why)
+            return refuse(session, found, verdict)
         stored = []
         if verdict.action == "store":
             check_result_identity(found, analyser, claim_token)
@@ -2529,9 +2744,13 @@ def store_result(
             (found,) = stored
             session.run(RECORD_HISTORY, appids=[found["appid"]])
             # A refetch asked during this claim: queued again once its result is in (and
-            # still queued when its holder replaces a result stored without the token).
-            waited = target.status == "processing" and rows[0]["refetch_requested"]
-            if waited or (target.status == "queued" and verdict.claim is not None):
+            # still queued when a result replaces one stored without the token, or one
+            # that queued the app so).
+            waited = target.status == "processing" and target.refetch_requested
+            replaced = target.status == "queued" and (
+                verdict.claim is not None or target.refetch_requested
+            )
+            if waited or replaced:
                 session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
             if analyser is not None:
                 session.run(
@@ -2549,7 +2768,10 @@ def store_result(
             }
         ]
 
-    return db.transaction(work)
+    stored = db.transaction(work)
+    if isinstance(stored, ResultRefused):
+        raise stored
+    return stored
 
 
 def add_app(
@@ -3415,13 +3637,17 @@ def upgrade_database(
         step = promote_due_apps(db, policy, MIGRATE_PROMOTION_SLICE_SECONDS, force=True)
         done.cleared += step.cleared
         done.abandoned += step.abandoned
+        done.returned += step.returned
         done.leases += step.leases
         done.stale += step.stale
         flagged = (
             f"{done.leases} expired leases and {done.stale} stale analyses flagged,"
             f" {done.abandoned} leases expired too often failed as lease_expired"
+            f" ({done.returned} more went back to their newer analysisVersion)"
         )
-        if step.complete or not (step.cleared or step.abandoned or step.leases or step.stale):
+        if step.complete or not (
+            step.cleared or step.abandoned or step.returned or step.leases or step.stale
+        ):
             break  # done, or nothing to gain from another slice now (a row locked elsewhere)
         _say(progress, f"promotion: {flagged} so far ({time.monotonic() - started:.1f} s)")
     _say(
@@ -3812,12 +4038,23 @@ def _store(
 ) -> Response:
     try:
         rows = store_result(
-            api_connection(), app_id, version, payload, token, credential.analyser, sent
+            api_connection(),
+            app_id,
+            version,
+            payload,
+            token,
+            credential.analyser,
+            sent,
+            current_version=settings().policy.analysis_version,
         )
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
     except (ResultRefused, IdentityConflict) as refused:
         detail = getattr(refused, "detail", str(refused))
+        lease = getattr(refused, "lease", "")
+        if lease:
+            written = "its lease ended" if lease == "ended" else "its lease counts as answered"
+            raise HTTPException(409, f"{detail}; it was not written, and {written}") from None
         raise HTTPException(409, f"{detail}; nothing was written") from None
     fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
     return _json_answer({"rowCount": len(rows), "rows": fitted})
@@ -3830,8 +4067,10 @@ ERROR_ANSWERS = {
     404: "No such app (bundle IDs match in any letter case); nothing was written.",
     409: "The result is refused, and `detail` says why (a stale X-Analysis-Claim-Token, a"
     " result of a newer analysisVersion stored, a claim answered already, or, sent without"
-    " a token, another credential's claim): nothing was written, and this result is not"
-    " the stored one.",
+    " a token, another credential's claim): it was not written, and it is not the stored"
+    " one. Nothing else changed, but for the lease's holder refused for a newer"
+    " analysisVersion stored: that lease counts as answered (and ends at once when the"
+    " stored version is above CURRENT_ANALYSIS_VERSION).",
     413: "The body is larger than MAX_BODY_BYTES.",
     415: "The Content-Type is not one the route takes.",
     503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"

@@ -490,7 +490,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         )
         say(
             f"   the next promotion, before any VACUUM (dead entries of the {due:,} flagged rows"
-            f" still in apps_stale_watch): {_plan_time(promote, 'Execution Time')} ms,"
+            f" still in apps_stale_version_watch): {_plan_time(promote, 'Execution Time')} ms,"
             f" heap blocks visited: {_heap_blocks(promote)}"
         )
         seq_before = _seq_scan_check(bench, policy)
@@ -841,6 +841,7 @@ def app_status_phase(bench: Bench, api: ApiProcess, result: SizeResult) -> None:
 UNFLAGGED_STALE = """
 SELECT count(*) FROM apps
 WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+  AND COALESCE(analysisversion, 0) <= :version
   AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :days)
 """
 
@@ -858,7 +859,8 @@ def mass_promotion_phase(
     api.call("configure", env)
     bench.configure_service(**env)
     policy = bench.policy
-    ((unflagged,),) = bench.sql.run(UNFLAGGED_STALE, days=days)
+    version = policy.analysis_version
+    ((unflagged,),) = bench.sql.run(UNFLAGGED_STALE, days=days, version=version)
     say(f"   {unflagged:,} analyses fell due at once")
     times, claimed, checks, requests = [], [], 0, 0
     failures_before = len(result.oracle_failures)
@@ -873,7 +875,7 @@ def mass_promotion_phase(
         if check:
             checks += 1
             bench.check_oracle(f"mass claim {requests}", expected, appid, result)
-        ((left,),) = bench.sql.run(UNFLAGGED_STALE, days=days)
+        ((left,),) = bench.sql.run(UNFLAGGED_STALE, days=days, version=version)
         if left == 0:
             break
     result.mass = {

@@ -20,6 +20,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from hypothesis import Phase  # noqa: E402
 from hypothesis import settings as hypothesis_settings  # noqa: E402
 
 # Besides what the fixtures use, the names test files imported from here before kit.py
@@ -47,9 +48,17 @@ import handler  # noqa: E402
 from helpers import ResponseURL  # noqa: E402
 
 # Generated tests: a quick default for a developer's run; CI sets HYPOTHESIS_PROFILE=ci
-# for a thorough one. (Tests that set max_examples themselves keep it.)
+# for a thorough one. (Tests that set max_examples themselves keep it.) bench/
+# model_mutations.py runs "mutations": it asks only whether a test fails, so it stops at
+# the first failing example instead of shrinking it, which can take longer than the
+# test's timeout.
 hypothesis_settings.register_profile("dev", max_examples=60)
 hypothesis_settings.register_profile("ci", max_examples=300)
+hypothesis_settings.register_profile(
+    "mutations",
+    max_examples=60,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 

@@ -184,23 +184,31 @@ def popularity(details) -> int:
     return int(text) if re.fullmatch(r"[0-9]+", text) else 0
 
 
+def lease_expired(started: datetime | None, minutes: int, now: datetime) -> bool:
+    """handler.lease_expired in Python: started more than a lease ago, never, or more than
+    a lease ahead of now (a foreign write)."""
+    lease = timedelta(minutes=minutes)
+    return started is None or started < now - lease or started > now + lease
+
+
 def is_candidate(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
     status = row["status"]
     if status == "queued":
         return True
     lease_ago = now - timedelta(minutes=policy.processing_timeout_minutes)
     if status == "processing":
-        started = row["processing_started"]
-        expired = started is None or started < lease_ago
+        expired = lease_expired(row["processing_started"], policy.processing_timeout_minutes, now)
         return expired and row["lease_attempts"] < policy.max_lease_attempts
     eligible = status == "analysed" or (status == "failed" and row["failure_retryable"])
     if not eligible:
         return False
     analysed = row["analysed"]
-    old_version = (row["analysisversion"] or 0) < policy.analysis_version and (
-        analysed is None or analysed < lease_ago
+    version = row["analysisversion"] or 0
+    old_version = version < policy.analysis_version and (analysed is None or analysed < lease_ago)
+    # A version above the current one is never stale (docs/queue.md, "The rule").
+    stale = version <= policy.analysis_version and (
+        analysed is None or analysed < now - timedelta(days=policy.stale_days)
     )
-    stale = analysed is None or analysed < now - timedelta(days=policy.stale_days)
     return old_version or stale
 
 

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from kit import ADMIN, ANALYSER, configure_service, time_passes
-from test_model import verdict
+from test_model import judged
 
 import handler
 from helpers import is_candidate
@@ -50,6 +50,7 @@ class App:
     result: tuple | None = None
     result_claim: str | None = None
     result_verified: bool = False
+    refetch_requested: bool = False  # this model's operator breaks leases (--force)
     attempts: int = 0
 
     def row(self) -> dict:
@@ -138,25 +139,18 @@ class FleetModel(RuleBasedStateMachine):
                 app.version, app.result = self.policy.analysis_version, ("server",)
                 app.token, app.holder, app.started, app.attempts = None, None, None, 0
                 app.result_claim, app.result_verified = None, False
+                app.analysed_by = None  # the server's result, no analyser's
                 app.analysed, _ = self.times(app.appid)
 
-    def expected(self, host: str, app: App, key: tuple, token: str | None) -> tuple:
-        """The queue's result rules (verdict), then identity: a claim token decides when
-        sent; without one, a named host's result needs its own claim, a shared-password
-        one needs no named claim."""
-        judged = verdict(app, key, self.policy.analysis_version, token)
-        if judged[0] != "store" or token is not None:
-            return judged
-        leased = app.status == "processing"
-        if host in NAMED:
-            return judged if leased and app.holder == host else ("refuse",)
-        return ("refuse",) if leased and app.holder is not None else judged
-
     def send(self, host: str, appid: str, token: str | None, success: bool) -> None:
+        """The queue's result rules, then identity (test_model.judged): a claim token
+        decides when sent; without one, a named host's result needs its own claim, a
+        shared-password one needs no named claim."""
         app = self.apps[appid]
         key = ("success" if success else "retry", host)
-        judged = self.expected(host, app, key, token)
-        want = 409 if judged[0] == "refuse" else 200
+        version = self.policy.analysis_version
+        judgement = judged(app, key, version, token, self.named(host), version)
+        want = 409 if judgement[0] == "refuse" else 200
         headers = dict(self.headers[host])
         if token is not None:
             headers["X-Analysis-Claim-Token"] = token
@@ -172,9 +166,9 @@ class FleetModel(RuleBasedStateMachine):
                 headers={**headers, "Content-Type": "text/plain"},
             )
         assert answer.status_code == want, (host, app, token, answer.text)
-        if judged[0] != "store":
+        if judgement[0] != "store":
             return
-        app.result, app.result_claim, app.result_verified = key, judged[1], judged[2]
+        app.result, app.result_claim, app.result_verified = key, judgement[1], judgement[2]
         app.attempts = 0
         app.status = "analysed" if success else "failed"
         app.version = self.policy.analysis_version

@@ -331,6 +331,7 @@ def test_rows_due_that_the_promoter_has_not_flagged_are_claimed(client, sql):
 UNFLAGGED_STALE = """
 SELECT count(*) FROM apps
 WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+  AND COALESCE(analysisversion, 0) <= :version
   AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :days)
 """
 
@@ -346,7 +347,9 @@ def test_a_call_whose_budget_fits_one_batch_still_flags_stale_rows(database_url,
     for expected, left in ((7, 13), (7, 6), (6, 0)):
         promotion = handler.promote_due_apps(db, POLICY, budget_seconds=0, force=True)
         assert (promotion.leases, promotion.stale) == (0, expected)  # one batch, never none
-        assert sql.run(UNFLAGGED_STALE, days=POLICY.stale_days) == [[left]]
+        assert sql.run(
+            UNFLAGGED_STALE, days=POLICY.stale_days, version=POLICY.analysis_version
+        ) == [[left]]
 
 
 def test_claims_follow_the_oracle_while_promotion_is_partial(client, sql, monkeypatch):
@@ -377,7 +380,9 @@ def test_claims_follow_the_oracle_while_promotion_is_partial(client, sql, monkey
         for _ in range(count):
             expected = oracle_order(sql, policy)
             assert claim(client) == (expected[0] if expected else ""), policy
-            ((left,),) = sql.run(UNFLAGGED_STALE, days=policy.stale_days)
+            ((left,),) = sql.run(
+                UNFLAGGED_STALE, days=policy.stale_days, version=policy.analysis_version
+            )
             unflagged.append(left)
         return unflagged
 
@@ -387,7 +392,7 @@ def test_claims_follow_the_oracle_while_promotion_is_partial(client, sql, monkey
     assert left[0] > 0  # the claims above ran while promotion was partial
     assert left == sorted(left, reverse=True)
     handler.runtime().close()  # a new process: what was flagged stays flagged
-    ((after_restart,),) = sql.run(UNFLAGGED_STALE, days=20)
+    ((after_restart,),) = sql.run(UNFLAGGED_STALE, days=20, version=lowered.analysis_version)
     assert after_restart == left[-1]
     # Each claim runs at least one batch of 7 (more when the machine is fast): clearing
     # walks the 135 apps in 20 batches, flagging takes at most 20 more, so 60 claims

@@ -354,6 +354,8 @@ tokens = st.one_of(st.none(), st.sampled_from(["claim", "result", "other"]))
     success=st.booleans(),
     token=tokens,
     same_claims=st.booleans(),
+    refetch_requested=st.booleans(),
+    current_version=st.integers(1, 6),
 )
 def test_being_the_stored_result_only_ever_makes_a_verdict_stored(
     status,
@@ -365,6 +367,8 @@ def test_being_the_stored_result_only_ever_makes_a_verdict_stored(
     success,
     token,
     same_claims,
+    refetch_requested,
+    current_version,
 ):
     """What lets store_result parse a document once: for every row and result, the
     verdict when the result is the stored one is either the verdict when it is not, or
@@ -383,9 +387,14 @@ def test_being_the_stored_result_only_ever_makes_a_verdict_stored(
         claim=claim if status == "processing" else None,
         result_claim=result_claim,
         result_verified=verified,
+        refetch_requested=refetch_requested,
     )
-    verdict = handler.judge_result(target, version, success, given_token)
+    verdict = handler.judge_result(target, version, success, given_token, current_version)
     if_stored = handler.judge_result(
-        dataclasses.replace(target, same_result=True), version, success, given_token
+        dataclasses.replace(target, same_result=True),
+        version,
+        success,
+        given_token,
+        current_version,
     )
     assert if_stored == verdict or if_stored.action == "stored"

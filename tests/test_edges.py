@@ -1,19 +1,23 @@
 """The queue's edges an outside attack found (docs/queue.md): an operator's command run
 with other settings than the API's, an empty list of apps, a tokenless result stored while
 a refetch waited, a waiting refetch and back-off, out-of-range settings, a client that
-disconnects mid-upload. Each on real PostgreSQL; the wide ones with generated cases."""
+disconnects mid-upload; and where the result rules meet the other features: a stored
+analysis of a version above the current one under older analysers and back-off, a result
+that queued its app for a refetch sent again. Each on real PostgreSQL; the wide ones with
+generated cases (and tests/test_model.py for every interleaving)."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kit import ANALYSER, configure_service, time_passes
+from kit import ADMIN, ANALYSER, configure_service, time_passes
 
 import handler
-from helpers import LambdaContext, app_row, insert_app, run_cli, table_digest
+from helpers import LambdaContext, app_row, days_ago, history, insert_app, run_cli, table_digest
 from live import LiveServer
 
 
@@ -126,6 +130,138 @@ def test_without_a_refetch_the_third_expired_lease_backs_off(client, sql):
     assert (promotion.requeued, promotion.abandoned) == (0, 1)
     row = app_row(sql, "com.example.app")
     assert (row["status"], row["failure_reason"]) == ("failed", "lease_expired")
+
+
+def refetch(appid: str) -> str:
+    (selected,) = handler.queue_refetch(
+        handler.api_connection(), [appid], False, False, None, True, handler.QueuePolicy()
+    )
+    return selected["outcome"]
+
+
+def test_older_analysers_and_back_off_never_replace_a_newer_analysis(client, sql):
+    """An analysis of version 5 is stored; the service's setting says 4 (a fleet upgraded
+    before the setting, or the setting rolled back). It is not stale by age for analysers
+    of version 4, which could only be refused; after an operator's refetch, a version-4
+    holder's refusal ends its lease (not a lease without a result), and leases that expire
+    again and again back off to the stored analysis, never to an older failure."""
+    newer = {"success": True, "trackers": {"v5": 1}}
+    insert_app(sql, "com.example.app", status="analysed", version=5, analysed=days_ago(400))
+    sql.run("UPDATE apps SET analysis = CAST(:a AS jsonb)", a=json.dumps(newer))
+    assert client.get("/queue", headers=ANALYSER).text == ""
+    assert refetch("com.example.app") == "queued"
+    for _ in range(3):
+        token = claim(client, "com.example.app")
+        refused = upload(client, "com.example.app", {"success": True, "v4": 1}, token)
+        assert refused.status_code == 409
+        assert "its lease ended" in refused.json()["detail"]
+        row = app_row(sql, "com.example.app")
+        assert (row["status"], row["analysis"], row["analysisversion"]) == ("analysed", newer, 5)
+        assert sql.run("SELECT lease_attempts FROM apps") == [[0]]
+        assert refetch("com.example.app") == "queued"
+    # A hanging analyser of version 4, again and again: the back-off's lease_expired
+    # failure would be older than the stored analysis too.
+    for _ in range(3):
+        claim(client, "com.example.app")
+        sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    promotion = handler.promote_due_apps(
+        handler.api_connection(), handler.settings().policy, force=True
+    )
+    assert (promotion.abandoned, promotion.returned) == (0, 1)
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysis"], row["analysisversion"]) == ("analysed", newer, 5)
+    assert history(sql, "com.example.app") == [[newer, 5, True]]
+    time_passes()
+    assert client.get("/queue", headers=ANALYSER).text == ""
+
+
+def test_an_outdated_analysers_refused_result_answers_its_lease(client, sql):
+    """A stale analysis of the current version, claimed by an analyser of an older one:
+    its result is refused, and its lease counts as answered (lease_attempts 0: three of
+    them are not three leases without a result) but runs out as any lease does, so the
+    analyser's next claim does not get the same app back at once."""
+    stored = {"success": True, "trackers": {"v4": 1}}
+    insert_app(sql, "com.example.app", status="analysed", version=4, analysed=days_ago(400))
+    sql.run("UPDATE apps SET analysis = CAST(:a AS jsonb)", a=json.dumps(stored))
+    for attempt in range(3):
+        time_passes()
+        answer = client.get("/queue", headers=ANALYSER)
+        assert answer.text == "com.example.app"
+        token = answer.headers["x-analysis-claim-token"]
+        old = "/uploadAnalysis?appId=com.example.app&analysisVersion=3"
+        refused = client.post(old, json={"success": True, "v3": attempt}, headers=ANALYSER)
+        assert refused.status_code == 409
+        assert "its lease counts as answered" in refused.json()["detail"]
+        row = app_row(sql, "com.example.app")
+        assert (row["status"], row["claim_token"]) == ("processing", token)
+        assert sql.run("SELECT lease_attempts FROM apps") == [[0]]
+        time_passes()
+        assert client.get("/queue", headers=ANALYSER).text == ""  # a lease later, again
+        sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    time_passes()
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysis"]) == ("processing", stored)  # never backed off
+    assert history(sql, "com.example.app") == []
+
+
+def test_the_back_offs_failure_is_stored_by_no_analyser(client, sql):
+    """The lease_expired failure is the server's result: who stored the app's result
+    (analysedBy) is nobody, not the analyser whose result it replaced."""
+    insert_app(sql, "com.example.app")
+    made = client.post("/analysers", json={"name": "pi-1"}, headers=ADMIN).json()
+    named = {"Authorization": f"Bearer {made['token']}"}
+    client.get("/queue?appId=com.example.app", headers=named)
+    path = "/uploadAnalysis?appId=com.example.app&analysisVersion=4"
+    assert client.post(path, json={"success": True}, headers=named).status_code == 200
+    assert refetch("com.example.app") == "queued"
+    for _ in range(3):
+        claim(client, "com.example.app")
+        sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
+    view = client.get("/apps/com.example.app", headers=ADMIN).json()
+    assert (view["status"], view["failure"]["reason"]) == ("failed", "lease_expired")
+    assert view["analysedBy"] is None
+
+
+@pytest.mark.parametrize("with_token", [False, True], ids=["tokenless", "with its token"])
+@pytest.mark.parametrize("named", [False, True], ids=["shared password", "named analyser"])
+def test_a_result_that_queued_its_app_for_a_refetch_is_answered_as_the_first_time(
+    client, sql, named, with_token
+):
+    insert_app(sql, "com.example.app")
+    credential = dict(ANALYSER)
+    if named:
+        made = client.post("/analysers", json={"name": "pi-1"}, headers=ADMIN).json()
+        credential = {"Authorization": f"Bearer {made['token']}"}
+    answer = client.get("/queue?appId=com.example.app", headers=credential)
+    headers = dict(credential)
+    if with_token:
+        headers["X-Analysis-Claim-Token"] = answer.headers["x-analysis-claim-token"]
+    assert refetch("com.example.app") == "waiting"
+    path = "/uploadAnalysis?appId=com.example.app&analysisVersion=4"
+    first = client.post(path, json={"success": True, "n": 1}, headers=headers)
+    assert first.status_code == 200, first.text
+    assert app_row(sql, "com.example.app")["status"] == "queued"  # the refetch is done
+    again = client.post(path, json={"success": True, "n": 1}, headers=headers)
+    assert (again.status_code, again.json()) == (200, first.json())
+    assert app_row(sql, "com.example.app")["status"] == "queued"  # and stays done
+    assert len(history(sql, "com.example.app")) == 1
+
+
+def test_a_late_tokenless_result_does_not_undo_a_refetch_that_waited(client, sql):
+    """An app queued again by its result for the refetch that waited for its lease: no
+    claim is open and no exact-app host was handed it, so a result without a token (from
+    an analyser whose lease was taken over) is late, as for the finished app it was."""
+    insert_app(sql, "com.example.app")
+    claim(client, "com.example.app")
+    assert refetch("com.example.app") == "waiting"
+    path = "/uploadAnalysis?appId=com.example.app&analysisVersion=4"
+    assert client.post(path, json={"success": True, "n": 1}, headers=ANALYSER).status_code == 200
+    late = client.post(path, json={"success": True, "n": 2}, headers=ANALYSER)
+    assert late.status_code == 409
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysis"]) == ("queued", {"success": True, "n": 1})
 
 
 NUMBER_SETTINGS = {

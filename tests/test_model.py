@@ -1,21 +1,29 @@
 """A model of the queue: random interleavings of every operation, checked step by step.
 
 Hypothesis drives adds, claims (the next app, and exact-app mode's named claim), uploads
-and failure reports with and without claim tokens and at the current or an outdated
-analysisVersion, from holders and from analysers whose lease was taken over, replies lost
-after COMMIT (the service retries) and results sent again (the analyser retries), leases
-that expire again and again (a hanging analyser), ageing, operators' refetches with and
-without --force, and version bumps, across several analysers, against the real database
-through the ASGI app. A small pure-Python model of the queue's rules (docs/queue.md)
-predicts every answer and every row; the clock is moved by rewriting the timestamps, and
-the only things read back are clock readings.
+and failure reports with and without claim tokens and at an outdated, the current or a
+newer analysisVersion, from holders and from analysers whose lease was taken over, replies
+lost after COMMIT (the service retries: a result's, and a promoter batch's during a claim)
+and results sent again (the analyser retries), an operator's refetch that waits for a
+lease followed by that lease's result and the same again (or the holder's own with its
+token), leases that expire again and again (a hanging analyser), a stored analysis of a
+version above the current one met by analysers of the current version (refused results,
+back-off), ageing, operators' refetches with and without --force, and
+CURRENT_ANALYSIS_VERSION moving up and down (each move a new process), across several
+analysers, one of them with its own credential (docs/analysers.md) and the others on the
+shared password, against the real database through the ASGI app. A small pure-Python
+model of the queue's rules (docs/queue.md) predicts every answer and every row; the
+clock is moved by rewriting the timestamps, and the only things read back are clock
+readings.
 
 Beside the model's predictions, the promises are checked as invariants of their own:
 - no app is handed out while another analyser holds a live lease on it;
 - every 2xx result is the stored one, or was replaced legitimately: by a later claim's
   result, or within its claim by a success (over a failure) or by the claim token's holder
   (over a result that came without the token);
-- every 409 changed nothing (the row and the history are as they were);
+- every 409 changed nothing (the row and the history are as they were), but for the lease
+  its holder's result, refused as older than the stored one, answered or ended (the
+  history as it was);
 - no app is handed out twice without time passing for it, an operator's refetch or a
   version bump in between, and never more than max_lease_attempts times without a result.
 """
@@ -39,14 +47,25 @@ from hypothesis.stateful import (
 from kit import ADMIN, ANALYSER, configure_service, time_passes
 
 import handler
+from helpers import lease_expired
 
 ANALYSERS = ("pi-1", "pi-2", "pi-3")
+NAMED = ("pi-3",)  # with a credential of its own; the others send the shared password
 ROW = (
     "SELECT appid, status, analysisversion, analysed, processing_started, failure_reason,"
     " failure_retryable, CAST(analysis AS text), CAST(analysis_claim_token AS text),"
     " CAST(result_claim_token AS text), result_claim_verified, lease_attempts,"
-    " refetch_requested FROM apps ORDER BY appid"
+    " refetch_requested,"
+    " CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token"
+    " THEN claimed_by END, analysed_by FROM apps ORDER BY appid"
 )
+# The status columns each kind of stored result says.
+RESULT_STATES = {
+    "success": ("analysed", None, None),
+    "retry": ("failed", "analysis_failed", True),
+    "final": ("failed", "app_not_found", False),
+    "server": ("failed", "lease_expired", True),
+}
 
 
 @dataclasses.dataclass
@@ -66,6 +85,8 @@ class App:
     result_verified: bool = False
     attempts: int = 0
     refetch_requested: bool = False
+    holder: str | None = None  # the named analyser whose claim the lease is
+    analysed_by: str | None = None  # the named analyser that stored the result
     epoch: int = 0  # claims and refetches so far
     handouts_since_time: int = 0
     handouts_since_result: int = 0
@@ -86,25 +107,38 @@ def candidate(app: App, policy: handler.QueuePolicy, now: datetime) -> bool:
     if app.status == "queued":
         return True
     if app.status == "processing":
-        return app.started < lease_ago and app.attempts < policy.max_lease_attempts
+        expired = lease_expired(app.started, policy.processing_timeout_minutes, now)
+        return expired and app.attempts < policy.max_lease_attempts
     if app.status == "failed" and not app.retryable:
         return False
-    outdated = (app.version or 0) < policy.analysis_version and app.analysed < lease_ago
-    return outdated or app.analysed < now - timedelta(days=policy.stale_days)
+    version = app.version or 0
+    outdated = version < policy.analysis_version and app.analysed < lease_ago
+    # A newer version than the current one is never stale: only a refusal could answer it.
+    stale = version <= policy.analysis_version and app.analysed < now - timedelta(
+        days=policy.stale_days
+    )
+    return outdated or stale
 
 
-def verdict(app: App, key: tuple, version: int, token: str | None) -> tuple:
-    """The model's statement of the result rules: ("store", claim, verified), ("stored",)
-    or ("refuse",)."""
+def verdict(app: App, key: tuple, version: int, token: str | None, current: int) -> tuple:
+    """The model's statement of the result rules: ("store", claim, verified), ("stored",),
+    ("refuse",), or ("refuse", lease) for the open claim's holder's result refused as older
+    than the stored one: the lease is "answered" (lease attempts back to 0; it runs out as
+    leases do), or "ended" at once when the stored version is above the current one."""
     success = key[0] == "success"
     finished = app.status in ("analysed", "failed")
+    # The states a result's first delivery leaves: finished, or queued again for the
+    # refetch that waited for it (refetch_requested stays set until the next claim).
+    left_by_a_result = finished or (app.status == "queued" and app.refetch_requested)
     same = app.result == key and app.version == version
-    if same and finished:
+    if same and left_by_a_result:
         return ("stored",)
     newer = app.result is not None and app.version is not None and app.version > version
+    held = app.status == "processing"
+    holders_refusal = ("refuse", "ended" if newer and app.version > current else "answered")
     if token is not None:
-        if app.status == "processing" and token == app.token:
-            return ("refuse",) if newer else ("store", app.token, True)
+        if held and token == app.token:
+            return holders_refusal if newer else ("store", app.token, True)
         if token == app.result_claim:
             if same:
                 return ("stored",)
@@ -114,30 +148,53 @@ def verdict(app: App, key: tuple, version: int, token: str | None) -> tuple:
                 return ("refuse",) if newer else ("store", app.result_claim, True)
         return ("refuse",)
     if newer:
-        return ("refuse",)
-    if app.status == "processing":
+        return holders_refusal if held else ("refuse",)
+    if held:
         return ("store", app.token, False)
-    if app.status == "queued":
+    # Queued by its result for the refetch that waited: as the finished app it was.
+    queued_by_its_result = app.status == "queued" and app.refetch_requested
+    if app.status == "queued" and not queued_by_its_result:
         return ("store", None, False)
-    if app.status == "failed" and success:
+    stored_failure = app.result is not None and app.result[0] != "success"
+    if success and (app.status == "failed" or (queued_by_its_result and stored_failure)):
         return ("store", app.result_claim, False)
     return ("refuse",)
 
 
+def judged(
+    app, key: tuple, version: int, token: str | None, sender: str | None, current: int
+) -> tuple:
+    """verdict, then identity (docs/analysers.md): without a token, a named analyser's
+    result (`sender`: its name; None for the shared password) counts only on its own
+    claim, a shared-password one only while no named analyser holds the app. A result
+    identity refuses changes nothing, a lease included."""
+    judgement = verdict(app, key, version, token, current)
+    if token is not None or judgement[0] == "stored" or judgement == ("refuse",):
+        return judgement
+    leased = app.status == "processing"
+    if sender is not None:
+        allowed = leased and app.holder == sender
+    else:
+        allowed = not (leased and app.holder is not None)
+    return judgement if allowed else ("refuse",)
+
+
 class CommitReplyLost:
-    """Session.execute that, once armed, runs COMMIT and then loses the connection before
-    its reply is read, as a network cut after the COMMIT left would."""
+    """Session.execute that, once armed with n, runs the n-th COMMIT from then on and then
+    loses the connection before its reply is read, as a network cut after the COMMIT left
+    would: the service tries the transaction again on a new connection."""
 
     def __init__(self, monkeypatch):
-        self.armed = False
+        self.countdown = 0
         original = handler.Session.execute
 
         def execute(session, sql):
             original(session, sql)
-            if sql == "COMMIT" and self.armed:
-                self.armed = False
-                session.connection.close()
-                raise pg8000.native.InterfaceError("network error: the reply was lost")
+            if sql == "COMMIT" and self.countdown:
+                self.countdown -= 1
+                if self.countdown == 0:
+                    session.connection.close()
+                    raise pg8000.native.InterfaceError("network error: the reply was lost")
 
         monkeypatch.setattr(handler.Session, "execute", execute)
 
@@ -149,12 +206,20 @@ class QueueModel(RuleBasedStateMachine):
     monkeypatch = None
     fault = None
 
+    headers = None  # each analyser's credential, made once per test
+
     @initialize()
     def start(self):
         for table in ("app_analyses", "apps", "analyser_heartbeats"):
             self.sql.run(f"DELETE FROM {table}")
         self.policy = handler.QueuePolicy()
         configure_service(self.monkeypatch, self.url)
+        if QueueModel.headers is None:
+            QueueModel.headers = {analyser: ANALYSER for analyser in ANALYSERS}
+            for name in NAMED:
+                answer = self.client.post("/analysers", json={"name": name}, headers=ADMIN)
+                assert answer.status_code == 201
+                QueueModel.headers[name] = {"Authorization": f"Bearer {answer.json()['token']}"}
         self.apps: dict[str, App] = {}
         self.holding: dict[str, tuple[str, str]] = {}  # analyser -> (appid, token)
         self.superseded: dict[str, tuple[str, str]] = {}  # analyser -> a claim taken over
@@ -181,6 +246,10 @@ class QueueModel(RuleBasedStateMachine):
     def time_passes_for(self, app: App) -> None:
         app.handouts_since_time = 0
 
+    @staticmethod
+    def named(analyser: str) -> str | None:
+        return analyser if analyser in NAMED else None
+
     # --- adding and claiming --------------------------------------------------------
 
     @rule(reviews=st.integers(0, 5))
@@ -194,31 +263,63 @@ class QueueModel(RuleBasedStateMachine):
         added, _, _ = self.read_times(appid)
         self.apps[appid] = App(appid, reviews, added)
 
-    def _promoted(self, now: datetime) -> None:
-        """The promoter's lease rescuer, which every claim runs first: leases that expired
-        max_lease_attempts times in a row become lease_expired failures."""
-        lease_ago = now - timedelta(minutes=self.policy.processing_timeout_minutes)
+    def _promote(self, now: datetime) -> list[App]:
+        """The promoter's lease rescuer, which every claim runs first: a lease that expired
+        max_lease_attempts times in a row is queued for a refetch that waited for it, else
+        gets the server's lease_expired failure as its holder's result, judged by the
+        result rules (so refused when a newer version is stored: the lease ends). Returns
+        the apps whose failure was stored, whose times are read once the claim is done."""
+        failed = []
         for app in self.apps.values():
             at_limit = (
                 app.status == "processing"
-                and app.started < lease_ago
+                and lease_expired(app.started, self.policy.processing_timeout_minutes, now)
                 and app.attempts >= self.policy.max_lease_attempts
             )
             if at_limit and app.refetch_requested:  # the operator's refetch wins
-                app.status, app.started, app.token = "queued", None, None
+                app.status, app.started, app.token, app.holder = "queued", None, None, None
                 app.attempts, app.refetch_requested = 0, False
                 app.handouts_since_result = app.handouts_since_time = 0
                 app.epoch += 1
                 continue
-            if at_limit:
-                self.counter += 1
-                self._stored(app, ("server", self.counter), self.policy.analysis_version)
-                app.status, app.reason, app.retryable = "failed", "lease_expired", True
-                app.result_claim, app.result_verified = None, False
-                app.handouts_since_result = 0
-                # A stand-in for the rescued claims' results, for the acknowledged-results
-                # invariant: a later claim's outcome replaces earlier results.
-                self.acks.setdefault(app.appid, []).append(Ack(app.result, app.epoch, False, True))
+            if not at_limit:
+                continue
+            self.counter += 1
+            key = ("server", self.counter)
+            version = self.policy.analysis_version
+            if verdict(app, key, version, app.token, version)[0] != "store":
+                self._lease_ended(app)
+                continue
+            app.version, app.result = self.policy.analysis_version, key
+            app.analysed = now  # about: read back once the claim is done (_promoted)
+            app.started, app.token, app.attempts, app.refetch_requested = None, None, 0, False
+            app.status, app.reason, app.retryable = RESULT_STATES["server"]
+            app.result_claim, app.result_verified = None, False
+            app.holder = app.analysed_by = None
+            app.handouts_since_result = 0
+            failed.append(app)
+        return failed
+
+    def _promoted(self, failed: list[App]) -> None:
+        for app in failed:
+            _, app.analysed, _ = self.read_times(app.appid)
+            self.history.add((app.appid, app.analysed))
+            # A stand-in for the rescued claims' results, for the acknowledged-results
+            # invariant: a later claim's outcome replaces earlier results.
+            self.acks.setdefault(app.appid, []).append(Ack(app.result, app.epoch, False, True))
+
+    def _lease_ended(self, app: App) -> None:
+        """The lease ends without its result (refused as older than a stored result of a
+        version above the current one): the app is as its stored result says, or queued
+        for a refetch that waited."""
+        if app.refetch_requested:
+            app.status, app.reason, app.retryable = "queued", None, None
+            app.epoch += 1
+        else:
+            app.status, app.reason, app.retryable = RESULT_STATES[app.result[0]]
+        app.started, app.token, app.attempts, app.refetch_requested = None, None, 0, False
+        app.holder = None
+        app.handouts_since_result = 0
 
     def _handed_out(self, analyser: str, app: App, token: str, now: datetime) -> None:
         lease_ago = now - timedelta(minutes=self.policy.processing_timeout_minutes)
@@ -237,22 +338,33 @@ class QueueModel(RuleBasedStateMachine):
         )
         app.attempts = app.attempts + 1 if app.status == "processing" else 1
         app.status, app.token, app.refetch_requested = "processing", token, False
+        app.holder = self.named(analyser)
         app.epoch += 1
         _, _, app.started = self.read_times(app.appid)
         self.holding.pop(analyser, None)
         self.superseded.pop(analyser, None)
         self.holding[analyser] = (app.appid, token)
 
-    @rule(analyser=st.sampled_from(ANALYSERS))
-    def claim(self, analyser):
+    @rule(
+        analyser=st.sampled_from(ANALYSERS),
+        lose_commit=st.sampled_from((0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3)),
+    )
+    def claim(self, analyser, lose_commit=0):
+        """The next app. Sometimes the promotion the claim runs first (the promoter's
+        batches, each committed) loses the reply to its n-th COMMIT (`lose_commit`): the
+        service runs that batch again on a new connection and finds its own work done (a
+        lease_expired failure is not written twice, nor a lease ended twice)."""
         time_passes()  # the clock may have moved since the last promotion
         now = self.now()
+        failed = self._promote(now)
         ready = [a for a in self.apps.values() if candidate(a, self.policy, now)]
         ready.sort(key=lambda a: (-a.reviews, a.added, a.appid))
-        answer = self.client.get("/queue", headers=ANALYSER)
+        self.fault.countdown = lose_commit
+        answer = self.client.get("/queue", headers=self.headers[analyser])
+        self.fault.countdown = 0
         assert answer.status_code == 200
         assert answer.text == (ready[0].appid if ready else "")
-        self._promoted(now)
+        self._promoted(failed)
         if ready:
             token = answer.headers["x-analysis-claim-token"]
             self._handed_out(analyser, self.apps[answer.text], token, now)
@@ -269,13 +381,18 @@ class QueueModel(RuleBasedStateMachine):
     @rule(analyser=st.sampled_from(ANALYSERS), data=st.data())
     def claim_named(self, analyser, data):
         """Exact-app mode: GET /queue?appId= claims the app only if it is a candidate."""
-        app = self.apps[data.draw(st.sampled_from(sorted(self.apps)))]
+        self._claim_app(analyser, self.apps[data.draw(st.sampled_from(sorted(self.apps)))])
+
+    def _claim_app(self, analyser: str, app: App) -> None:
         time_passes()
         now = self.now()
+        failed = self._promote(now)
         ready = candidate(app, self.policy, now)
-        answer = self.client.get(f"/queue?appId={app.appid.upper()}", headers=ANALYSER)
+        answer = self.client.get(
+            f"/queue?appId={app.appid.upper()}", headers=self.headers[analyser]
+        )
         assert answer.status_code == 200
-        self._promoted(now)
+        self._promoted(failed)
         if ready:
             assert answer.text == app.appid
             self._handed_out(analyser, app, answer.headers["x-analysis-claim-token"], now)
@@ -287,18 +404,21 @@ class QueueModel(RuleBasedStateMachine):
     def _stored(self, app: App, key: tuple, version: int) -> None:
         app.version, app.result = version, key
         app.started, app.token, app.attempts, app.refetch_requested = None, None, 0, False
+        app.holder = None
         _, app.analysed, _ = self.read_times(app.appid)
         self.history.add((app.appid, app.analysed))
 
     def _send(self, analyser, appid, key, version, token, lost_reply=False):
         app = self.apps[appid]
-        expected = verdict(app, key, version, token)
+        expected = judged(
+            app, key, version, token, self.named(analyser), self.policy.analysis_version
+        )
         claim_epoch = app.epoch
         before = self.snapshot()
-        headers = dict(ANALYSER)
+        headers = dict(self.headers.get(analyser, ANALYSER))
         if token is not None:
             headers["X-Analysis-Claim-Token"] = token
-        self.fault.armed = lost_reply
+        self.fault.countdown = 1 if lost_reply else 0
         if key[0] == "success":
             answer = self.client.post(
                 f"/uploadAnalysis?appId={appid}&analysisVersion={version}",
@@ -313,9 +433,18 @@ class QueueModel(RuleBasedStateMachine):
                 content=log.encode(),
                 headers=headers,
             )
-        self.fault.armed = False
+        self.fault.countdown = 0
         if expected[0] == "refuse":
             assert answer.status_code == 409, (expected, answer.text)
+            if len(expected) == 2:
+                # The holder's answer, refused: its lease is answered or ended, and
+                # nothing is stored.
+                assert self.snapshot()[1] == before[1], "a refused result entered history"
+                if expected[1] == "ended":
+                    self._lease_ended(app)
+                else:
+                    app.attempts, app.handouts_since_result = 0, 0
+                return None
             assert self.snapshot() == before, "a 409 changed something"
             return None
         assert answer.status_code == 200, (expected, answer.text)
@@ -327,16 +456,13 @@ class QueueModel(RuleBasedStateMachine):
         was_processing, refetch = app.status == "processing", app.refetch_requested
         was_queued = app.status == "queued"
         self._stored(app, key, version)
-        if key[0] == "success":
-            app.status, app.reason, app.retryable = "analysed", None, None
-        elif key[0] == "retry":
-            app.status, app.reason, app.retryable = "failed", "analysis_failed", True
-        else:
-            app.status, app.reason, app.retryable = "failed", "app_not_found", False
+        app.status, app.reason, app.retryable = RESULT_STATES[key[0]]
         app.result_claim, app.result_verified = claim, verified
+        app.analysed_by = self.named(analyser)
         app.handouts_since_result = 0
-        if (was_processing and refetch) or (was_queued and claim is not None):
+        if (was_processing and refetch) or (was_queued and (claim is not None or refetch)):
             app.status, app.reason, app.retryable = "queued", None, None
+            app.refetch_requested = True  # done by this result: until the next claim
             app.epoch += was_processing
         self.acks.setdefault(appid, []).append(
             Ack(key, claim_epoch, key[0] == "success", token is not None)
@@ -345,37 +471,14 @@ class QueueModel(RuleBasedStateMachine):
         assert answer.json()["rows"][0]["analysed"] == app.analysed.isoformat()
         return answer
 
-    @precondition(lambda self: self.holding or self.superseded)
-    @rule(
-        data=st.data(),
-        kind=st.sampled_from(("success", "retry", "final")),
-        use_token=st.booleans(),
-        outdated=st.booleans(),
-        lost_reply=st.booleans(),
-    )
-    def result(self, data, kind, use_token, outdated, lost_reply):
-        """A result from an analyser holding a claim, or from one whose claim was taken
-        over (late), at the current version or an outdated one; maybe its COMMIT's reply is
-        lost, and the service tries again."""
-        claims = {**self.superseded, **self.holding}
-        analyser = data.draw(st.sampled_from(sorted(claims)))
-        appid, token = claims[analyser]
-        version = self.policy.analysis_version - (1 if outdated else 0)
-        self.counter += 1
-        self._send(
-            analyser, appid, (kind, self.counter), version, token if use_token else None, lost_reply
-        )
-        if analyser in self.holding and self.holding[analyser][0] == appid:
-            del self.holding[analyser]  # an analyser sends one result per claim
-
-    @precondition(lambda self: self.sent)
-    @rule(data=st.data())
-    def result_sent_again(self, data):
-        """The analyser did not see the answer and sends the same result again."""
-        analyser, appid, key, version, token, first = data.draw(st.sampled_from(self.sent))
+    def _send_again(self, analyser, appid, key, version, token, first, lost_reply=False):
+        """The same result sent again: answered as the first time when it is the stored
+        one in a state its first delivery left."""
         app = self.apps[appid]
-        expected = verdict(app, key, version, token)
-        answer = self._send(analyser, appid, key, version, token)
+        expected = judged(
+            app, key, version, token, self.named(analyser), self.policy.analysis_version
+        )
+        answer = self._send(analyser, appid, key, version, token, lost_reply)
         if expected[0] == "stored":
             # As the first time; only `analysed` may differ, where the model moved the clock
             # by rewriting it (it is checked against the row in _send).
@@ -383,6 +486,132 @@ class QueueModel(RuleBasedStateMachine):
                 return [{**row, "analysed": None} for row in body["rows"]]
 
             assert without_time(answer.json()) == without_time(first), "a retry answered anew"
+
+    @precondition(lambda self: self.holding or self.superseded)
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(("success", "retry", "final")),
+        use_token=st.booleans(),
+        offset=st.sampled_from((-1, 0, 1)),
+        lost_reply=st.booleans(),
+        then_claim=st.booleans(),
+    )
+    def result(self, data, kind, use_token, offset, lost_reply, then_claim):
+        """A result from an analyser holding a claim, or from one whose claim was taken
+        over (late), at an outdated, the current or a newer version (an analyser upgraded
+        before the setting); maybe its COMMIT's reply is lost, and the service tries
+        again; maybe the analyser's loop claims again at once."""
+        claims = {**self.superseded, **self.holding}
+        analyser = data.draw(st.sampled_from(sorted(claims)))
+        appid, token = claims[analyser]
+        version = self.policy.analysis_version + offset
+        self.counter += 1
+        self._send(
+            analyser, appid, (kind, self.counter), version, token if use_token else None, lost_reply
+        )
+        if analyser in self.holding and self.holding[analyser][0] == appid:
+            del self.holding[analyser]  # an analyser sends one result per claim
+        if then_claim:
+            self.claim(analyser)
+
+    @precondition(lambda self: self.sent)
+    @rule(data=st.data(), lost_reply=st.booleans())
+    def result_sent_again(self, data, lost_reply):
+        """The analyser did not see the answer and sends the same result again."""
+        analyser, appid, key, version, token, first = data.draw(st.sampled_from(self.sent))
+        self._send_again(analyser, appid, key, version, token, first, lost_reply)
+
+    @precondition(lambda self: self.holding)
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(("success", "retry", "final")),
+        use_token=st.booleans(),
+        offset=st.sampled_from((-1, 0, 1)),
+        lost_replies=st.sampled_from(((False, False), (True, False), (False, True))),
+        then=st.sampled_from(
+            ("the same again", "the holder's own with its token", "a late one without a token")
+        ),
+    )
+    def refetch_waits_then_results(self, data, kind, use_token, offset, lost_replies, then):
+        """An operator's refetch of an app an analyser holds (it waits for that lease, or
+        queues the app if the lease expired), then that analyser's result, then either
+        the same result again (a reply lost after COMMIT: the service's retry, or the
+        analyser's), answered as the first time with the app still queued; or another
+        result with the claim's token, which replaces a result stored without it; or a
+        late result without a token from an analyser whose lease was taken over, which
+        must not undo the refetch."""
+        analyser = data.draw(st.sampled_from(sorted(self.holding)))
+        appid, claim_token = self.holding[analyser]
+        self._refetch(appid, force=False)
+        version = self.policy.analysis_version + offset
+        token = claim_token if use_token else None
+        self.counter += 1
+        key = (kind, self.counter)
+        first = self._send(analyser, appid, key, version, token, lost_replies[0])
+        self.holding.pop(analyser, None)
+        if first is None:
+            return
+        if then == "the same again":
+            self._send_again(analyser, appid, key, version, token, first.json(), lost_replies[1])
+            return
+        self.counter += 1
+        if then == "a late one without a token":
+            self._send("stale", appid, ("success", self.counter), version, None, lost_replies[1])
+            return
+        self._send(analyser, appid, (kind, self.counter), version, claim_token, lost_replies[1])
+
+    def _newer_analysis_claimed(self, data, analyser: str, stale: bool) -> App | None:
+        """An app whose stored analysis is of a version above the current one (a result
+        of a newer analyser, or the setting moved down since): maybe past the staleness
+        window, where it is still no candidate; then refetched, and claimed by an analyser
+        of the current version (None: a live lease, which the refetch waits for)."""
+        newer = sorted(a.appid for a in self.apps.values() if self._newer_analysis(a))
+        app = self.apps[data.draw(st.sampled_from(newer))]
+        if stale and app.status != "processing":
+            self._age(app.appid, (self.policy.stale_days + 1) * 24 * 60)
+            self._claim_app(analyser, app)  # no candidate: an empty answer
+        self._refetch(app.appid, force=False)
+        if app.status != "queued":
+            return None
+        self._claim_app(analyser, app)
+        return app
+
+    def _newer_analysis(self, app: App) -> bool:
+        return bool(app.result) and (app.version or 0) > self.policy.analysis_version
+
+    @precondition(lambda self: any(self._newer_analysis(a) for a in self.apps.values()))
+    @rule(
+        data=st.data(),
+        analyser=st.sampled_from(ANALYSERS),
+        stale=st.booleans(),
+        with_token=st.booleans(),
+    )
+    def newer_analysis_meets_an_older_result(self, data, analyser, stale, with_token):
+        """_newer_analysis_claimed, then the analyser's result, refused: its lease ends and
+        the app is as its stored analysis says."""
+        app = self._newer_analysis_claimed(data, analyser, stale)
+        if app is None:
+            return
+        self.counter += 1
+        token = app.token if with_token else None
+        key = ("success", self.counter)
+        self._send(analyser, app.appid, key, self.policy.analysis_version, token)
+        self.holding.pop(analyser, None)
+
+    @precondition(lambda self: any(self._newer_analysis(a) for a in self.apps.values()))
+    @rule(data=st.data(), analyser=st.sampled_from(ANALYSERS), stale=st.booleans())
+    def newer_analysis_meets_a_hanging_analyser(self, data, analyser, stale):
+        """_newer_analysis_claimed, then the analyser hangs, and the app is claimed again as
+        each lease expires until it has expired max_lease_attempts times: the back-off's
+        lease_expired failure, refused too, gives the app back its stored analysis."""
+        app = self._newer_analysis_claimed(data, analyser, stale)
+        if app is None:
+            return
+        while app.status == "processing" and app.attempts < self.policy.max_lease_attempts:
+            self._expire_lease(app.appid)
+            self._claim_app(analyser, app)
+        self._expire_lease(app.appid)
+        self.claim(analyser)  # its promotion backs the app off
 
     @precondition(lambda self: self.apps)
     @rule(data=st.data(), kind=st.sampled_from(("success", "retry")))
@@ -393,14 +622,18 @@ class QueueModel(RuleBasedStateMachine):
         self._send("exact-app", appid, (kind, self.counter), self.policy.analysis_version, None)
 
     @precondition(lambda self: any(a.status == "processing" for a in self.apps.values()))
-    @rule(data=st.data(), kind=st.sampled_from(("success", "retry")))
-    def stale_tokenless_result(self, data, kind):
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(("success", "retry")),
+        sender=st.sampled_from(("stale", *NAMED)),
+    )
+    def stale_tokenless_result(self, data, kind, sender):
         """A tokenless result for an app another analyser holds now (its sender's lease was
         taken over): it must not make the holder's token stop working."""
         processing = sorted(a.appid for a in self.apps.values() if a.status == "processing")
         appid = data.draw(st.sampled_from(processing))
         self.counter += 1
-        self._send("stale", appid, (kind, self.counter), self.policy.analysis_version, None)
+        self._send(sender, appid, (kind, self.counter), self.policy.analysis_version, None)
 
     @precondition(lambda self: any((a.version or 0) > 1 for a in self.apps.values()))
     @rule(data=st.data(), use_token=st.booleans())
@@ -446,6 +679,9 @@ class QueueModel(RuleBasedStateMachine):
             if stale
             else self.policy.processing_timeout_minutes + 1
         )
+        self._age(appid, minutes)
+
+    def _age(self, appid: str, minutes: int) -> None:
         self.sql.run(
             "UPDATE apps SET analysed = analysed - make_interval(mins => :m) WHERE appid = :a",
             m=minutes,
@@ -472,8 +708,8 @@ class QueueModel(RuleBasedStateMachine):
     def _refetch(self, appid: str, force: bool) -> None:
         app = self.apps[appid]
         now = self.now()
-        live = app.status == "processing" and app.started >= now - timedelta(
-            minutes=self.policy.processing_timeout_minutes
+        live = app.status == "processing" and not lease_expired(
+            app.started, self.policy.processing_timeout_minutes, now
         )
         selected = handler.queue_refetch(
             handler.api_connection(), [appid.upper()], False, False, None, True, self.policy, force
@@ -496,15 +732,22 @@ class QueueModel(RuleBasedStateMachine):
             None,
         )
         app.attempts, app.refetch_requested, app.handouts_since_result = 0, False, 0
+        app.holder = None
         app.result_verified = True
         app.epoch += 1
         for analyser, (held, _) in list(self.holding.items()):
             if held == appid:  # its claim is broken (fenced) or had expired
                 self.superseded[analyser] = self.holding.pop(analyser)
 
-    @rule()
-    def version_bump(self):
-        version = self.policy.analysis_version + 1
+    @precondition(lambda self: any(a.result for a in self.apps.values()))
+    @rule(up=st.booleans())
+    def setting_moves(self, up):
+        """CURRENT_ANALYSIS_VERSION moves up (a version bump) or down (rolled back, or a
+        fleet upgraded before the setting): stored analyses of a version above the
+        current one. Each move is a new process, as a deploy of the new setting is."""
+        version = self.policy.analysis_version + (1 if up else -1)
+        if version < 2:  # an outdated analyser still sends version - 1 >= 1
+            return
         self.policy = dataclasses.replace(self.policy, analysis_version=version)
         configure_service(self.monkeypatch, self.url, CURRENT_ANALYSIS_VERSION=str(version))
         for app in self.apps.values():
@@ -533,6 +776,8 @@ class QueueModel(RuleBasedStateMachine):
                 verified,
                 attempts,
                 refetch,
+                holder,
+                analysed_by,
             ) = row
             app = self.apps[appid]
             assert (status, version, reason, retryable) == (
@@ -548,6 +793,7 @@ class QueueModel(RuleBasedStateMachine):
                 app.result_verified,
             ), appid
             assert (attempts, refetch) == (app.attempts, app.refetch_requested), appid
+            assert (holder, analysed_by) == (app.holder, app.analysed_by), appid
 
     @invariant()
     def acknowledged_results_stand(self):
@@ -578,6 +824,7 @@ def test_queue_model(client, sql, database_url, monkeypatch):
     QueueModel.client, QueueModel.sql = client, sql
     QueueModel.url, QueueModel.monkeypatch = database_url, monkeypatch
     QueueModel.fault = CommitReplyLost(monkeypatch)
+    QueueModel.headers = None  # this test's database has no analysers yet
     run_state_machine_as_test(
         QueueModel,
         settings=settings(

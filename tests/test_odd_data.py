@@ -171,3 +171,120 @@ def test_every_reader_survives_what_the_schema_allows(
     assert handler.upgrade_database(db) == []
     ((recorded,),) = sql.run("SELECT count(*) FROM queue_policy")
     assert recorded == 1, "the promoter puts the policy row back"
+
+
+# A lease's start, as SQL, and whether the lease is over (handler.lease_expired) under the
+# default 120-minute lease: more than a lease ago, never, or more than a lease ahead of the
+# database's clock (only a foreign write makes that; +infinity is one). Starts are kept a
+# quarter of a lease from every boundary, the promoter's 60-second horizon included.
+LEASE_STARTS = {
+    "infinity": True,
+    "now() + interval '3 days'": True,
+    "now() + interval '150 minutes'": True,
+    "now() + interval '90 minutes'": False,
+    "now()": False,
+    "now() - interval '90 minutes'": False,
+    "now() - interval '150 minutes'": True,
+    "-infinity": True,
+    None: True,
+}
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    start=st.sampled_from(sorted(LEASE_STARTS, key=str)),
+    attempts=st.sampled_from([1, 2, 3]),
+    refetch_waits=st.booleans(),
+    reader=st.sampled_from(["claim", "named claim", "promoter", "refetch", "report"]),
+)
+def test_every_reader_judges_a_lease_by_one_rule(
+    client, sql, start, attempts, refetch_waits, reader
+):
+    """A lease that started in the future, or at infinity, ends like any other: every
+    reader that judges a lease's age (the claims, the promoter's flags and back-off,
+    refetch's live-lease test, the report) takes it as expired once its start is more
+    than a lease ahead, and as live within a lease ahead (a clock's skew)."""
+    for table in ("app_analyses", "apps"):
+        sql.run(f"DELETE FROM {table}")
+    sql.run(
+        f"""INSERT INTO apps (appid, status, processing_started, analysis_claim_token,
+                              lease_attempts, refetch_requested)
+            VALUES ('lease.app', 'processing', {time_sql(start)}, gen_random_uuid(),
+                    :attempts, :refetch)""",
+        attempts=attempts,
+        refetch=refetch_waits,
+    )
+    expired = LEASE_STARTS[start]
+    at_limit = attempts >= handler.QueuePolicy().max_lease_attempts
+    # What the promoter, which every claim runs first, makes of it.
+    if expired and at_limit:
+        after_promotion = "queued" if refetch_waits else "failed"
+    else:
+        after_promotion = "processing"
+    handler.runtime().clock.advance(handler.PROMOTE_EVERY_SECONDS)
+    policy = handler.settings().policy
+    db = handler.api_connection()
+    if reader in ("claim", "named claim"):
+        path = "/queue" if reader == "claim" else "/queue?appId=lease.app"
+        handed_out = client.get(path, headers=ANALYSER).text == "lease.app"
+        assert handed_out == (after_promotion == "queued" or (expired and not at_limit))
+    elif reader == "promoter":
+        handler.promote_due_apps(db, policy, force=True)
+        ((status, due),) = sql.run("SELECT status, due FROM apps")
+        assert (status, due) == (after_promotion, expired and not at_limit)
+    elif reader == "refetch":
+        (selected,) = handler.queue_refetch(db, ["lease.app"], False, False, None, True, policy)
+        assert selected["outcome"] == ("queued" if expired else "waiting")
+    else:
+        status = handler.queue_status(db, policy)
+        assert [app["expired"] for app in status["processing"]] == [expired]
+        assert status["held_back"]["abandoned_leases"] == int(expired and at_limit)
+        assert status["expired_leases"] == int(expired and not at_limit)
+
+
+TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=8)
+LOGS = st.one_of(
+    TEXT,
+    st.sampled_from(["App not found", "USB error", "DeviceOSVersionTooLow", ""]),
+    st.integers(),
+    st.none(),
+    st.lists(TEXT, max_size=2),
+)
+FAILURE_RECORDS = st.fixed_dictionaries(
+    {"success": st.just(False)},
+    optional={
+        "reason": st.one_of(TEXT, st.sampled_from(sorted(handler.NON_RETRYABLE_REASONS)), LOGS),
+        "retryable": st.one_of(st.booleans(), st.integers(0, 1), TEXT, st.none()),
+        "logs": LOGS,
+    },
+)
+STORED_DOCUMENTS = st.one_of(
+    FAILURE_RECORDS,
+    st.fixed_dictionaries({"success": st.one_of(st.just(True), TEXT, st.none())}),
+    st.lists(st.booleans(), max_size=2),
+    TEXT,
+)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(document=STORED_DOCUMENTS)
+def test_the_state_a_stored_result_says_is_derive_analysis_states(sql, document):
+    """When a lease ends without its result (refused as older than the stored one), the
+    app goes back to the state its stored result says: read from the parts of the stored
+    document that decide it (STORED_RESULT_PARTS), it is what derive_analysis_state makes
+    of the whole document, for any document the schema holds."""
+    sql.run("DELETE FROM apps")
+    sql.run(
+        "INSERT INTO apps (appid, analysis) VALUES ('stored.app', CAST(:document AS jsonb))",
+        document=json.dumps(document),
+    )
+    (parts,) = handler.api_connection().records(handler.STORED_RESULT_PARTS, appids=["stored.app"])
+    assert handler.stored_result_state(parts) == handler.derive_analysis_state(document)
