@@ -5,29 +5,34 @@ analyse the app and POST the result or a failure log. PostgreSQL keeps the queue
 app is queued, which is being processed (a lease that expires), which is analysed, which
 failed and whether retrying is worth it, and when an analysis is stale.
 
-One file, read top to bottom. Each section opens with a one-line banner `# == <name> ==`
-(`grep -n '^# == ' handler.py` lists them) and uses only what comes before it:
+One file, read top to bottom, in chapters: the foundations, then one chapter per
+operation (its SQL at its head, then its Python, then its routes), then the edges. Each
+chapter opens with a one-line banner `# == <name> ==` (`grep -n '^# == ' handler.py`
+lists them), names its parts with `# -- <part>` lines, and uses only what comes before
+it:
 
-  Configuration              settings from the environment (only here), logs, metrics
-  SQL: the queue's rule      which apps are candidates, and in which order
-  SQL: the claim             GET /queue: the best of a few index heads
-  SQL: promotion             flagging rows due by time into the claim's index
-  SQL: an app's state        GET /apps/{appId}, with its queue position
-  SQL: results and new apps  uploads, their history, POST /apps
-  SQL: analysers' pings      GET /ping
-  SQL: analysers             named analysers' credentials and activity
-  SQL: reports               queue-status and priority-report
-  SQL: refetch               queue-refetch
-  SQL: the ledger            the migration runner's bookkeeping
-  SQL: health and sessions   /healthz, ending a migration's session
-  Database access            Session, SharedConnection (one connection), Runtime
-  Queue logic                pure functions: input checks, failure classes, JSON answers
-  Report formatting          the queue-status report as text, JSON and metrics
-  Queue operations           the queue logic applied to the database
-  Migrations                 the sorted SQL ledger in sql/
-  HTTP routes                the analysers' frozen contract, the website's routes
-  Lambda entry points        api, migrate, report
-  CLI                        serve, migrate, queue-status, ..., invoke
+  The service's errors              ServiceError and its family; reading a database error
+  Configuration                     settings from the environment (only here), logs, metrics
+  SQL: the queue's rule             the candidate rule and the fragments several statements share
+  Secrets                           Secrets Manager and SSM, through Powertools
+  Database access                   Session, SharedConnection (one connection), Runtime
+  Input checks                      pure functions: bundle IDs, JSON PostgreSQL can store
+  HTTP scaffolding                  the FastAPI app, blocking, bearer tokens, bodies, answers
+  Analysers: pings and credentials  GET /ping's heartbeats, named analysers' tokens
+  Analysers: guards and routes      who sent a request; /ping and the /analysers routes
+  Results: the verdict              failure classes, judge_result
+  Results: storing                  POST /uploadAnalysis and /reportAnalysisFailure
+  Promotion                         flagging rows due by time into the claim's index, the back-off
+  Claims                            GET /queue: the best of a few index heads
+  Apps                              GET /apps/{appId} with its queue position, POST /apps
+  Reports                           queue-status (text, JSON, metrics) and priority-report
+  Refetch                           queue-refetch, in committed batches
+  The ledger                        the sorted SQL ledger in sql/ and its runner
+  Health                            /healthz and /healthz/analyser
+  HTTP error answers                the exception handlers: {"detail": ...} and a status
+  Lambda entry points               api, migrate, report
+  CLI: serve and invoke             the local database; serve, invoke
+  CLI: operators' commands          migrate, queue-status, ..., analysers; the parser, main
 
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
@@ -76,10 +81,13 @@ from starlette.requests import ClientDisconnect
 if TYPE_CHECKING:  # the CLI imports argparse when it runs, not at a Lambda cold start
     import argparse
 
-# == Configuration ======================================================================
-# Every environment variable is read here, and only here.
 
-HERE = Path(__file__).resolve().parent
+# == The service's errors ===============================================================
+# Every exception the service raises is a ServiceError whose docstring says what went
+# wrong; and how an error of PostgreSQL's is read (its SQLSTATE, a lost connection).
+
+
+# -- the family
 
 
 class ServiceError(Exception):
@@ -88,6 +96,107 @@ class ServiceError(Exception):
 
 class ConfigError(ServiceError):
     """A setting is missing or malformed; the message names it."""
+
+
+class DatabaseUnavailable(ServiceError):
+    """PostgreSQL cannot be reached or dropped the connection; the API answers 503."""
+
+
+class BadInput(ServiceError):
+    """The request is well-formed HTTP but its data is unusable; the API answers 400."""
+
+
+class PlanChanged(ServiceError):
+    """A prepared statement's plan was invalidated (0A000) inside a transaction, which
+    the error aborted; SharedConnection runs the transaction once more."""
+
+
+class ResultRefused(ServiceError):
+    """judge_result refused the result (409): it was not written; the message says why.
+    `lease`: "answered" or "ended" (Verdict.lease), as it was done; "": nothing changed."""
+
+    def __init__(self, why: str, lease: str = ""):
+        super().__init__(why)
+        self.lease = lease
+
+
+class IdentityConflict(ServiceError):
+    """A result without a claim token from a credential whose claim is not the app's
+    current one (check_result_identity)."""
+
+    detail = "the app's current claim is not this analyser's; send its X-Analysis-Claim-Token"
+
+
+class UnknownApp(ServiceError):
+    pass
+
+
+class UnknownAnalyser(Exception):
+    pass
+
+
+class AnalyserExists(Exception):
+    pass
+
+
+class AnalyserRevoked(Exception):
+    pass
+
+
+class MigrationRefused(ServiceError):
+    """The ledger and sql/ disagree in a way no runner should paper over."""
+
+
+class MigrationFailed(ServiceError):
+    """A ledger file failed and was rolled back; the message names the file."""
+
+    def __init__(self, filename: str, error: BaseException):
+        super().__init__(f"{filename}: {_error_text(error)}")
+        self.filename = filename
+        self.sqlstate = sqlstate(error)
+
+
+# -- reading a database error
+
+# SQLSTATEs that mean "this connection is gone", not "this statement is wrong".
+_CONNECTION_LOST_STATES = {"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"}
+
+
+def _is_connection_lost(error: BaseException) -> bool:
+    if isinstance(error, (pg8000.native.InterfaceError, OSError)):
+        return True
+    if isinstance(error, pg8000.native.DatabaseError) and error.args:
+        detail = error.args[0]
+        return isinstance(detail, dict) and detail.get("C") in _CONNECTION_LOST_STATES
+    return False
+
+
+def sqlstate(error: BaseException) -> str | None:
+    if isinstance(error, pg8000.native.DatabaseError) and error.args:
+        detail = error.args[0]
+        if isinstance(detail, dict):
+            return detail.get("C")
+    return None
+
+
+def _is_server_reply(error: BaseException) -> bool:
+    """A complete error reply from PostgreSQL about the statement, on a live connection."""
+    return sqlstate(error) is not None and not _is_connection_lost(error)
+
+
+def _error_text(error: BaseException) -> str:
+    """A short, secret-free description: SQLSTATE and message for database errors."""
+    if isinstance(error, pg8000.native.DatabaseError) and error.args:
+        detail = error.args[0]
+        if isinstance(detail, dict):
+            return f"{detail.get('C')}: {detail.get('M')}"
+    return f"{type(error).__name__}: {error}"
+
+
+# == Configuration ======================================================================
+# Every environment variable is read here, and only here.
+
+HERE = Path(__file__).resolve().parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,8 +392,9 @@ metrics = Metrics(
 
 
 # == SQL: the queue's rule ==============================================================
-# Every statement the service runs is a named constant in the SQL sections, grouped by
-# operation. Parameters are :name (pg8000.native).
+# Every statement the service runs is a named constant at the head of its operation's
+# chapter; the fragments here are shared by several operations. Parameters are :name
+# (pg8000.native).
 
 
 def lease_expired(minutes: str = ":timeout_minutes") -> str:
@@ -319,44 +429,12 @@ CANDIDATE = f"""(
                      < now() - make_interval(days => :stale_days))))
 )"""
 CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
-CANDIDATE_REASON = """CASE
-    WHEN status = 'queued' THEN 'queued'
-    WHEN status = 'processing' THEN 'lease_expired'
-    WHEN status = 'failed' THEN 'retry_failed'
-    WHEN COALESCE(analysisversion, 0) < :analysis_version THEN 'outdated_version'
-    ELSE 'stale'
-END"""
+
 RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryable))"
 
-# == SQL: the claim =====================================================================
-#
-# The claim hands out the best of a few index heads, each read with FOR UPDATE SKIP
-# LOCKED (concurrent claimers pass each other's rows; the locks on heads not chosen end
-# with the statement):
-#   head           apps_claim_order: queued rows and rows the promoter flagged `due`;
-#   version_heads  apps_version_order: one head per old analysis version present
-#                  (found by a skip scan, so negative and NULL versions count too);
-#   lease_heads    expired leases not flagged yet (normally none: apps_unflagged_leases);
-#   stale_heads    stale analyses not flagged yet, one head per analysis version up to
-#                  the current one and analysis day older than the cutoff
-#                  (apps_stale_version_day_order). Read only when the oldest unflagged
-#                  analysis of such a version (a head of apps_stale_version_watch) is
-#                  past the cutoff: after a policy change, while the promoter is still
-#                  flagging in batches. An analysis of a version above the current one
-#                  is never stale (CANDIDATE), and these heads never read it.
-# Every head re-checks CANDIDATE, so the flag is bookkeeping, never a decision.
-OLD_VERSIONS = f"""old_versions(version) AS (
-    SELECT min(COALESCE(analysisversion, 0)) FROM apps
-    WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) < :analysis_version
-  UNION ALL
-    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
-            WHERE NOT due AND {RETRY_ELIGIBLE}
-              AND COALESCE(analysisversion, 0) > v.version
-              AND COALESCE(analysisversion, 0) < :analysis_version)
-    FROM old_versions v WHERE v.version IS NOT NULL
-)"""
 # The versions that can be stale: each one present up to the current version, found as
-# OLD_VERSIONS finds the old ones (a skip scan, here of apps_stale_version_watch).
+# the claim's OLD_VERSIONS finds the old ones (a skip scan, here of
+# apps_stale_version_watch). Here, not in "Claims": promotion uses it too.
 STALE_VERSIONS = f"""stale_versions(version) AS (
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) <= :analysis_version
@@ -369,266 +447,7 @@ STALE_VERSIONS = f"""stale_versions(version) AS (
 )"""
 STALE_CUTOFF = "now() - make_interval(days => :stale_days)"
 LEASE_CUTOFF = "now() - make_interval(mins => :timeout_minutes)"
-# An analysis of an outdated version is due again once it is a lease old: an analyser
-# still on the old version cannot put the same app back at the head in a loop.
-OUTDATED_RESULT_SETTLED = f"COALESCE(analysed, '-infinity') < {LEASE_CUTOFF}"
-# Whether an unflagged analysis is stale: the oldest of each version in stale_versions,
-# one probe each (the statement defines stale_versions).
-UNFLAGGED_STALE_EXIST = f"""(
-    SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
-        SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version) f
-) < {STALE_CUTOFF}"""
-STALE_DAYS = f"""stale_days(version, day) AS (
-    SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
-                       WHERE NOT due AND {RETRY_ELIGIBLE}
-                         AND COALESCE(analysisversion, 0) = s.version
-                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
-    FROM stale_versions s WHERE s.version IS NOT NULL AND {UNFLAGGED_STALE_EXIST}
-  UNION ALL
-    SELECT d.version, (SELECT min(analysis_day(analysed)) FROM apps
-                       WHERE NOT due AND {RETRY_ELIGIBLE}
-                         AND COALESCE(analysisversion, 0) = d.version
-                         AND analysis_day(analysed) > d.day
-                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
-    FROM stale_days d WHERE d.day IS NOT NULL AND d.day < analysis_day({STALE_CUTOFF})
-)"""
-CLAIM_KEYS = "appid, app_popularity(details) AS popularity, added"
-# What a claim writes. lease_attempts counts the claims in a row that took over an
-# expired lease; a refetch asked during a lease is done by the claim that follows it.
-CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
-    analysis_claim_token = :token, claimed_by = :analyser, claimed_with = :token,
-    refetch_requested = false,
-    lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
-CLAIM_NEXT_APP = f"""
-WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}, {STALE_DAYS},
-head AS (
-    SELECT {CLAIM_KEYS} FROM apps
-    WHERE (status = 'queued' OR due) AND {CANDIDATE}
-    ORDER BY {CLAIM_ORDER}
-    LIMIT 1 FOR UPDATE SKIP LOCKED
-), version_heads AS (
-    SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
-        SELECT {CLAIM_KEYS} FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
-          AND {OUTDATED_RESULT_SETTLED}
-        ORDER BY {CLAIM_ORDER}
-        LIMIT 1 FOR UPDATE SKIP LOCKED
-    ) h
-), lease_heads AS (
-    SELECT {CLAIM_KEYS} FROM apps
-    WHERE status = 'processing' AND NOT due AND {LEASE_EXPIRED}
-      AND lease_attempts < :max_lease_attempts
-    ORDER BY {CLAIM_ORDER}
-    LIMIT 1 FOR UPDATE SKIP LOCKED
-), stale_heads AS (
-    SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
-        SELECT {CLAIM_KEYS} FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = d.version
-          AND analysis_day(analysed) = d.day
-          AND COALESCE(analysed, '-infinity') < {STALE_CUTOFF}
-        ORDER BY {CLAIM_ORDER}
-        LIMIT 1 FOR UPDATE SKIP LOCKED
-    ) h
-), choice AS (
-    SELECT appid FROM (
-        SELECT * FROM head UNION ALL SELECT * FROM version_heads
-        UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
-    ) c
-    ORDER BY popularity DESC, added, appid
-    LIMIT 1
-)
-UPDATE apps SET {CLAIM_SET}
-FROM choice WHERE apps.appid = choice.appid
-RETURNING apps.appid
-"""
 
-CLAIM_NAMED_APP = f"""
-UPDATE apps SET {CLAIM_SET}
-WHERE appid = (
-    SELECT appid FROM apps
-    WHERE lower(appid) = lower(:appid) AND {CANDIDATE}
-    FOR UPDATE SKIP LOCKED)
-RETURNING appid
-"""
-
-# Read through apps_processing_started: only processing rows hold a claim token.
-FIND_OWN_CLAIM = """
-SELECT appid FROM apps WHERE status = 'processing' AND analysis_claim_token = :token
-"""
-
-# == SQL: promotion =====================================================================
-#
-# Flag the non-queued rows that are (or within the horizon will be) due by time, expired
-# leases and stale analyses, so that they join apps_claim_order. Each statement flags
-# one bounded batch and commits it, so a mass change (STALE_ANALYSIS_DAYS lowered over a
-# million analyses) is worked off over several requests, each within its time budget,
-# and what was done survives a killed process. Rows locked elsewhere are skipped, never
-# waited for. Stale rows go in analysis-time order (apps_stale_version_watch, one range
-# per version that can be stale): without the ORDER BY ... LIMIT the planner, which
-# cannot see that flagged rows left the partial index, estimates a fifth of the table
-# and scans it.
-PROMOTE_EXPIRED_LEASES = f"""
-WITH flagged AS (
-    UPDATE apps SET due = true
-    WHERE appid = ANY(ARRAY(
-        SELECT appid FROM apps
-        WHERE status = 'processing' AND NOT due
-          AND ({LEASE_EXPIRED}
-               OR processing_started < {LEASE_CUTOFF} + make_interval(secs => :horizon_seconds))
-          AND lease_attempts < :max_lease_attempts
-        LIMIT :batch FOR UPDATE SKIP LOCKED))
-    RETURNING 1
-)
-SELECT count(*) AS flagged FROM flagged
-"""
-# An app whose last max_lease_attempts leases in a row expired without a result is not
-# handed out again (CANDIDATE): the promoter records a retryable lease_expired failure on
-# the analysers' behalf, which waits like any retryable failure (a version bump, the
-# staleness window, or an operator's refetch). Its history row says so. That failure is
-# a result like an analyser's, written as the open claim's holder, so judge_result
-# decides it (PromotionPass.back_off): a batch of such leases is read under its row locks
-# with what judge_result needs, and one statement applies the verdicts.
-SERVER_FAILURE_SOURCE = "queue-server"
-BACK_OFF_LEASES = f"""
-SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
-       NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
-       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested
-FROM apps
-WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE_EXPIRED}
-  AND NOT refetch_requested
-LIMIT :batch FOR UPDATE SKIP LOCKED
-"""
-# What the columns of a stored failure record are derived from (stored_result_state, by
-# derive_analysis_state): its reason, its retryable flag, and its log when it names no
-# reason. Read for the few rows a lease ends on without a result, never answered.
-STORED_RESULT_PARTS = """
-SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
-       CASE WHEN jsonb_typeof(analysis->'reason') = 'string'
-            THEN analysis->>'reason' END AS reason,
-       CASE WHEN jsonb_typeof(analysis->'retryable') = 'boolean'
-            THEN (analysis->'retryable')::boolean END AS retryable,
-       CASE WHEN jsonb_typeof(analysis->'logs') = 'string'
-             AND NOT COALESCE(jsonb_typeof(analysis->'reason') = 'string'
-                              AND analysis->>'reason' <> '', false)
-            THEN analysis->>'logs' END AS logs
-FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
-"""
-# A lease that ends without its result being stored, because judge_result refused it as
-# older than a stored result of a version above the current one (the holder's result,
-# or the back-off's failure; Verdict.lease "ended"): the app goes back to the state its
-# stored result says (:ended, from stored_result_state), or is queued when an operator's
-# refetch waited for this lease. The lease is answered, so lease_attempts starts again
-# at 0.
-RETURN_TO_STORED_RESULT = """
-UPDATE apps SET status = CASE WHEN apps.refetch_requested THEN 'queued' ELSE e.status END,
-    failure_reason = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_reason END,
-    failure_retryable = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_retryable END,
-    processing_started = NULL, analysis_claim_token = NULL, due = false, lease_attempts = 0,
-    refetch_requested = false
-FROM jsonb_to_recordset(CAST(:ended AS jsonb))
-     AS e(appid text, status text, failure_reason text, failure_retryable boolean)
-WHERE apps.appid = e.appid AND apps.status = 'processing'
-RETURNING apps.appid
-"""
-BACK_OFF_APPLY = f"""
-WITH abandoned AS (
-    UPDATE apps SET status = 'failed', failure_reason = 'lease_expired',
-        failure_retryable = true, analysisversion = :analysis_version, analysed = now(),
-        analysis = jsonb_build_object(
-            'success', false, 'reason', 'lease_expired', 'retryable', true,
-            'analysis_source', '{SERVER_FAILURE_SOURCE}',
-            'logs', format('no result after %s leases in a row of %s minutes each',
-                           lease_attempts, CAST(:timeout_minutes AS integer))),
-        processing_started = NULL, analysis_claim_token = NULL, due = false,
-        lease_attempts = 0, refetch_requested = false,
-        result_claim_token = NULL, result_claim_verified = false, analysed_by = NULL
-    WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'
-    RETURNING appid, analysis, analysisversion, analysed, details
-), recorded AS (
-    INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
-                              analysis_source, success)
-    SELECT appid, analysis, analysisversion, analysed, details->>'version',
-           '{SERVER_FAILURE_SOURCE}', false
-    FROM abandoned
-    ON CONFLICT DO NOTHING
-    RETURNING 1
-), returned AS ({RETURN_TO_STORED_RESULT})
-SELECT (SELECT count(*) FROM abandoned) AS abandoned,
-       (SELECT count(*) FROM returned) AS returned
-"""
-# Such a lease with an operator's refetch waiting for it: the refetch wins, and the app
-# is queued (an operator asked for it) instead of backing off. No result is written.
-REQUEUE_REFETCHED_LEASES = f"""
-WITH requeued AS (
-    UPDATE apps SET status = 'queued', processing_started = NULL, analysis_claim_token = NULL,
-                    due = false, lease_attempts = 0, refetch_requested = false
-    WHERE appid = ANY(ARRAY(
-        SELECT appid FROM apps
-        WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-          AND {LEASE_EXPIRED} AND refetch_requested
-        LIMIT :batch FOR UPDATE SKIP LOCKED))
-    RETURNING 1
-)
-SELECT count(*) AS flagged FROM requeued
-"""
-PROMOTE_STALE_BATCH = f"""
-WITH RECURSIVE {STALE_VERSIONS}, flagged AS (
-    UPDATE apps SET due = true
-    WHERE appid = ANY(ARRAY(
-        SELECT r.appid FROM stale_versions s CROSS JOIN LATERAL (
-            SELECT appid FROM apps
-            WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version
-              AND COALESCE(analysed, '-infinity')
-                  < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
-            ORDER BY COALESCE(analysed, '-infinity')
-            LIMIT :batch FOR UPDATE SKIP LOCKED) r
-        LIMIT :batch))
-    RETURNING 1
-)
-SELECT count(*) AS flagged FROM flagged
-"""
-PLAN_WITH_VALUES = "SET LOCAL plan_cache_mode = force_custom_plan"
-
-# The policy the promoter last applied. When it changes, the flags the new policy no
-# longer supports (a longer staleness window or lease, an older current version) are
-# cleared, and the new policy is recorded only once a pass over the flagged rows is done.
-# The pass goes through apps_due by bundle ID from a cursor, PROMOTION_BATCH rows at a
-# time, so a batch costs the same whether it clears none of them or all.
-QUEUE_POLICY_APPLIED = """
-SELECT (analysis_version, stale_days, processing_timeout_minutes)
-       IS NOT DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
-FROM queue_policy
-"""
-RESTORE_QUEUE_POLICY_ROW = """
-INSERT INTO queue_policy (singleton) VALUES (true) ON CONFLICT DO NOTHING
-"""
-RECORD_QUEUE_POLICY = """
-UPDATE queue_policy
-SET analysis_version = :analysis_version, stale_days = :stale_days,
-    processing_timeout_minutes = :timeout_minutes, applied = now()
-WHERE singleton = (SELECT singleton FROM queue_policy FOR UPDATE SKIP LOCKED)
-RETURNING 1
-"""
-CLEAR_STALE_DUE_FLAGS = f"""
-WITH examined AS (
-    SELECT appid FROM apps WHERE due AND appid > :after ORDER BY appid LIMIT :batch
-), cleared AS (
-    UPDATE apps SET due = false
-    WHERE appid = ANY(ARRAY(
-        SELECT appid FROM apps
-        WHERE appid IN (SELECT appid FROM examined)
-          AND due AND status <> 'queued' AND NOT {CANDIDATE}
-          AND NOT (status = 'processing' AND NOT {LEASE_EXPIRED})
-        FOR UPDATE SKIP LOCKED))
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM examined) AS examined, (SELECT max(appid) FROM examined) AS last,
-       (SELECT count(*) FROM cleared) AS cleared
-"""
-
-# == SQL: an app's state ================================================================
-#
 # JSON columns are read as text and spliced into responses as they are: the service never
 # parses a stored document, so no stored value (however deep, however large) can fail to
 # decode on the way out.
@@ -639,514 +458,10 @@ DOCUMENT = """CASE WHEN octet_length({0}::text) <= :document_limit THEN {0}::tex
 # that records no analyser): claimed_by, while the lease is still the one it was handed.
 CLAIM_HOLDER = """CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token
             THEN claimed_by END"""
-# A stored failure record (derive_analysis_state: `success` is false) is what an analyser
-# wrote about its own run, its raw log included: never in a public answer.
-FAILURE_RECORD = "COALESCE(analysis->'success' = 'false'::jsonb, false)"
-FIND_APP = f"""
-SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
-       analysisversion, analysed, added, status, processing_started, failure_reason,
-       failure_retryable, analysis_claim_token, app_popularity(details) AS popularity,
-       {FAILURE_RECORD} AS failure_record, {CLAIM_HOLDER} AS claim_holder, analysed_by
-FROM apps WHERE lower(appid) = lower(:appid)
-"""
-# What judge_result and check_result_identity need of the app a result names, under the
-# row's lock. Whether the result is the stored one (SAME_RESULT) is asked only when that
-# decides the verdict: the document is parsed by PostgreSQL once per request (store_result).
-FIND_RESULT_TARGET = f"""
-SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
-       NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
-       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
-       {CLAIM_HOLDER} AS claim_holder, {DOCUMENT.format("details")}, analysed
-FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
-"""
-STORED_AS_SENT = """COALESCE(apps.analysis = {0}
-             AND apps.analysisversion IS NOT DISTINCT FROM :version, false)"""
-SAME_RESULT = f"""
-SELECT {STORED_AS_SENT.format("CAST(:analysis AS jsonb)")} AS same_result
-FROM apps WHERE appid = :appid
-"""
-
-# The public queue position: candidates ahead of the app in claim order, counted from the
-# same indexes the claim reads and only up to QUEUE_POSITION_BOUND, so it costs about as
-# much as a claim at any size. Each source is split into "more popular" and "as popular,
-# added earlier" so both halves are index ranges. Stale analyses the promoter has not
-# flagged yet are not counted (the answer says so).
-QUEUE_POSITION_BOUND = 1000
-VERSION_ORDER = f"COALESCE(analysisversion, 0), {CLAIM_ORDER}"
 
 
-def _rows_ahead(where: str, order: str) -> str:
-    """The rows of one claim source ahead of the app, as two index ranges read in index
-    order: ORDER BY ... LIMIT makes the planner read the index in order and stop, where
-    without them it collects every match and sorts it."""
-    return f"""(SELECT 1 FROM apps WHERE {where} AND app_popularity(details) > :popularity
-     ORDER BY {order} LIMIT :limit)
-    UNION ALL
-    (SELECT 1 FROM apps WHERE {where} AND app_popularity(details) = :popularity
-       AND (added, appid) < (:added, :appid)
-     ORDER BY {order} LIMIT :limit)"""
-
-
-QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
-OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
-    AND {OUTDATED_RESULT_SETTLED}"""
-UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due AND {LEASE_EXPIRED}
-    AND lease_attempts < :max_lease_attempts"""
-QUEUE_POSITION = f"""
-WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}
-SELECT
-    (SELECT count(*) FROM (
-        {_rows_ahead(QUEUED_OR_DUE_CANDIDATE, CLAIM_ORDER)}
-        UNION ALL
-        {_rows_ahead(UNFLAGGED_EXPIRED_LEASE, CLAIM_ORDER)}
-        UNION ALL
-        (SELECT 1 FROM old_versions v CROSS JOIN LATERAL (
-            {_rows_ahead(OLD_VERSION_ROW, VERSION_ORDER)}) x
-         WHERE v.version IS NOT NULL)
-        LIMIT :limit) ahead),
-    {UNFLAGGED_STALE_EXIST}
-"""
-
-# == SQL: results and new apps ==========================================================
-
-# The document as sent, cast to jsonb once (a materialized CTE: one parse, however often
-# it is used), stored; with :unless_stored, not when it is the stored result already (no
-# row returned), which is how a result whose verdict hangs on that is told and stored in
-# one statement.
-STORE_RESULT = f"""
-WITH sent AS MATERIALIZED (SELECT CAST(:analysis AS jsonb) AS document)
-UPDATE apps SET analysis = sent.document, analysisversion = :version,
-                analysed = now(), status = :status, failure_reason = :failure_reason,
-                failure_retryable = :failure_retryable, processing_started = NULL,
-                analysis_claim_token = NULL, due = false, lease_attempts = 0,
-                result_claim_token = :result_claim, result_claim_verified = :verified,
-                refetch_requested = false, analysed_by = :analyser
-FROM sent
-WHERE apps.appid = :appid AND NOT (:unless_stored AND {STORED_AS_SENT.format("sent.document")})
-RETURNING apps.appid, {DOCUMENT.format("details")}, apps.analysed
-"""
-
-# The history's analysis_source is the analysis's own when it is a non-empty string, else
-# 'legacy', as the old server writes it on every path (docs/fidelity.md); sql/023 makes
-# the rows written without one say so too.
-HISTORY_SOURCE = """CASE
-    WHEN jsonb_typeof(analysis->'analysis_source') = 'string'
-         AND analysis->>'analysis_source' <> '' THEN analysis->>'analysis_source'
-    ELSE 'legacy'
-END"""
-RECORD_HISTORY = f"""
-INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
-                          analysis_source, success, analyser)
-SELECT appid, analysis, analysisversion, analysed,
-       COALESCE(analysis->>'version', details->>'version'), {HISTORY_SOURCE},
-       status = 'analysed', analysed_by
-FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
-  AND analysis IS NOT NULL AND analysed IS NOT NULL
-ON CONFLICT DO NOTHING
-"""
-
-# An operator's refetch asked during the lease this result ended (refetch_requested).
-# The app is queued with refetch_requested still set, until the next claim: the mark
-# says that the stored result is the one that queued it, so that result sent again is
-# answered as the first time (judge_result) instead of being stored as a new one and
-# undoing the refetch. An operator's refetch of the queued app clears the mark.
-REQUEUE_AFTER_RESULT = """
-UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false,
-                refetch_requested = true
-WHERE appid = :appid
-"""
-# The lease's holder answered with a result refused as older than the stored one: not a
-# lease that expired without a result (judge_result, Verdict.lease).
-ANSWER_LEASE = """
-UPDATE apps SET lease_attempts = 0 WHERE appid = :appid AND status = 'processing'
-"""
-
-# The details as sent: the member "details" of the request's body, cast once (a JSON null
-# is no details).
-ADD_APP = """
-INSERT INTO apps (appid, details)
-VALUES (:appid, NULLIF(CAST(:body AS jsonb) -> 'details', 'null'::jsonb))
-ON CONFLICT DO NOTHING
-RETURNING appid
-"""
-
-# == SQL: analysers' pings ==============================================================
-
-RECORD_PING = """
-INSERT INTO analyser_heartbeats (analyser_id, last_seen, source_address, user_agent)
-VALUES (:analyser_id, now(), :source_address, :user_agent)
-ON CONFLICT (analyser_id) DO UPDATE
-SET last_seen = now(), source_address = EXCLUDED.source_address,
-    user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
-"""
-# Heartbeats: the shared password's (by X-Analyser-Id, or address and User-Agent) and
-# the named analysers' (their own row, not revoked: a revoked analyser's requests get
-# 401, so it is active nowhere). Ages come from the database's clock, the one that wrote
-# the times; a time the service cannot have written (infinite, or in the future) is not
-# a heartbeat. An analyser is active when it sent one in the last hour: the figure of
-# ActiveAnalysers, /healthz/analyser and queue-status alike, and each named analyser's
-# `online` (ANALYSER_ACTIVITY).
-ACTIVE_HEARTBEAT = "({0} > now() - interval '1 hour' AND {0} <= now())"
-LAST_PING = f"""
-WITH seen AS (
-    SELECT last_seen FROM analyser_heartbeats
-    UNION ALL SELECT last_seen FROM analysers WHERE revoked IS NULL AND last_seen IS NOT NULL
-)
-SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_ping,
-       count(*) FILTER (WHERE {ACTIVE_HEARTBEAT.format("last_seen")}) AS analysers_last_hour
-FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
-"""
-
-# == SQL: analysers =====================================================================
-#
-# Named analysers' credentials (sql/022): a token is known by its SHA-256 only. A request
-# finds its analyser with one probe of a unique index; a rotation's previous token works
-# until previous_token_expires; a revoked analyser's tokens never work again.
-ADD_ANALYSER = """
-INSERT INTO analysers (name, token_hash) VALUES (:name, :token_hash)
-ON CONFLICT DO NOTHING
-RETURNING name, created
-"""
-ANALYSER_BY_HASH = """
-SELECT name, token_hash, previous_token_hash FROM analysers
-WHERE revoked IS NULL
-  AND (token_hash = :token_hash
-       OR (previous_token_hash = :token_hash AND previous_token_expires > now()))
-"""
-REVOKE_ANALYSER = """
-UPDATE analysers SET revoked = COALESCE(revoked, now()), previous_token_hash = NULL,
-                     previous_token_expires = NULL
-WHERE name = :name
-RETURNING name, revoked
-"""
-# The token in use becomes the previous one for the overlap (none with no overlap); a
-# previous token still in its overlap is dropped. A revoked analyser stays revoked. One
-# statement that locks the row before it decides: a revocation that commits while it
-# waits is seen (revoked), so the answer is one row saying which case it was (none: no
-# such analyser), whatever commits meanwhile.
-ROTATE_ANALYSER = """
-WITH found AS (
-    SELECT name, revoked IS NOT NULL AS revoked FROM analysers WHERE name = :name FOR UPDATE
-), rotated AS (
-    UPDATE analysers
-    SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
-        previous_token_expires = CASE WHEN :overlap_seconds > 0
-                                      THEN now() + make_interval(secs => :overlap_seconds) END,
-        token_hash = :token_hash, rotated = now()
-    FROM found WHERE analysers.name = found.name AND NOT found.revoked
-    RETURNING analysers.name, analysers.rotated, analysers.previous_token_expires
-)
-SELECT found.name, found.revoked, rotated.rotated, rotated.previous_token_expires
-FROM found LEFT JOIN rotated ON rotated.name = found.name
-"""
-# A /ping authenticated just before its analyser's revocation committed records no
-# heartbeat after it.
-RECORD_ANALYSER_SEEN = """
-UPDATE analysers SET last_seen = now() WHERE name = :name AND revoked IS NULL
-"""
-RECORD_ANALYSER_RESULT = """
-UPDATE analysers SET last_result_app = :appid, last_result_at = now(),
-                     last_result_success = :success, last_result_version = :version
-WHERE name = :name
-"""
-# Each analyser as the operators see it: its lease (the most recent, if a crash left it
-# an older one too), its results in the last day, and whether it sends an old format.
-ANALYSER_ACTIVITY = f"""
-SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
-       a.revoked IS NULL AND {ACTIVE_HEARTBEAT.format("a.last_seen")} AS online,
-       a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
-       a.last_result_version < :analysis_version AS outdated_version,
-       held.appid AS holding, held.processing_started AS holding_since,
-       COALESCE(day.results, 0) AS results_24h, COALESCE(day.failures, 0) AS failures_24h
-FROM analysers a
-LEFT JOIN LATERAL (
-    SELECT appid, processing_started FROM apps
-    WHERE status = 'processing' AND claimed_by = a.name AND {CLAIM_HOLDER} = a.name
-    ORDER BY processing_started DESC LIMIT 1
-) held ON true
-LEFT JOIN (
-    SELECT analyser, count(*) FILTER (WHERE success) AS results,
-           count(*) FILTER (WHERE NOT success) AS failures
-    FROM app_analyses WHERE analysed > now() - interval '24 hours' AND analyser IS NOT NULL
-    GROUP BY analyser
-) day ON day.analyser = a.name
-ORDER BY a.name
-"""
-
-# == SQL: reports =======================================================================
-
-COUNT_BY_STATUS = """
-SELECT status, count(*) AS apps, count(*) FILTER (WHERE failure_retryable) AS retryable
-FROM apps GROUP BY status
-"""
-BACKLOG_BY_REASON = f"""
-SELECT {CANDIDATE_REASON} AS reason, count(*) AS apps FROM apps WHERE {CANDIDATE} GROUP BY 1
-"""
-THROUGHPUT = """
-SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) AS analysed_1h,
-       count(*) FILTER (WHERE analysed > now() - interval '24 hours'
-                        AND COALESCE(analysisversion, 0) < :analysis_version) AS outdated_24h,
-       count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND NOT success) AS failed_1h,
-       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND success) AS analysed_24h,
-       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND NOT success)
-           AS failed_24h,
-       count(*) FILTER (WHERE success) AS analysed_7d,
-       count(*) FILTER (WHERE NOT success) AS failed_7d
-FROM app_analyses WHERE analysed > now() - interval '7 days'
-"""
-FAILED_BY_REASON = """
-SELECT failure_reason AS reason, count(*) AS apps FROM apps WHERE status = 'failed' GROUP BY 1
-"""
-PROCESSING_APPS = f"""
-SELECT appid, processing_started, lease_attempts, refetch_requested,
-       CASE WHEN isfinite(processing_started)
-            THEN extract(epoch FROM now() - processing_started) / 60 END AS age_minutes,
-       {LEASE_EXPIRED} AS expired
-FROM apps WHERE status = 'processing'
-ORDER BY processing_started
-LIMIT :limit
-"""
-# Apps the queue holds back: leases that expired max_lease_attempts times in a row (the
-# promoter records them as lease_expired failures), and outdated-version analyses not yet
-# a lease old (an analyser still on an old version made them).
-HELD_BACK = f"""
-SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expired')
-           AS lease_expired_failures,
-       count(*) FILTER (WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-                        AND {LEASE_EXPIRED}) AS abandoned_leases,
-       count(*) FILTER (WHERE {RETRY_ELIGIBLE}
-                        AND COALESCE(analysisversion, 0) < :analysis_version
-                        AND NOT {OUTDATED_RESULT_SETTLED}) AS outdated_settling,
-       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting
-FROM apps
-"""
-TOP_BACKLOG = f"""
-SELECT appid, app_popularity(details) AS popularity, added, {CANDIDATE_REASON} AS reason
-FROM apps WHERE {CANDIDATE}
-ORDER BY {CLAIM_ORDER}
-LIMIT :limit
-"""
-
-# == SQL: refetch =======================================================================
-
-# A refetch never hands an app out twice: an app under a live lease is re-queued when
-# that lease's result arrives or the lease expires (refetch_requested), unless `force`
-# breaks the lease, which fences its holder (its claim token no longer matches). What
-# happens to each app is its outcome (REFETCH_OUTCOME, the one rule for the dry run and
-# --apply alike): queued, waiting (for the lease) or lease_broken.
-# A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
-# the one the serving API recorded (queue_policy): an operator's command run with other
-# settings than the API's must not break a lease the API still honours.
-REFETCH_LEASE_EXPIRED = lease_expired(
-    "GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0))"
-)
-REFETCH_LIVE_LEASE = f"status = 'processing' AND NOT {REFETCH_LEASE_EXPIRED}"
-REFETCH_OUTCOME = f"""CASE
-    WHEN status = 'processing' AND :force THEN 'lease_broken'
-    WHEN {REFETCH_LIVE_LEASE} THEN 'waiting'
-    ELSE 'queued'
-END"""
-REFETCH_SELECT_BY_ID = f"""
-SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
-WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
-ORDER BY app_popularity(details) DESC, added, appid
-"""
-# An invalid bundle ID is never valid again (apps' CHECK would refuse the UPDATE).
-REFETCH_FAILED_ROWS = """status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'"""
-REFETCH_ANALYSED_ROWS = "status = 'analysed'"
-REFETCH_SELECT_FAILED = f"""
-SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_FAILED_ROWS}
-ORDER BY app_popularity(details) DESC, added, appid
-LIMIT :limit
-"""
-REFETCH_SELECT_ANALYSED = f"""
-SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_ANALYSED_ROWS}
-ORDER BY app_popularity(details) DESC, added, appid
-LIMIT :limit
-"""
-# A bulk refetch without a limit walks apps by bundle ID (the primary key) from a cursor,
-# one window of :batch rows at a time, and selects the window's rows that match: a window
-# costs the same at any table size, whether none or all of its rows match.
-REFETCH_WALK = """
-SELECT appid, status, {rows} AS selected, {outcome} AS outcome FROM apps
-WHERE appid > :after ORDER BY appid LIMIT :batch
-"""
-REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})", outcome=REFETCH_OUTCOME)
-REFETCH_WALK_ANALYSED = REFETCH_WALK.format(
-    rows=f"({REFETCH_ANALYSED_ROWS})", outcome=REFETCH_OUTCOME
-)
-# The number of apps the planner believes there are (-1: never counted): a walk's progress
-# total, read without counting.
-APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 'apps'::regclass"
-# Applying a refetch first locks the selected rows that still match the selection (in
-# bundle-ID order, so two refetches never deadlock): a row deleted since it was read, or
-# changed so that it no longer matches (a failed app analysed since, an analysed app
-# claimed), is not returned, and is left as it is. The outcome is decided on the locked
-# row, with the dry run's rule. The history snapshot and the apply then act on locked rows.
-REFETCH_LOCK = f"""
-SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
-WHERE appid = ANY(CAST(:appids AS text[])) AND {{rows}}
-ORDER BY appid
-FOR UPDATE
-"""
-REFETCH_LOCK_NAMED = REFETCH_LOCK.format(rows="true")
-REFETCH_LOCK_FAILED = REFETCH_LOCK.format(rows=f"({REFETCH_FAILED_ROWS})")
-REFETCH_LOCK_ANALYSED = REFETCH_LOCK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
-# A refetched app's stored result becomes verified: the token of the claim that stored it
-# may send it again (answered as the first time), but no longer replace it.
-REFETCH_APPLY = """
-WITH requeued AS (
-    UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
-                    failure_retryable = NULL, analysis_claim_token = NULL, due = false,
-                    refetch_requested = false, lease_attempts = 0,
-                    result_claim_verified = true
-    WHERE appid = ANY(CAST(:requeue AS text[]))
-    RETURNING 1
-), deferred AS (
-    UPDATE apps SET refetch_requested = true WHERE appid = ANY(CAST(:wait AS text[]))
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM requeued) AS requeued, (SELECT count(*) FROM deferred) AS deferred
-"""
-
-# == SQL: the ledger ====================================================================
-
-LEDGER_CREATE = """
-CREATE TABLE IF NOT EXISTS schema_migrations (
-    filename text PRIMARY KEY,
-    applied_at timestamp without time zone NOT NULL DEFAULT now()
-)
-"""
-LEDGER_ADD_CHECKSUM = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text"
-LEDGER_READ = "SELECT filename, checksum FROM schema_migrations ORDER BY filename"
-# What a dry run reads instead of creating or altering anything: whether the ledger table
-# exists, and whether it has the checksum column (the old server's has none).
-LEDGER_SHAPE = """
-SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
-       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('schema_migrations')
-               AND attname = 'checksum' AND NOT attisdropped) AS checksums
-"""
-LEDGER_READ_NAMES = "SELECT filename, NULL AS checksum FROM schema_migrations ORDER BY filename"
-LEDGER_ADOPT = """
-UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND checksum IS NULL
-"""
-LEDGER_RECORD = "INSERT INTO schema_migrations (filename, checksum) VALUES (:filename, :checksum)"
-LEDGER_TRY_LOCK = "SELECT pg_try_advisory_lock(:key)"
-LEDGER_UNLOCK = "SELECT pg_advisory_unlock(:key)"
-# Indexes a failed (or killed) CREATE INDEX CONCURRENTLY of a no-transaction ledger file
-# left INVALID: kept up to date on every write yet never read, and, being there, they make
-# the file's `CREATE INDEX CONCURRENTLY IF NOT EXISTS` skip the build on a re-run. Only
-# indexes the file names are candidates (its words, as unquoted identifiers fold).
-LEDGER_INVALID_INDEXES = """
-SELECT n.nspname, c.relname
-FROM pg_index i
-JOIN pg_class c ON c.oid = i.indexrelid
-JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE NOT i.indisvalid
-  AND n.nspname = current_schema()
-  AND c.relname = ANY(regexp_split_to_array(lower(:file_text), '[^a-z0-9_$]+'))
-"""
-LEDGER_DROP_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"  # quoted identifiers
-VACUUM_APPS = "VACUUM (ANALYZE) apps"
-
-# == SQL: health and sessions ===========================================================
-
-# Healthy means a claim could run now: the server takes writes, and the lock a claim
-# takes on apps (ROW EXCLUSIVE, which an index build's SHARE lock or a migration's ACCESS
-# EXCLUSIVE blocks) is granted within the API's lock_timeout. The probe changes nothing.
-DATABASE_WRITABLE = """
-SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'
-"""
-CLAIM_LOCK_PROBE = "UPDATE apps SET due = due WHERE false"
-# Whether the database has a ledger, and whether this role may read it (a role granted
-# only the queue's tables cannot: /healthz then checks what the claim needs, no more).
-LEDGER_READABLE = """
-SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
-       COALESCE(has_table_privilege(to_regclass('schema_migrations'), 'SELECT'), false)
-           AS readable
-"""
-BACKEND_PID = "SELECT pg_backend_pid()"
-TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
-
-
-# == Database access ====================================================================
-# One connection per process (one per Lambda container), opened on first use, reopened
-# when PostgreSQL dropped it; the process's Runtime holds it.
-
-
-class DatabaseUnavailable(ServiceError):
-    """PostgreSQL cannot be reached or dropped the connection; the API answers 503."""
-
-
-class BadInput(ServiceError):
-    """The request is well-formed HTTP but its data is unusable; the API answers 400."""
-
-
-class PlanChanged(ServiceError):
-    """A prepared statement's plan was invalidated (0A000) inside a transaction, which
-    the error aborted; SharedConnection runs the transaction once more."""
-
-
-# SQLSTATEs that mean "this connection is gone", not "this statement is wrong".
-_CONNECTION_LOST_STATES = {"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"}
-
-
-def _is_connection_lost(error: BaseException) -> bool:
-    if isinstance(error, (pg8000.native.InterfaceError, OSError)):
-        return True
-    if isinstance(error, pg8000.native.DatabaseError) and error.args:
-        detail = error.args[0]
-        return isinstance(detail, dict) and detail.get("C") in _CONNECTION_LOST_STATES
-    return False
-
-
-def sqlstate(error: BaseException) -> str | None:
-    if isinstance(error, pg8000.native.DatabaseError) and error.args:
-        detail = error.args[0]
-        if isinstance(detail, dict):
-            return detail.get("C")
-    return None
-
-
-def _is_server_reply(error: BaseException) -> bool:
-    """A complete error reply from PostgreSQL about the statement, on a live connection."""
-    return sqlstate(error) is not None and not _is_connection_lost(error)
-
-
-def _error_text(error: BaseException) -> str:
-    """A short, secret-free description: SQLSTATE and message for database errors."""
-    if isinstance(error, pg8000.native.DatabaseError) and error.args:
-        detail = error.args[0]
-        if isinstance(detail, dict):
-            return f"{detail.get('C')}: {detail.get('M')}"
-    return f"{type(error).__name__}: {error}"
-
-
-def _ssl_context(mode: str, root_cert: str | None):
-    """TLS as configured; verify-full checks the chain and the host name. There is no
-    silent plaintext fallback: `disable` must be asked for."""
-    if mode == "disable":
-        return None
-    import ssl
-
-    if mode not in ("require", "verify-ca", "verify-full"):
-        raise ConfigError(
-            f"sslmode (DB_SSLMODE, or in DATABASE_URL) must be one of {', '.join(SSL_MODES)}"
-        )
-    if mode == "require":
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        return context
-    if root_cert and not Path(root_cert).is_file():
-        raise ConfigError(
-            f"DB_SSLROOTCERT (or sslrootcert in DATABASE_URL): the CA bundle {root_cert}"
-            " does not exist"
-        )
-    context = ssl.create_default_context(cafile=root_cert)
-    context.check_hostname = mode == "verify-full"
-    return context
+# == Secrets ============================================================================
+# The secret stores (Secrets Manager, SSM), read through Powertools on first use.
 
 
 def fetch_secret(
@@ -1213,6 +528,47 @@ def prepare_secret_clients(config: Settings) -> list[str]:
     return stores
 
 
+# A bearer token that matches neither cached version of a secret makes the process read
+# the secret again (it may have been rotated since), at most once per this many seconds
+# per secret: a flood of wrong tokens costs a process two reads of it (current and
+# previous version) per interval, whatever the number of threads (docs/analysers.md).
+SECRET_REFRESH_SECONDS = 10
+
+
+# == Database access ====================================================================
+# One connection per process (one per Lambda container), opened on first use, reopened
+# when PostgreSQL dropped it; the process's Runtime holds it.
+
+
+# -- connecting
+
+
+def _ssl_context(mode: str, root_cert: str | None):
+    """TLS as configured; verify-full checks the chain and the host name. There is no
+    silent plaintext fallback: `disable` must be asked for."""
+    if mode == "disable":
+        return None
+    import ssl
+
+    if mode not in ("require", "verify-ca", "verify-full"):
+        raise ConfigError(
+            f"sslmode (DB_SSLMODE, or in DATABASE_URL) must be one of {', '.join(SSL_MODES)}"
+        )
+    if mode == "require":
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    if root_cert and not Path(root_cert).is_file():
+        raise ConfigError(
+            f"DB_SSLROOTCERT (or sslrootcert in DATABASE_URL): the CA bundle {root_cert}"
+            " does not exist"
+        )
+    context = ssl.create_default_context(cafile=root_cert)
+    context.check_hostname = mode == "verify-full"
+    return context
+
+
 def connection_arguments(
     config: Settings, fresh: bool = False, owner: bool = False
 ) -> dict[str, Any]:
@@ -1259,6 +615,9 @@ def connection_arguments(
         "database": config.db_name,
         "ssl_context": _ssl_context(config.db_sslmode, config.db_sslrootcert),
     }
+
+
+# -- one connection, shared
 
 
 class Session:
@@ -1479,11 +838,7 @@ class SharedConnection:
                 raise
 
 
-# A bearer token that matches neither cached version of a secret makes the process read
-# the secret again (it may have been rotated since), at most once per this many seconds
-# per secret: a flood of wrong tokens costs a process two reads of it (current and
-# previous version) per interval, whatever the number of threads (docs/analysers.md).
-SECRET_REFRESH_SECONDS = 10
+# -- the process's runtime
 
 # The API's socket timeout is the statement timeout plus this: a dead network path (no
 # reply, no reset) fails the read instead of hanging until Lambda's timeout. A request
@@ -1671,37 +1026,11 @@ def owner_connection() -> SharedConnection:
     return runtime().owner_connection()
 
 
-# == Queue logic ========================================================================
-# Pure functions, no I/O.
+# == Input checks =======================================================================
+# Pure functions, no I/O: a bundle ID, and JSON that PostgreSQL can store and the
+# service can read back.
 
 BUNDLE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
-
-ANALYSIS_FAILED = "analysis_failed"
-# (reason, retryable, phrases), first match wins (docs/api.md, "Failures: retry or not").
-FAILURE_CLASSES = (
-    ("app_not_found", False, ("app not found",)),
-    (
-        "ipa_too_large",
-        False,
-        ("download exceeded max_attempt_download_bytes", "above max_app_size_bytes"),
-    ),
-    (
-        "ios_version_too_low",
-        False,
-        (
-            "deviceosversiontoolow",
-            "system version is lower than the minimum os version",
-        ),
-    ),
-    ("paid_app", False, ("purchasing paid apps is not supported",)),
-)
-NON_RETRYABLE_REASONS = {reason for reason, _, _ in FAILURE_CLASSES} | {"invalid_bundle_id"}
-# The reasons a failure is stored and shown under: the table's, invalid_bundle_id (an
-# analyser's), analysis_failed, and lease_expired (the promoter's, ABANDON_EXPIRED_LEASES).
-# An analyser may name any but the promoter's; whatever else it writes is its own text,
-# kept in the stored record (the admin view), never a reason the public sees.
-ANALYSER_FAILURE_REASONS = NON_RETRYABLE_REASONS | {ANALYSIS_FAILED}
-FAILURE_REASONS = ANALYSER_FAILURE_REASONS | {"lease_expired"}
 
 
 def is_valid_bundle_id(value: str) -> bool:
@@ -1882,18 +1211,981 @@ def details_problem(details: dict[str, Any]) -> str | None:
     return None
 
 
-def listed_bundle_id(app_id: str, details: dict[str, Any] | None) -> str | None:
-    """The bundle ID an app is added under (docs/fidelity.md): the App Store listing's
-    `appId` when it is the requested ID in another letter case (the App Store's casing is
-    the one the analysers download by and the website shows), the request's when the
-    listing names none; None when the listing's `appId` names another app or is no bundle
-    ID at all (checked as a bundle ID first: str.lower() folds the Kelvin sign to "k")."""
-    if details is None or "appId" not in details:
-        return app_id
-    listed = details["appId"]
-    if isinstance(listed, str) and is_valid_bundle_id(listed) and listed.lower() == app_id.lower():
-        return listed
+# == HTTP scaffolding ===================================================================
+# The FastAPI app and what every route uses: `blocking`, bearer tokens, reading a
+# request, JSON answers that fit Lambda, the OpenAPI of the error answers.
+
+
+# -- the app
+
+# The routes are `async def` and hand their blocking work (the database, parsing a large
+# body) to `blocking`. A Lambda container serves one request at a time, and a hop to a
+# worker thread (which FastAPI makes for `def` routes and dependencies, starting a new
+# thread per invocation under Mangum) costs more than the claim itself: there `blocking`
+# calls the work inline. Under `serve` (uvicorn, one event loop for every client) the
+# Runtime has worker threads, each with its own connection, and `blocking` runs the work
+# on one of them, so /queue is answered while large uploads are parsed and stored.
+app = FastAPI(
+    title="Analysis queue",
+    version="1.0.0",
+    description="Queue server for the iOS app privacy analysers.",
+    redirect_slashes=False,
+    docs_url=None,
+    redoc_url=None,
+)
+
+
+async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) -> Any:
+    """work(*args): inline (Lambda), or on a worker thread when the Runtime has them
+    (`parse`: work that parses a body, one at a time: Runtime.worker_limiter)."""
+    limiter = runtime().worker_limiter(parse)
+    if limiter is None:
+        return work(*args)
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(lambda: work(*args), limiter=limiter)
+
+
+# -- bearer tokens
+
+analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
+admin_bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken")
+
+
+def _configured_secret(reference: str) -> str | None:
+    """The secret's current version, as cached for SECRETS_MAX_AGE_SECONDS; None when it
+    is not text (no token)."""
+    try:
+        value = fetch_secret(reference, settings().secrets_max_age_seconds)
+    except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
+        logger.warning(
+            "secret unavailable",
+            extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
+        )
+        raise HTTPException(503, "the server cannot read its token for this route") from None
+    return value if isinstance(value, str) and value else None
+
+
+def _previous_secret(reference: str) -> str | None:
+    """The secret's previous version (Secrets Manager's AWSPREVIOUS), read only when the
+    current one did not match: during a rotation both are accepted. Unreadable: none."""
+    try:
+        return runtime().previous_secret(reference)
+    except Exception as error:  # noqa: BLE001 - the current version still works
+        logger.warning(
+            "previous secret version unavailable",
+            extra={"secret": reference, "error": f"{type(error).__name__}"},
+        )
+        return None
+
+
+def _secret_matches(given: bytes, reference: str) -> bool:
+    """Whether `given` is the secret's current version (as cached) or its previous one."""
+    expected = _configured_secret(reference)
+    if expected is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    if hmac.compare_digest(given, expected.encode()):
+        return True
+    older = _previous_secret(reference)
+    return older is not None and hmac.compare_digest(given, older.encode())
+
+
+def _unauthorized() -> HTTPException:
+    return HTTPException(
+        401, "Please provide correct password.", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def _check_bearer(
+    credentials: HTTPAuthorizationCredentials | None, plain: str | None, reference: str | None
+) -> None:
+    """The bearer token against the route's: `plain` (from the environment), or else the
+    secret at `reference`, its current version or its previous one. A token that matches
+    neither cached version may be a rotated secret's new value: the secret is read again
+    (Runtime.refresh_secret, rate-limited) before the answer is 401, so a new value works
+    at its first use."""
+    given = credentials.credentials.encode() if credentials else b""
+    if plain:
+        if hmac.compare_digest(given, plain.encode()):
+            return
+        raise _unauthorized()
+    if reference is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    if _secret_matches(given, reference):
+        return
+    try:
+        runtime().refresh_secret(reference)
+    except Exception as error:  # noqa: BLE001 - the cached versions stand; a wrong token is 401
+        logger.warning(
+            "secret refresh failed", extra={"secret": reference, "error": type(error).__name__}
+        )
+    if _secret_matches(given, reference):
+        return
+    raise _unauthorized()
+
+
+# -- reading a request
+
+CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
+
+
+def _single_query_value(request: Request, name: str, required: bool = True) -> str | None:
+    values = request.query_params.getlist(name)
+    if len(values) > 1:
+        raise HTTPException(400, f"{name} given more than once")
+    if not values:
+        if required:
+            raise HTTPException(400, f"{name} is required")
+        return None
+    return values[0]
+
+
+def _only_query(request: Request, known: tuple[str, ...]) -> None:
+    """A misspelt parameter (appid for appId) must not quietly change what a route does:
+    /queue would hand out some other app."""
+    unknown = sorted({name for name in request.query_params if name not in known})
+    if unknown:
+        raise HTTPException(400, f"unknown query parameter {unknown[0]!r}; known: {known}"[:300])
+
+
+def _bundle_id(value: str | None) -> str:
+    if value is None or not is_valid_bundle_id(value):
+        raise HTTPException(400, "appId must be a bundle ID (letters, digits, '.', '-')")
+    return value
+
+
+VERSION_TEXT = re.compile(r"[0-9]{1,9}")
+
+
+def _analysis_version(request: Request) -> int:
+    value = _single_query_value(request, "analysisVersion")
+    if value is None or not VERSION_TEXT.fullmatch(value):
+        raise HTTPException(400, "analysisVersion must be a whole number of 1 to 9 digits")
+    return int(value)
+
+
+def _require_content_type(request: Request, accepted: tuple[str, ...]) -> None:
+    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if given not in accepted:
+        raise HTTPException(415, f"Content-Type must be {' or '.join(accepted)}")
+
+
+# Header values the service reads or stores: printable ASCII only. Anything else (a
+# control character, NUL, a byte over 0x7F) is a client bug, and PostgreSQL's text cannot
+# hold some of it.
+PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+DIGITS = re.compile(r"[0-9]{1,15}")
+
+
+def _header(request: Request, name: str, max_length: int) -> str | None:
+    """The one value of header `name`, checked; None if absent; 400 naming it if bad."""
+    values = request.headers.getlist(name)
+    if len(values) > 1:
+        raise HTTPException(400, f"{name} given more than once")
+    if not values:
+        return None
+    if len(values[0]) > max_length or not PRINTABLE_ASCII.fullmatch(values[0]):
+        raise HTTPException(400, f"{name} must be at most {max_length} printable ASCII characters")
+    return values[0]
+
+
+async def _read_body(request: Request) -> bytes:
+    limit = settings().max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not DIGITS.fullmatch(declared):
+            raise HTTPException(400, "invalid Content-Length")
+        if int(declared) > limit:
+            raise HTTPException(413, f"body larger than {limit} bytes")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(413, f"body larger than {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client went away mid-body (serve): nothing to answer, nothing written, and
+        # not the service's error.
+        raise HTTPException(400, "the client disconnected before sending its body") from None
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+class _CollectorPause:
+    """Parsing a large document makes millions of containers, and every pass of Python's
+    cyclic garbage collector walks them all again: 4 MB of small nested arrays took 4.6 s
+    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits while
+    any parse and its check run; with worker threads (`serve`) several may overlap, and
+    the collector is on again (if it was on) when the last one is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._was_enabled = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0 and self._was_enabled:
+                    gc.enable()
+
+
+_COLLECTOR = _CollectorPause()
+
+
+def _parse_json_text(body: bytes, name: str) -> tuple[str, Any]:
+    """The body as JSON that PostgreSQL can store and the service can read back (400
+    naming the place otherwise): its text, which is what is stored, and its value, which
+    the service reads and checks (numbers with a fraction or an exponent as JSONNumber)."""
+    try:
+        with _COLLECTOR.paused():
+            text = body.decode("utf-8")
+            value = json.loads(text, parse_float=JSONNumber, parse_constant=_reject_constant)
+            problem = json_problem(value, name)
+    except RecursionError:
+        raise HTTPException(400, f"{name} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as error:  # also UnicodeDecodeError, and integers over 4300 digits
+        raise HTTPException(400, f"{name} is not valid JSON: {str(error)[:200]}") from None
+    if problem:
+        raise HTTPException(400, problem)
+    return text, value
+
+
+def _parse_json(body: bytes, name: str) -> Any:
+    """The body's value, as _parse_json_text checks it."""
+    return _parse_json_text(body, name)[1]
+
+
+# -- answers
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly form of database values."""
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat()
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    return value
+
+
+def omission(field: str, size: int) -> dict[str, str]:
+    """What an answer says in place of a stored document too large for it."""
+    return {
+        f"{field}Omitted": f"the stored {field} is {size} bytes of JSON, more than a response"
+        " can carry"
+    }
+
+
+class RawJSON(str):
+    """JSON text from the database, spliced into a response as it is (see json_text)."""
+
+    @classmethod
+    def of(cls, text: str | None) -> RawJSON | None:
+        return None if text is None else cls(text)
+
+
+def json_text(value: Any) -> str:
+    """The JSON text of value, with RawJSON parts copied in, never parsed: a stored
+    document of any depth or size is answered as PostgreSQL wrote it."""
+    if isinstance(value, RawJSON):
+        return str(value)
+    if isinstance(value, dict):
+        items = (
+            json.dumps(str(k), ensure_ascii=False) + ":" + json_text(v) for k, v in value.items()
+        )
+        return "{" + ",".join(items) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(json_text(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _document(field: str, text: str | None, size: int | None) -> dict[str, Any]:
+    """A stored document for an answer: its JSON text, or, if it was too large to read
+    (text None, size given), null and a note saying so."""
+    if text is None and size is not None:
+        return {field: None, **omission(field, size)}
+    return {field: RawJSON.of(text)}
+
+
+# A 503 for database trouble (a lock, a timeout, a lost or read-only server) says when
+# to try again.
+RETRY_AFTER = {"Retry-After": "5"}
+
+# Lambda refuses a response over 6 MB, counted as the JSON document the runtime sends:
+# the body is a string in it, so every quote and backslash in the body is escaped again
+# and every character past ASCII may become a \\uXXXX escape (12 bytes for one outside
+# the BMP). The allowance covers the status, headers and field names.
+RESPONSE_ENVELOPE_ALLOWANCE = 32_768
+WORST_ESCAPE_FACTOR = 12
+
+
+def lambda_body_bytes(text: str) -> int:
+    """The size of the body text inside Lambda's response document, at worst."""
+    if len(text) * WORST_ESCAPE_FACTOR <= LAMBDA_PAYLOAD_LIMIT_BYTES // 2:
+        return len(text) * WORST_ESCAPE_FACTOR  # clearly small: skip the exact count
+    return len(json.dumps(text))
+
+
+def fit_for_lambda(view: dict[str, Any], droppable: tuple[str, ...]) -> str:
+    """view as JSON text, with its large stored documents (fields in droppable, in that
+    order) left out, and said so, until the answer fits Lambda's response limit."""
+    text = json_text(view)
+    for field in droppable:
+        if lambda_body_bytes(text) + RESPONSE_ENVELOPE_ALLOWANCE <= LAMBDA_PAYLOAD_LIMIT_BYTES:
+            break
+        stored = view.get(field)
+        if stored is None:
+            continue
+        view = {**view, field: None, **omission(field, len(stored.encode()))}
+        text = json_text(view)
+    return text
+
+
+def _json_answer(
+    view: dict[str, Any], status_code: int = 200, droppable: tuple[str, ...] = ()
+) -> Response:
+    return Response(
+        fit_for_lambda(view, droppable), status_code=status_code, media_type="application/json"
+    )
+
+
+# -- OpenAPI
+
+# Every answer but the success a route documents: {"detail": "..."} saying why.
+ERROR_ANSWERS = {
+    400: "Bad input, named in `detail`; nothing was written.",
+    401: "A wrong or missing bearer token.",
+    404: "No such app (bundle IDs match in any letter case); nothing was written.",
+    409: "The result is refused, and `detail` says why (a stale X-Analysis-Claim-Token, a"
+    " result of a newer analysisVersion stored, a claim answered already, or, sent without"
+    " a token, another credential's claim): it was not written, and it is not the stored"
+    " one. Nothing else changed, but for the lease's holder refused for a newer"
+    " analysisVersion stored: that lease counts as answered (and ends at once when the"
+    " stored version is above CURRENT_ANALYSIS_VERSION).",
+    413: "The body is larger than MAX_BODY_BYTES.",
+    415: "The Content-Type is not one the route takes.",
+    503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"
+    " after Retry-After seconds.",
+}
+DETAIL_SCHEMA = {"type": "object", "properties": {"detail": {"type": "string"}}}
+
+
+def _errors(*codes: int) -> dict[str, dict]:
+    """The OpenAPI responses of the error answers `codes`."""
+    return {
+        str(code): {
+            "description": ERROR_ANSWERS[code],
+            "content": {"application/json": {"schema": DETAIL_SCHEMA}},
+        }
+        for code in codes
+    }
+
+
+CLAIM_ISSUED_DOC = (
+    "The claim: a random UUID, fresh with each app handed out (absent when there is no "
+    "work). Sending it back in the X-Analysis-Claim-Token header of the upload or failure "
+    "report fences the result: it is accepted only while this is the app's current claim, "
+    "and for one result."
+)
+CLAIM_RETURNED_DOC = (
+    "The X-Analysis-Claim-Token the GET /queue answer carried. When given, the result is "
+    "accepted only while it is the app's current claim; sent again after a lost reply, the "
+    "result that claim stored is answered 200 as the first time. A stale token (another "
+    "result stored for the claim, or the lease handed out again) gets 409 and nothing is "
+    "written. Optional, as the deployed analysers send none: a result without it is judged "
+    'by what it would replace (docs/queue.md, "Results").'
+)
+
+
+def _documented(
+    query: dict[str, bool],
+    body: tuple[str, dict] | None = None,
+    claim: str | None = None,
+    errors: tuple[int, ...] = (),
+) -> dict:
+    """OpenAPI for what a route reads itself: its query parameters (name -> required) and
+    body; and the claim token, which the route has either "issued" (a header of its 200) or
+    "returned" to it (an optional request header). The routes parse these by hand, for the
+    contract's exact 400s; declaring them as FastAPI parameters (path parameters too) would
+    also load pydantic.v1 at cold start (docs/benchmarks.md says how long). `errors`: the
+    error answers it gives."""
+    extra: dict[str, Any] = {
+        "parameters": [
+            {"name": name, "in": "query", "required": required, "schema": {"type": "string"}}
+            for name, required in query.items()
+        ],
+        "responses": _errors(*errors),
+    }
+    if body is not None:
+        media_type, schema = body
+        extra["requestBody"] = {"required": True, "content": {media_type: {"schema": schema}}}
+    if claim == "issued":
+        extra["responses"]["200"] = {
+            "headers": {
+                CLAIM_TOKEN_HEADER: {
+                    "description": CLAIM_ISSUED_DOC,
+                    "schema": {"type": "string", "format": "uuid"},
+                }
+            }
+        }
+    elif claim == "returned":
+        extra["parameters"].append(
+            {
+                "name": CLAIM_TOKEN_HEADER,
+                "in": "header",
+                "required": False,
+                "description": CLAIM_RETURNED_DOC,
+                "schema": {"type": "string"},
+            }
+        )
+    elif claim is not None:
+        raise ValueError(f"claim is 'issued', 'returned' or None, not {claim!r}")
+    return extra
+
+
+# == Analysers: pings and credentials ===================================================
+# Heartbeats (GET /ping) and named analysers' credentials (sql/022, docs/analysers.md).
+
+
+# -- SQL
+
+RECORD_PING = """
+INSERT INTO analyser_heartbeats (analyser_id, last_seen, source_address, user_agent)
+VALUES (:analyser_id, now(), :source_address, :user_agent)
+ON CONFLICT (analyser_id) DO UPDATE
+SET last_seen = now(), source_address = EXCLUDED.source_address,
+    user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
+"""
+# Heartbeats: the shared password's (by X-Analyser-Id, or address and User-Agent) and
+# the named analysers' (their own row, not revoked: a revoked analyser's requests get
+# 401, so it is active nowhere). Ages come from the database's clock, the one that wrote
+# the times; a time the service cannot have written (infinite, or in the future) is not
+# a heartbeat. An analyser is active when it sent one in the last hour: the figure of
+# ActiveAnalysers, /healthz/analyser and queue-status alike, and each named analyser's
+# `online` (ANALYSER_ACTIVITY).
+ACTIVE_HEARTBEAT = "({0} > now() - interval '1 hour' AND {0} <= now())"
+LAST_PING = f"""
+WITH seen AS (
+    SELECT last_seen FROM analyser_heartbeats
+    UNION ALL SELECT last_seen FROM analysers WHERE revoked IS NULL AND last_seen IS NOT NULL
+)
+SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_ping,
+       count(*) FILTER (WHERE {ACTIVE_HEARTBEAT.format("last_seen")}) AS analysers_last_hour
+FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
+"""
+# Named analysers' credentials (sql/022): a token is known by its SHA-256 only. A request
+# finds its analyser with one probe of a unique index; a rotation's previous token works
+# until previous_token_expires; a revoked analyser's tokens never work again.
+ADD_ANALYSER = """
+INSERT INTO analysers (name, token_hash) VALUES (:name, :token_hash)
+ON CONFLICT DO NOTHING
+RETURNING name, created
+"""
+ANALYSER_BY_HASH = """
+SELECT name, token_hash, previous_token_hash FROM analysers
+WHERE revoked IS NULL
+  AND (token_hash = :token_hash
+       OR (previous_token_hash = :token_hash AND previous_token_expires > now()))
+"""
+REVOKE_ANALYSER = """
+UPDATE analysers SET revoked = COALESCE(revoked, now()), previous_token_hash = NULL,
+                     previous_token_expires = NULL
+WHERE name = :name
+RETURNING name, revoked
+"""
+# The token in use becomes the previous one for the overlap (none with no overlap); a
+# previous token still in its overlap is dropped. A revoked analyser stays revoked. One
+# statement that locks the row before it decides: a revocation that commits while it
+# waits is seen (revoked), so the answer is one row saying which case it was (none: no
+# such analyser), whatever commits meanwhile.
+ROTATE_ANALYSER = """
+WITH found AS (
+    SELECT name, revoked IS NOT NULL AS revoked FROM analysers WHERE name = :name FOR UPDATE
+), rotated AS (
+    UPDATE analysers
+    SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
+        previous_token_expires = CASE WHEN :overlap_seconds > 0
+                                      THEN now() + make_interval(secs => :overlap_seconds) END,
+        token_hash = :token_hash, rotated = now()
+    FROM found WHERE analysers.name = found.name AND NOT found.revoked
+    RETURNING analysers.name, analysers.rotated, analysers.previous_token_expires
+)
+SELECT found.name, found.revoked, rotated.rotated, rotated.previous_token_expires
+FROM found LEFT JOIN rotated ON rotated.name = found.name
+"""
+# A /ping authenticated just before its analyser's revocation committed records no
+# heartbeat after it.
+RECORD_ANALYSER_SEEN = """
+UPDATE analysers SET last_seen = now() WHERE name = :name AND revoked IS NULL
+"""
+
+# Each analyser as the operators see it: its lease (the most recent, if a crash left it
+# an older one too), its results in the last day, and whether it sends an old format.
+ANALYSER_ACTIVITY = f"""
+SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
+       a.revoked IS NULL AND {ACTIVE_HEARTBEAT.format("a.last_seen")} AS online,
+       a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
+       a.last_result_version < :analysis_version AS outdated_version,
+       held.appid AS holding, held.processing_started AS holding_since,
+       COALESCE(day.results, 0) AS results_24h, COALESCE(day.failures, 0) AS failures_24h
+FROM analysers a
+LEFT JOIN LATERAL (
+    SELECT appid, processing_started FROM apps
+    WHERE status = 'processing' AND claimed_by = a.name AND {CLAIM_HOLDER} = a.name
+    ORDER BY processing_started DESC LIMIT 1
+) held ON true
+LEFT JOIN (
+    SELECT analyser, count(*) FILTER (WHERE success) AS results,
+           count(*) FILTER (WHERE NOT success) AS failures
+    FROM app_analyses WHERE analysed > now() - interval '24 hours' AND analyser IS NOT NULL
+    GROUP BY analyser
+) day ON day.analyser = a.name
+ORDER BY a.name
+"""
+
+
+# -- tokens
+
+# A named analyser's bearer token: the prefix (so the service knows at a glance to look
+# it up, and an operator knows what it is) and 256 random bits, URL-safe base64: safe to
+# paste into a shell or an .env file unquoted.
+ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
+ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
+DEFAULT_ROTATION_OVERLAP = "24h"
+
+
+def new_analyser_token() -> str:
+    import secrets
+
+    return ANALYSER_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def token_hash(token: str) -> bytes:
+    """What the database keeps of a token. SHA-256 without salt or stretching is right
+    for 256 random bits (a slow hash protects guessable passwords); and it lets a
+    request find its analyser by an index probe on the hash."""
+    return hashlib.sha256(token.encode("utf-8", "replace")).digest()
+
+
+def overlap_seconds(text: str) -> int:
+    """A rotation's overlap: whole seconds, or with a unit (90s, 30m, 12h, 7d); 0 ends
+    the old token at once. At most MAX_ROTATION_OVERLAP_SECONDS."""
+    match = DURATION.fullmatch(text.strip())
+    if not match:
+        raise BadInput(f"the overlap must be a duration such as 30m, 12h or 7d, not {text!r}"[:200])
+    seconds = int(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
+    if seconds > MAX_ROTATION_OVERLAP_SECONDS:
+        raise BadInput(f"the overlap is at most {MAX_ROTATION_OVERLAP_SECONDS // 86400} days")
+    return seconds
+
+
+# -- pings
+
+
+def record_ping(
+    db: SharedConnection, analyser_id: str, source_address: str, user_agent: str
+) -> None:
+    db.run(
+        RECORD_PING,
+        analyser_id=analyser_id,
+        source_address=source_address,
+        user_agent=user_agent,
+    )
+
+
+def last_ping(db: SharedConnection) -> tuple[float | None, int]:
+    """Minutes since the last heartbeat of any analyser (None: never), and how many
+    analysers (named or under the shared password) sent one in the last hour."""
+    (ping,) = db.records(LAST_PING)
+    minutes = ping["minutes_since_last_ping"]
+    return (None if minutes is None else float(minutes)), ping["analysers_last_hour"]
+
+
+# -- named analysers
+
+
+def _analyser_name(name: str) -> str:
+    if not isinstance(name, str) or not ANALYSER_NAME.fullmatch(name):
+        raise BadInput("an analyser's name is 1-64 letters, digits or ._:@-")
+    return name
+
+
+def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
+    """A new analyser and its token: {"name", "created", "token"}. The token exists only
+    in this answer; the database keeps its hash."""
+    token = new_analyser_token()
+    rows = db.records(ADD_ANALYSER, name=_analyser_name(name), token_hash=token_hash(token))
+    if not rows:
+        raise AnalyserExists(name)
+    return {"name": rows[0]["name"], "created": _plain(rows[0]["created"]), "token": token}
+
+
+def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, Any]:
+    """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
+    token = new_analyser_token()
+    rows = db.records(
+        ROTATE_ANALYSER,
+        name=_analyser_name(name),
+        token_hash=token_hash(token),
+        overlap_seconds=overlap,
+    )
+    if not rows:
+        raise UnknownAnalyser(name)
+    (row,) = rows
+    if row["revoked"]:
+        raise AnalyserRevoked(name)
+    return {
+        "name": row["name"],
+        "rotated": _plain(row["rotated"]),
+        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+        "token": token,
+    }
+
+
+def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
+    """The analyser's tokens (current and previous) stop working with this commit."""
+    rows = db.records(REVOKE_ANALYSER, name=_analyser_name(name))
+    if not rows:
+        raise UnknownAnalyser(name)
+    return {"name": rows[0]["name"], "revoked": _plain(rows[0]["revoked"])}
+
+
+def authenticate_analyser(db: SharedConnection, token: str) -> str | None:
+    """The name of the analyser whose current (or still overlapping previous) token this
+    is, or None. One index probe per request, no cache: a revocation or the end of an
+    overlap holds from the next request on, in every process."""
+    digest = token_hash(token)
+    for row in db.records(ANALYSER_BY_HASH, token_hash=digest):
+        for stored in (row["token_hash"], row["previous_token_hash"]):
+            if stored is not None and hmac.compare_digest(bytes(stored), digest):
+                return row["name"]
     return None
+
+
+def record_analyser_seen(db: SharedConnection, name: str) -> None:
+    db.run(RECORD_ANALYSER_SEEN, name=name)
+
+
+def _analyser_view(row: dict[str, Any]) -> dict[str, Any]:
+    last = None
+    if row["last_result_at"] is not None:
+        last = {
+            "appId": row["last_result_app"],
+            "at": _plain(row["last_result_at"]),
+            "success": row["last_result_success"],
+            "analysisVersion": row["last_result_version"],
+        }
+    return {
+        "name": row["name"],
+        "created": _plain(row["created"]),
+        "rotated": _plain(row["rotated"]),
+        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+        "revoked": _plain(row["revoked"]),
+        "lastSeen": _plain(row["last_seen"]),
+        "online": bool(row["online"]),
+        "holding": None
+        if row["holding"] is None
+        else {"appId": row["holding"], "since": _plain(row["holding_since"])},
+        "lastResult": last,
+        "results24h": row["results_24h"],
+        "failures24h": row["failures_24h"],
+        "outdatedVersion": bool(row["outdated_version"]),
+    }
+
+
+def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[dict[str, Any]]:
+    """Every named analyser (revoked ones too), by name: never a token or its hash."""
+    rows = db.records(ANALYSER_ACTIVITY, analysis_version=policy.analysis_version)
+    return [_analyser_view(row) for row in rows]
+
+
+# == Analysers: guards and routes =======================================================
+# Who sent a request (the guards every analyser and admin route depends on), GET /ping
+# and the operators' analyser routes.
+
+
+# -- guards
+
+
+@dataclasses.dataclass(frozen=True)
+class Credential:
+    """Who sent an analyser request: a named analyser (its own token), or, with
+    analyser None, a host using the shared UPLOAD_PASSWORD."""
+
+    analyser: str | None = None
+
+
+SHARED_PASSWORD = Credential()
+
+
+def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credential:
+    """A named analyser's token (found by its hash, on every request: revocation holds
+    from the next request), or the shared password while ACCEPT_SHARED_UPLOAD_PASSWORD."""
+    given = credentials.credentials if credentials else ""
+    if given.startswith(ANALYSER_TOKEN_PREFIX):
+        name = authenticate_analyser(api_connection(), given)
+        if name is None:
+            raise _unauthorized()
+        return Credential(name)
+    config = settings()
+    if not config.shared_password_accepted:
+        raise _unauthorized()
+    _check_bearer(credentials, config.upload_password, config.upload_password_secret)
+    return SHARED_PASSWORD
+
+
+def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
+    config = settings()
+    _check_bearer(credentials, config.admin_token, config.admin_token_secret)
+
+
+async def require_analyser(
+    credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
+) -> Credential:
+    # The shared password set in the environment is checked inline; a named analyser's
+    # token (a database lookup) and a secret read from Secrets Manager or SSM (a network
+    # call on a cache miss) are blocking work.
+    given = credentials.credentials if credentials else ""
+    if settings().upload_password and not given.startswith(ANALYSER_TOKEN_PREFIX):
+        return _check_analyser(credentials)
+    return await blocking(_check_analyser, credentials)
+
+
+async def require_admin(
+    credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer),
+):
+    if settings().admin_token:
+        _check_admin(credentials)
+    else:
+        await blocking(_check_admin, credentials)
+
+
+# -- routes
+
+ANALYSER_ID = ANALYSER_NAME  # an X-Analyser-Id label is spelt as a name is
+
+
+@app.get(
+    "/ping",
+    response_class=PlainTextResponse,
+    openapi_extra={"responses": _errors(400, 401, 503)},
+)
+async def ping(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> PlainTextResponse:
+    """Heartbeat. A named analyser is its token's; under the shared password it is known
+    by X-Analyser-Id (a label), else address and User-Agent."""
+    if credential.analyser is not None:
+        await blocking(lambda: record_analyser_seen(api_connection(), credential.analyser))
+        return PlainTextResponse("online")
+    source = request.client.host if request.client else "unknown"
+    if len(source) > 100 or not PRINTABLE_ASCII.fullmatch(source):
+        raise HTTPException(400, "the request's source address is not printable ASCII")
+    user_agent = (_header(request, "User-Agent", max_length=1000) or "")[:200]
+    analyser_id = _header(request, "X-Analyser-Id", max_length=64)
+    if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
+        raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
+    await blocking(
+        lambda: record_ping(
+            api_connection(), analyser_id or f"{source} {user_agent}", source, user_agent
+        )
+    )
+    return PlainTextResponse("online")
+
+
+def _analyser_errors(**answers: str) -> dict[str, dict]:
+    """The OpenAPI responses of an admin analyser route: 401 and 503 as every route's,
+    and its own (`e404="..."` for 404)."""
+    responses = _errors(401, 503)
+    for code, description in answers.items():
+        responses[code.lstrip("e")] = {
+            "description": description,
+            "content": {"application/json": {"schema": DETAIL_SCHEMA}},
+        }
+    return responses
+
+
+ANALYSER_NAME_PATH = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": ANALYSER_NAME.pattern},
+}
+NO_SUCH_ANALYSER = "No such analyser; nothing was changed."
+
+
+def _analyser_name_param(request: Request) -> str:
+    name = request.path_params["name"]
+    if not ANALYSER_NAME.fullmatch(name):
+        raise HTTPException(400, "an analyser's name is 1-64 letters, digits or ._:@-")
+    return name
+
+
+@app.post(
+    "/analysers",
+    status_code=201,
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    }
+                }
+            },
+        },
+        "responses": _analyser_errors(
+            e400="Bad input (the name); nothing was written.",
+            e409="An analyser of that name exists (revoked ones too); nothing was written.",
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
+    },
+)
+async def create_analyser(request: Request) -> JSONResponse:
+    """A new named analyser: {"name": ...}. Its token is in this answer and nowhere else,
+    ever: the database keeps its SHA-256."""
+    _require_content_type(request, ("application/json",))
+    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
+    if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
+        raise HTTPException(400, 'the body must be {"name": "..."}')
+    try:
+        created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
+    except AnalyserExists:
+        raise HTTPException(409, f"an analyser named {body['name']} exists") from None
+    return JSONResponse(created, status_code=201)
+
+
+@app.get(
+    "/analysers",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={"responses": _errors(401, 503)},
+)
+async def get_analysers() -> JSONResponse:
+    """Every named analyser: created, last seen, online, the app it holds and since when,
+    its last result, results and failures in the last 24 hours, revoked or not. Never a
+    token."""
+    analysers = await blocking(lambda: list_analysers(api_connection(), settings().policy))
+    return JSONResponse({"analysers": analysers})
+
+
+@app.delete(
+    "/analysers/{name}",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "parameters": [ANALYSER_NAME_PATH],
+        "responses": _analyser_errors(e400="Bad input (the name).", e404=NO_SUCH_ANALYSER),
+    },
+)
+async def delete_analyser(request: Request) -> JSONResponse:
+    """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
+    name = _analyser_name_param(request)
+    try:
+        return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), name)))
+    except UnknownAnalyser:
+        raise HTTPException(404, f"no analyser named {name}") from None
+
+
+@app.post(
+    "/analysers/{name}/rotate",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "parameters": [ANALYSER_NAME_PATH],
+        "requestBody": {
+            "required": False,
+            "content": {
+                "application/json": {
+                    "schema": {"type": "object", "properties": {"overlap": {"type": "string"}}}
+                }
+            },
+        },
+        "responses": _analyser_errors(
+            e400="Bad input (the name or the overlap); nothing was changed.",
+            e404=NO_SUCH_ANALYSER,
+            e409="The analyser is revoked; nothing was changed.",
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
+    },
+)
+async def rotate_analyser_token(request: Request) -> JSONResponse:
+    """A new token for the analyser (in this answer only); the old one keeps working for
+    the overlap: {"overlap": "24h"} (the default, also for an empty body); "0" ends it at
+    once."""
+    name = _analyser_name_param(request)
+    body = await _read_body(request)
+    overlap = DEFAULT_ROTATION_OVERLAP
+    if body:
+        _require_content_type(request, ("application/json",))
+        parsed = await blocking(_parse_json, body, "the body", parse=True)
+        if not isinstance(parsed, dict) or not set(parsed) <= {"overlap"}:
+            raise HTTPException(400, 'the body must be {"overlap": "24h"} or empty')
+        overlap = parsed.get("overlap", overlap)
+        if not isinstance(overlap, str):
+            raise HTTPException(400, 'overlap is a duration such as "30m" or "7d"')
+    seconds = overlap_seconds(overlap)
+    try:
+        rotated = await blocking(lambda: rotate_analyser(api_connection(), name, seconds))
+    except UnknownAnalyser:
+        raise HTTPException(404, f"no analyser named {name}") from None
+    except AnalyserRevoked:
+        raise HTTPException(409, f"the analyser {name} is revoked") from None
+    return JSONResponse(rotated)
+
+
+# == Results: the verdict ===============================================================
+# Pure functions: what a result says (failure classes), and whether it is stored. Before
+# promotion, which records its lease_expired failures under the same verdict.
+
+
+# -- failure classes
+
+ANALYSIS_FAILED = "analysis_failed"
+# (reason, retryable, phrases), first match wins (docs/api.md, "Failures: retry or not").
+FAILURE_CLASSES = (
+    ("app_not_found", False, ("app not found",)),
+    (
+        "ipa_too_large",
+        False,
+        ("download exceeded max_attempt_download_bytes", "above max_app_size_bytes"),
+    ),
+    (
+        "ios_version_too_low",
+        False,
+        (
+            "deviceosversiontoolow",
+            "system version is lower than the minimum os version",
+        ),
+    ),
+    ("paid_app", False, ("purchasing paid apps is not supported",)),
+)
+NON_RETRYABLE_REASONS = {reason for reason, _, _ in FAILURE_CLASSES} | {"invalid_bundle_id"}
+# The reasons a failure is stored and shown under: the table's, invalid_bundle_id (an
+# analyser's), analysis_failed, and lease_expired (the promoter's, ABANDON_EXPIRED_LEASES).
+# An analyser may name any but the promoter's; whatever else it writes is its own text,
+# kept in the stored record (the admin view), never a reason the public sees.
+ANALYSER_FAILURE_REASONS = NON_RETRYABLE_REASONS | {ANALYSIS_FAILED}
+FAILURE_REASONS = ANALYSER_FAILURE_REASONS | {"lease_expired"}
 
 
 def classify_analysis_failure(log_text: str) -> tuple[str, bool]:
@@ -1938,6 +2230,9 @@ def failure_record(log_bytes: bytes) -> dict[str, Any]:
     text = log_bytes.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
     reason, retryable = classify_analysis_failure(text)
     return {"success": False, "logs": text, "reason": reason, "retryable": retryable}
+
+
+# -- the verdict
 
 
 def tokens_match(given: str | None, stored: uuid.UUID | None) -> bool:
@@ -2079,47 +2374,1224 @@ def judge_result(
     )
 
 
-# A named analyser's bearer token: the prefix (so the service knows at a glance to look
-# it up, and an operator knows what it is) and 256 random bits, URL-safe base64: safe to
-# paste into a shell or an .env file unquoted.
-ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
-ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
-DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
-DEFAULT_ROTATION_OVERLAP = "24h"
+# == Results: storing ===================================================================
+# POST /uploadAnalysis and /reportAnalysisFailure: a result judged, stored, snapshotted
+# into history, its lease ended.
 
 
-def new_analyser_token() -> str:
-    import secrets
+# -- SQL
 
-    return ANALYSER_TOKEN_PREFIX + secrets.token_urlsafe(32)
+# What the columns of a stored failure record are derived from (stored_result_state, by
+# derive_analysis_state): its reason, its retryable flag, and its log when it names no
+# reason. Read for the few rows a lease ends on without a result, never answered.
+STORED_RESULT_PARTS = """
+SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
+       CASE WHEN jsonb_typeof(analysis->'reason') = 'string'
+            THEN analysis->>'reason' END AS reason,
+       CASE WHEN jsonb_typeof(analysis->'retryable') = 'boolean'
+            THEN (analysis->'retryable')::boolean END AS retryable,
+       CASE WHEN jsonb_typeof(analysis->'logs') = 'string'
+             AND NOT COALESCE(jsonb_typeof(analysis->'reason') = 'string'
+                              AND analysis->>'reason' <> '', false)
+            THEN analysis->>'logs' END AS logs
+FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
+"""
+# A lease that ends without its result being stored, because judge_result refused it as
+# older than a stored result of a version above the current one (the holder's result,
+# or the back-off's failure; Verdict.lease "ended"): the app goes back to the state its
+# stored result says (:ended, from stored_result_state), or is queued when an operator's
+# refetch waited for this lease. The lease is answered, so lease_attempts starts again
+# at 0.
+RETURN_TO_STORED_RESULT = """
+UPDATE apps SET status = CASE WHEN apps.refetch_requested THEN 'queued' ELSE e.status END,
+    failure_reason = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_reason END,
+    failure_retryable = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_retryable END,
+    processing_started = NULL, analysis_claim_token = NULL, due = false, lease_attempts = 0,
+    refetch_requested = false
+FROM jsonb_to_recordset(CAST(:ended AS jsonb))
+     AS e(appid text, status text, failure_reason text, failure_retryable boolean)
+WHERE apps.appid = e.appid AND apps.status = 'processing'
+RETURNING apps.appid
+"""
+
+# What judge_result and check_result_identity need of the app a result names, under the
+# row's lock. Whether the result is the stored one (SAME_RESULT) is asked only when that
+# decides the verdict: the document is parsed by PostgreSQL once per request (store_result).
+FIND_RESULT_TARGET = f"""
+SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
+       NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
+       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
+       {CLAIM_HOLDER} AS claim_holder, {DOCUMENT.format("details")}, analysed
+FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
+"""
+STORED_AS_SENT = """COALESCE(apps.analysis = {0}
+             AND apps.analysisversion IS NOT DISTINCT FROM :version, false)"""
+SAME_RESULT = f"""
+SELECT {STORED_AS_SENT.format("CAST(:analysis AS jsonb)")} AS same_result
+FROM apps WHERE appid = :appid
+"""
+
+# The document as sent, cast to jsonb once (a materialized CTE: one parse, however often
+# it is used), stored; with :unless_stored, not when it is the stored result already (no
+# row returned), which is how a result whose verdict hangs on that is told and stored in
+# one statement.
+STORE_RESULT = f"""
+WITH sent AS MATERIALIZED (SELECT CAST(:analysis AS jsonb) AS document)
+UPDATE apps SET analysis = sent.document, analysisversion = :version,
+                analysed = now(), status = :status, failure_reason = :failure_reason,
+                failure_retryable = :failure_retryable, processing_started = NULL,
+                analysis_claim_token = NULL, due = false, lease_attempts = 0,
+                result_claim_token = :result_claim, result_claim_verified = :verified,
+                refetch_requested = false, analysed_by = :analyser
+FROM sent
+WHERE apps.appid = :appid AND NOT (:unless_stored AND {STORED_AS_SENT.format("sent.document")})
+RETURNING apps.appid, {DOCUMENT.format("details")}, apps.analysed
+"""
+
+# The history's analysis_source is the analysis's own when it is a non-empty string, else
+# 'legacy', as the old server writes it on every path (docs/fidelity.md); sql/023 makes
+# the rows written without one say so too.
+HISTORY_SOURCE = """CASE
+    WHEN jsonb_typeof(analysis->'analysis_source') = 'string'
+         AND analysis->>'analysis_source' <> '' THEN analysis->>'analysis_source'
+    ELSE 'legacy'
+END"""
+RECORD_HISTORY = f"""
+INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
+                          analysis_source, success, analyser)
+SELECT appid, analysis, analysisversion, analysed,
+       COALESCE(analysis->>'version', details->>'version'), {HISTORY_SOURCE},
+       status = 'analysed', analysed_by
+FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
+  AND analysis IS NOT NULL AND analysed IS NOT NULL
+ON CONFLICT DO NOTHING
+"""
+
+# An operator's refetch asked during the lease this result ended (refetch_requested).
+# The app is queued with refetch_requested still set, until the next claim: the mark
+# says that the stored result is the one that queued it, so that result sent again is
+# answered as the first time (judge_result) instead of being stored as a new one and
+# undoing the refetch. An operator's refetch of the queued app clears the mark.
+REQUEUE_AFTER_RESULT = """
+UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false,
+                refetch_requested = true
+WHERE appid = :appid
+"""
+# The lease's holder answered with a result refused as older than the stored one: not a
+# lease that expired without a result (judge_result, Verdict.lease).
+ANSWER_LEASE = """
+UPDATE apps SET lease_attempts = 0 WHERE appid = :appid AND status = 'processing'
+"""
+
+RECORD_ANALYSER_RESULT = """
+UPDATE analysers SET last_result_app = :appid, last_result_at = now(),
+                     last_result_success = :success, last_result_version = :version
+WHERE name = :name
+"""
 
 
-def token_hash(token: str) -> bytes:
-    """What the database keeps of a token. SHA-256 without salt or stretching is right
-    for 256 random bits (a slow hash protects guessable passwords); and it lets a
-    request find its analyser by an index probe on the hash."""
-    return hashlib.sha256(token.encode("utf-8", "replace")).digest()
+# -- storing
 
 
-def overlap_seconds(text: str) -> int:
-    """A rotation's overlap: whole seconds, or with a unit (90s, 30m, 12h, 7d); 0 ends
-    the old token at once. At most MAX_ROTATION_OVERLAP_SECONDS."""
-    match = DURATION.fullmatch(text.strip())
-    if not match:
-        raise BadInput(f"the overlap must be a duration such as 30m, 12h or 7d, not {text!r}"[:200])
-    seconds = int(match.group(1)) * DURATION_UNITS[match.group(2) or "s"]
-    if seconds > MAX_ROTATION_OVERLAP_SECONDS:
-        raise BadInput(f"the overlap is at most {MAX_ROTATION_OVERLAP_SECONDS // 86400} days")
-    return seconds
+def check_result_identity(
+    found: dict[str, Any], analyser: str | None, claim_token: str | None
+) -> None:
+    """Whose result this may be, before anything is written (`found`: the app's row, locked;
+    `analyser`: the request's credential, None for the shared password).
+
+    With a claim token the token decides (judge_result), for every credential, as
+    ever. Without one: a named analyser's result is taken only while the app's current
+    lease is that analyser's claim; a shared-password result only while no named analyser
+    holds it. Anything else is someone else's lease or result: IdentityConflict (409)."""
+    if claim_token is not None:
+        return
+    holder = found["claim_holder"]
+    if analyser is None:
+        if holder is not None:
+            raise IdentityConflict(found["appid"])
+    elif holder is None or not hmac.compare_digest(holder.encode(), analyser.encode()):
+        raise IdentityConflict(found["appid"])
 
 
-def unknown_app_ids(named: list[str], selected: list[dict[str, str]]) -> list[str]:
-    """The bundle IDs a refetch named that it did not select (any letter case matches),
-    when it selected fewer than it was given."""
-    found = {row["appid"].lower() for row in selected}
-    return [app_id for app_id in named if app_id.lower() not in found]
+def store_result(
+    db: SharedConnection,
+    app_id: str,
+    version: int,
+    payload: dict[str, Any],
+    claim_token: str | None,
+    analyser: str | None = None,
+    sent: str | None = None,
+    *,
+    current_version: int,
+) -> list[dict[str, Any]]:
+    """Write an analysis or failure record, snapshot it into history, end the lease, as
+    judge_result decides; a result that is stored already is answered as the first time
+    (a retry after a lost reply, the service's own or the analyser's). `analyser`: the
+    credential it came with (None: the shared password), which check_result_identity
+    holds a tokenless result to. `sent`: the document's JSON text as the analyser sent
+    it, which is what is stored (jsonb keeps its numbers exact); None: `payload`, which
+    the service built, serialised. `current_version`: CURRENT_ANALYSIS_VERSION.
+
+    PostgreSQL parses the document once per request, whatever the verdict: whether it is
+    the stored result is asked only when that decides the verdict, and then, when it
+    would otherwise be stored, by the statement that stores it (STORE_RESULT's
+    :unless_stored). A refused result raises ResultRefused once its transaction is over:
+    the holder's result refused as older answers or ends its lease (committed), and its
+    retry after a lost reply finds that done and is refused again."""
+    state = derive_analysis_state(payload)
+    success = state.status == "analysed"
+    document = json.dumps(payload, ensure_ascii=False, allow_nan=False) if sent is None else sent
+
+    def may_store(found: dict[str, Any]) -> bool:
+        try:
+            check_result_identity(found, analyser, claim_token)
+        except IdentityConflict:
+            return False
+        return True
+
+    def refuse(session: Session, found: dict[str, Any], verdict: Verdict) -> ResultRefused:
+        if not verdict.lease:
+            return ResultRefused(verdict.why)
+        try:
+            check_result_identity(found, analyser, claim_token)
+        except IdentityConflict:
+            return ResultRefused(verdict.why)  # not the holder's: nothing changes
+        if verdict.lease == "answered":
+            session.run(ANSWER_LEASE, appid=found["appid"])
+            return ResultRefused(verdict.why, "answered")
+        (parts,) = session.records(STORED_RESULT_PARTS, appids=[found["appid"]])
+        ended = {"appid": found["appid"], **dataclasses.asdict(stored_result_state(parts))}
+        session.run(RETURN_TO_STORED_RESULT, ended=json.dumps([ended]))
+        return ResultRefused(verdict.why, "ended")
+
+    def work(session: Session) -> list[dict[str, Any]] | ResultRefused:
+        rows = session.records(
+            FIND_RESULT_TARGET, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES
+        )
+        if not rows:
+            raise UnknownApp(app_id)
+        (found,) = rows
+        target = ResultTarget.of(found, same_result=False)
+        verdict = judge_result(target, version, success, claim_token, current_version)
+        if_stored = judge_result(
+            dataclasses.replace(target, same_result=True),
+            version,
+            success,
+            claim_token,
+            current_version,
+        )
+        unless_stored = False
+        if verdict != if_stored:
+            if verdict.action == "store" and if_stored.action == "stored" and may_store(found):
+                unless_stored = True  # STORE_RESULT tells, storing it unless it is stored
+            else:
+                ((same,),) = session.run(
+                    SAME_RESULT, appid=found["appid"], analysis=document, version=version
+                )
+                verdict = if_stored if same else verdict
+        if verdict.action == "refuse":
+            return refuse(session, found, verdict)
+        stored = []
+        if verdict.action == "store":
+            check_result_identity(found, analyser, claim_token)
+            stored = session.records(
+                STORE_RESULT,
+                document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
+                appid=found["appid"],
+                analysis=document,
+                version=version,
+                status=state.status,
+                failure_reason=state.failure_reason,
+                failure_retryable=state.failure_retryable,
+                result_claim=verdict.claim,
+                verified=verdict.verified,
+                analyser=analyser,
+                unless_stored=unless_stored,
+            )
+        if stored:
+            (found,) = stored
+            session.run(RECORD_HISTORY, appids=[found["appid"]])
+            # A refetch asked during this claim: queued again once its result is in (and
+            # still queued when a result replaces one stored without the token, or one
+            # that queued the app so).
+            waited = target.status == "processing" and target.refetch_requested
+            replaced = target.status == "queued" and (
+                verdict.claim is not None or target.refetch_requested
+            )
+            if waited or replaced:
+                session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
+            if analyser is not None:
+                session.run(
+                    RECORD_ANALYSER_RESULT,
+                    name=analyser,
+                    appid=found["appid"],
+                    success=success,
+                    version=version,
+                )
+        return [
+            {
+                "appid": found["appid"],
+                **_document("details", found["details"], found["details_bytes"]),
+                "analysed": _plain(found["analysed"]),
+            }
+        ]
+
+    stored = db.transaction(work)
+    if isinstance(stored, ResultRefused):
+        raise stored
+    return stored
+
+
+# -- routes
+
+
+def _claim_token(request: Request) -> str | None:
+    return _header(request, CLAIM_TOKEN_HEADER, max_length=128)
+
+
+def _result_target(request: Request) -> tuple[str, int, str | None]:
+    """What a result names: the app, the analyser's format version, its claim token."""
+    _only_query(request, tuple(RESULT_QUERY))
+    app_id = _bundle_id(_single_query_value(request, "appId"))
+    return app_id, _analysis_version(request), _claim_token(request)
+
+
+def _store(
+    app_id: str,
+    version: int,
+    payload: dict,
+    token: str | None,
+    credential: Credential,
+    sent: str | None = None,
+) -> Response:
+    try:
+        rows = store_result(
+            api_connection(),
+            app_id,
+            version,
+            payload,
+            token,
+            credential.analyser,
+            sent,
+            current_version=settings().policy.analysis_version,
+        )
+    except UnknownApp:
+        raise HTTPException(404, f"unknown app {app_id}") from None
+    except (ResultRefused, IdentityConflict) as refused:
+        detail = getattr(refused, "detail", str(refused))
+        lease = getattr(refused, "lease", "")
+        if lease:
+            written = "its lease ended" if lease == "ended" else "its lease counts as answered"
+            raise HTTPException(409, f"{detail}; it was not written, and {written}") from None
+        raise HTTPException(409, f"{detail}; nothing was written") from None
+    fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
+    return _json_answer({"rowCount": len(rows), "rows": fitted})
+
+
+RESULT_QUERY = {"appId": True, "analysisVersion": True}
+RESULT_ERRORS = (400, 401, 404, 409, 413, 415, 503)
+
+
+@app.post(
+    "/uploadAnalysis",
+    openapi_extra=_documented(
+        RESULT_QUERY,
+        ("application/json", {"type": "object"}),
+        claim="returned",
+        errors=RESULT_ERRORS,
+    ),
+)
+async def upload_analysis(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> JSONResponse:
+    app_id, version, token = _result_target(request)
+    _require_content_type(request, ("application/json",))
+    sent, payload = await blocking(
+        _parse_json_text, await _read_body(request), "the analysis", parse=True
+    )
+    if not isinstance(payload, dict):
+        raise HTTPException(400, "the analysis must be a JSON object")
+    return await blocking(_store, app_id, version, payload, token, credential, sent)
+
+
+@app.post(
+    "/reportAnalysisFailure",
+    openapi_extra=_documented(
+        RESULT_QUERY, ("text/plain", {"type": "string"}), claim="returned", errors=RESULT_ERRORS
+    ),
+)
+async def report_analysis_failure(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> JSONResponse:
+    app_id, version, token = _result_target(request)
+    _require_content_type(request, ("text/plain", "application/octet-stream"))
+    record = await blocking(failure_record, await _read_body(request), parse=True)
+    return await blocking(_store, app_id, version, record, token, credential)
+
+
+# == Promotion ==========================================================================
+# How /queue stays an index read at any size (sql/010-017, 024, 025): filtering CANDIDATE and
+# sorting grows with the table, so the claim reads index heads instead ("Claims", the next
+# chapter, lists them). The promoter moves rows that fell due by time into apps_claim_order in
+# bounded batches; until it has, the claim finds them through the heads of the unflagged
+# rows. So the result is always the first candidate of the rule, however far behind the
+# promoter is, and no request does work that grows with the table.
+
+
+# -- SQL
+
+# Flag the non-queued rows that are (or within the horizon will be) due by time, expired
+# leases and stale analyses, so that they join apps_claim_order. Each statement flags
+# one bounded batch and commits it, so a mass change (STALE_ANALYSIS_DAYS lowered over a
+# million analyses) is worked off over several requests, each within its time budget,
+# and what was done survives a killed process. Rows locked elsewhere are skipped, never
+# waited for. Stale rows go in analysis-time order (apps_stale_version_watch, one range
+# per version that can be stale): without the ORDER BY ... LIMIT the planner, which
+# cannot see that flagged rows left the partial index, estimates a fifth of the table
+# and scans it.
+PROMOTE_EXPIRED_LEASES = f"""
+WITH flagged AS (
+    UPDATE apps SET due = true
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps
+        WHERE status = 'processing' AND NOT due
+          AND ({LEASE_EXPIRED}
+               OR processing_started < {LEASE_CUTOFF} + make_interval(secs => :horizon_seconds))
+          AND lease_attempts < :max_lease_attempts
+        LIMIT :batch FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM flagged
+"""
+# An app whose last max_lease_attempts leases in a row expired without a result is not
+# handed out again (CANDIDATE): the promoter records a retryable lease_expired failure on
+# the analysers' behalf, which waits like any retryable failure (a version bump, the
+# staleness window, or an operator's refetch). Its history row says so. That failure is
+# a result like an analyser's, written as the open claim's holder, so judge_result
+# decides it (PromotionPass.back_off): a batch of such leases is read under its row locks
+# with what judge_result needs, and one statement applies the verdicts.
+SERVER_FAILURE_SOURCE = "queue-server"
+BACK_OFF_LEASES = f"""
+SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
+       NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
+       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested
+FROM apps
+WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE_EXPIRED}
+  AND NOT refetch_requested
+LIMIT :batch FOR UPDATE SKIP LOCKED
+"""
+
+BACK_OFF_APPLY = f"""
+WITH abandoned AS (
+    UPDATE apps SET status = 'failed', failure_reason = 'lease_expired',
+        failure_retryable = true, analysisversion = :analysis_version, analysed = now(),
+        analysis = jsonb_build_object(
+            'success', false, 'reason', 'lease_expired', 'retryable', true,
+            'analysis_source', '{SERVER_FAILURE_SOURCE}',
+            'logs', format('no result after %s leases in a row of %s minutes each',
+                           lease_attempts, CAST(:timeout_minutes AS integer))),
+        processing_started = NULL, analysis_claim_token = NULL, due = false,
+        lease_attempts = 0, refetch_requested = false,
+        result_claim_token = NULL, result_claim_verified = false, analysed_by = NULL
+    WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'
+    RETURNING appid, analysis, analysisversion, analysed, details
+), recorded AS (
+    INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version,
+                              analysis_source, success)
+    SELECT appid, analysis, analysisversion, analysed, details->>'version',
+           '{SERVER_FAILURE_SOURCE}', false
+    FROM abandoned
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), returned AS ({RETURN_TO_STORED_RESULT})
+SELECT (SELECT count(*) FROM abandoned) AS abandoned,
+       (SELECT count(*) FROM returned) AS returned
+"""
+# Such a lease with an operator's refetch waiting for it: the refetch wins, and the app
+# is queued (an operator asked for it) instead of backing off. No result is written.
+REQUEUE_REFETCHED_LEASES = f"""
+WITH requeued AS (
+    UPDATE apps SET status = 'queued', processing_started = NULL, analysis_claim_token = NULL,
+                    due = false, lease_attempts = 0, refetch_requested = false
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps
+        WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
+          AND {LEASE_EXPIRED} AND refetch_requested
+        LIMIT :batch FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM requeued
+"""
+PROMOTE_STALE_BATCH = f"""
+WITH RECURSIVE {STALE_VERSIONS}, flagged AS (
+    UPDATE apps SET due = true
+    WHERE appid = ANY(ARRAY(
+        SELECT r.appid FROM stale_versions s CROSS JOIN LATERAL (
+            SELECT appid FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version
+              AND COALESCE(analysed, '-infinity')
+                  < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
+            ORDER BY COALESCE(analysed, '-infinity')
+            LIMIT :batch FOR UPDATE SKIP LOCKED) r
+        LIMIT :batch))
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM flagged
+"""
+PLAN_WITH_VALUES = "SET LOCAL plan_cache_mode = force_custom_plan"
+
+# The policy the promoter last applied. When it changes, the flags the new policy no
+# longer supports (a longer staleness window or lease, an older current version) are
+# cleared, and the new policy is recorded only once a pass over the flagged rows is done.
+# The pass goes through apps_due by bundle ID from a cursor, PROMOTION_BATCH rows at a
+# time, so a batch costs the same whether it clears none of them or all.
+QUEUE_POLICY_APPLIED = """
+SELECT (analysis_version, stale_days, processing_timeout_minutes)
+       IS NOT DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
+FROM queue_policy
+"""
+RESTORE_QUEUE_POLICY_ROW = """
+INSERT INTO queue_policy (singleton) VALUES (true) ON CONFLICT DO NOTHING
+"""
+RECORD_QUEUE_POLICY = """
+UPDATE queue_policy
+SET analysis_version = :analysis_version, stale_days = :stale_days,
+    processing_timeout_minutes = :timeout_minutes, applied = now()
+WHERE singleton = (SELECT singleton FROM queue_policy FOR UPDATE SKIP LOCKED)
+RETURNING 1
+"""
+CLEAR_STALE_DUE_FLAGS = f"""
+WITH examined AS (
+    SELECT appid FROM apps WHERE due AND appid > :after ORDER BY appid LIMIT :batch
+), cleared AS (
+    UPDATE apps SET due = false
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps
+        WHERE appid IN (SELECT appid FROM examined)
+          AND due AND status <> 'queued' AND NOT {CANDIDATE}
+          AND NOT (status = 'processing' AND NOT {LEASE_EXPIRED})
+        FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM examined) AS examined, (SELECT max(appid) FROM examined) AS last,
+       (SELECT count(*) FROM cleared) AS cleared
+"""
+
+
+# -- the promoter
+
+# The promoter (promote_due_apps, below) runs at most this often per process once it has
+# caught up, and flags what falls due within the horizon, so the claim normally finds due
+# rows in one index. It commits every PROMOTION_BATCH rows.
+PROMOTE_EVERY_SECONDS = 15
+PROMOTION_BATCH = 2000
+PROMOTION_HORIZON_SECONDS = 60
+
+
+@dataclasses.dataclass
+class Promotion:
+    """What one run of the promoter did; `complete` is False when its budget ran out."""
+
+    cleared: int = 0
+    requeued: int = 0
+    abandoned: int = 0
+    # Leases that backed off with a newer analysisVersion stored than the current one:
+    # judge_result refused the lease_expired failure, and the app went back to its result.
+    returned: int = 0
+    leases: int = 0
+    stale: int = 0
+    complete: bool = True
+
+
+class PromotionPass:
+    """One run of the promoter over one database, in bounded batches that each commit.
+
+    The promoter has two roles (as River names them): the lease rescuer, which records a
+    lease_expired failure for apps whose leases keep expiring and flags the other expired
+    leases into the claim index, and the staleness scheduler, which flags analyses that
+    fell due by age. Before either, the first pass under a new policy clears the flags the
+    policy no longer supports. Every step is a loop of batches; `budget_seconds` is
+    checked before each batch, so a pass lasts at most its budget and one full batch.
+    """
+
+    def __init__(self, db: SharedConnection, policy: QueuePolicy, budget_seconds: float | None):
+        self.db, self.policy, self.memo = db, policy, db.promoter
+        self.started = self.memo.clock()
+        self.deadline = None if budget_seconds is None else self.started + budget_seconds
+        self.params = {
+            **policy.sql_params(),
+            "horizon_seconds": PROMOTION_HORIZON_SECONDS,
+            "batch": PROMOTION_BATCH,
+        }
+        self.full_batches = 0
+
+    def _batch(self, sql: str, **cursor: str) -> dict[str, Any]:
+        def work(session: Session) -> dict[str, Any]:
+            # Unlike the claim, these range scans must be planned with the real cutoffs: a
+            # generic plan cannot tell "few rows are due" from "a third are" and scans apps.
+            session.execute(PLAN_WITH_VALUES)
+            (row,) = session.records(sql, **self.params, **cursor)
+            return row
+
+        return self.db.transaction(work)
+
+    def _out_of_time(self) -> bool:
+        # Until a full batch has run, every step gets its batch: each call makes progress,
+        # and a step with nothing to do (a short batch) costs next to nothing.
+        return (
+            self.full_batches > 0
+            and self.deadline is not None
+            and self.memo.clock() >= self.deadline
+        )
+
+    def _repeat(self, sql: str) -> tuple[int, bool]:
+        """Run a flagging statement batch after batch: (rows changed, finished)."""
+        return self._repeat_batches(lambda: self._batch(sql)["flagged"])
+
+    def _repeat_batches(self, batch: Callable[[], int]) -> tuple[int, bool]:
+        """Run batch() until it does less than a full batch: (rows, finished)."""
+        total = 0
+        while not self._out_of_time():
+            count = batch()
+            total += count
+            if count < PROMOTION_BATCH:
+                return total, True
+            self.full_batches += 1
+        return total, False
+
+    def back_off(self) -> tuple[int, int, bool]:
+        """The lease rescuer's back-off, batch after batch: each lease that expired
+        max_lease_attempts times in a row gets the server's lease_expired failure, as its
+        open claim's holder, if judge_result stores it; refused (a newer analysisVersion
+        is stored than the policy's), the lease ends and the app goes back to its stored
+        result. (failures stored, leases returned, finished)."""
+        version = self.policy.analysis_version
+        totals = {"abandoned": 0, "returned": 0}
+
+        def work(session: Session) -> dict[str, Any]:
+            session.execute(PLAN_WITH_VALUES)
+            rows = session.records(BACK_OFF_LEASES, **self.params)
+            if not rows:
+                return {"flagged": 0, "abandoned": 0, "returned": 0}
+            failed, returned = [], []
+            for row in rows:
+                # A new failure each time, never the stored result sent again: a retry
+                # after a lost COMMIT finds the lease ended.
+                target = ResultTarget.of(row, same_result=False)
+                holder = None if target.claim is None else str(target.claim)
+                verdict = judge_result(target, version, False, holder, version)
+                (failed if verdict.action == "store" else returned).append(row["appid"])
+            ended = []
+            if returned:
+                for parts in session.records(STORED_RESULT_PARTS, appids=returned):
+                    state = stored_result_state(parts)
+                    ended.append({"appid": parts["appid"], **dataclasses.asdict(state)})
+            (applied,) = session.records(
+                BACK_OFF_APPLY, **self.params, failed=failed, ended=json.dumps(ended)
+            )
+            return {"flagged": len(rows), **applied}
+
+        def batch() -> int:
+            step = self.db.transaction(work)
+            for name in totals:
+                totals[name] += step[name]
+            return step["flagged"]
+
+        _, finished = self._repeat_batches(batch)
+        return totals["abandoned"], totals["returned"], finished
+
+    def clear_unsupported_flags(self) -> tuple[int, bool]:
+        """Walk apps_due from the memo's cursor, clearing flags the policy does not back."""
+        cursors, policy, total = self.memo.clear_cursors, self.policy, 0
+        while not self._out_of_time():
+            step = self._batch(CLEAR_STALE_DUE_FLAGS, after=cursors.get(policy, ""))
+            total += step["cleared"]
+            if step["examined"] < PROMOTION_BATCH:
+                cursors.pop(policy, None)
+                return total, True
+            self.full_batches += 1
+            cursors[policy] = step["last"]
+        return total, False
+
+    def run(self) -> Promotion:
+        done = Promotion()
+        params = self.policy.sql_params()
+        if not self.db.run(QUEUE_POLICY_APPLIED, **params):
+            # The row is missing (deleted by hand): put it back, so the policy is recorded.
+            self.db.run(RESTORE_QUEUE_POLICY_ROW)
+            logger.warning("queue_policy had no row; it was added again")
+        ((applied,),) = self.db.run(QUEUE_POLICY_APPLIED, **params)
+        if not applied:
+            done.cleared, cleared_all = self.clear_unsupported_flags()
+            done.complete = cleared_all and bool(self.db.run(RECORD_QUEUE_POLICY, **params))
+        # The lease rescuer, then the staleness scheduler.
+        done.requeued, requeued_all = self._repeat(REQUEUE_REFETCHED_LEASES)
+        done.abandoned, done.returned, abandoned_all = self.back_off()
+        done.leases, leases_all = self._repeat(PROMOTE_EXPIRED_LEASES)
+        done.stale, stale_all = self._repeat(PROMOTE_STALE_BATCH)
+        done.complete = done.complete and requeued_all and abandoned_all
+        done.complete = done.complete and leases_all and stale_all
+        return done
+
+
+def promote_due_apps(
+    db: SharedConnection,
+    policy: QueuePolicy,
+    budget_seconds: float | None = None,
+    force: bool = False,
+) -> Promotion:
+    """Flag rows due by time (expired leases, stale analyses) into the claim index, and
+    back off apps whose leases keep expiring (PromotionPass).
+
+    Runs at most every PROMOTE_EVERY_SECONDS per process once it has caught up, and
+    looks PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run
+    was already flagged then. Rows flagged early are not handed out early: the claim
+    re-checks the candidate rule. When budget_seconds run out the rest waits for the next
+    call.
+    """
+    memo = db.promoter
+    last = memo.caught_up_at.get(policy)
+    if not force and last is not None and memo.clock() - last < PROMOTE_EVERY_SECONDS:
+        return Promotion()
+    promotion = PromotionPass(db, policy, budget_seconds)
+    done = promotion.run()
+    if done.complete:
+        memo.caught_up_at.clear()
+        memo.caught_up_at[policy] = promotion.started
+    return done
+
+
+# == Claims =============================================================================
+# The claim hands out the best of a few index heads, each read with FOR UPDATE SKIP
+# LOCKED (concurrent claimers pass each other's rows; the locks on heads not chosen end
+# with the statement):
+#   head           apps_claim_order: queued rows and rows the promoter flagged `due`;
+#   version_heads  apps_version_order: one head per old analysis version present
+#                  (found by a skip scan, so negative and NULL versions count too);
+#   lease_heads    expired leases not flagged yet (normally none: apps_unflagged_leases);
+#   stale_heads    stale analyses not flagged yet, one head per analysis version up to
+#                  the current one and analysis day older than the cutoff
+#                  (apps_stale_version_day_order). Read only when the oldest unflagged
+#                  analysis of such a version (a head of apps_stale_version_watch) is
+#                  past the cutoff: after a policy change, while the promoter is still
+#                  flagging in batches. An analysis of a version above the current one
+#                  is never stale (CANDIDATE), and these heads never read it.
+# Every head re-checks CANDIDATE, so the flag is bookkeeping, never a decision.
+
+
+# -- SQL
+
+OLD_VERSIONS = f"""old_versions(version) AS (
+    SELECT min(COALESCE(analysisversion, 0)) FROM apps
+    WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) < :analysis_version
+  UNION ALL
+    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
+            WHERE NOT due AND {RETRY_ELIGIBLE}
+              AND COALESCE(analysisversion, 0) > v.version
+              AND COALESCE(analysisversion, 0) < :analysis_version)
+    FROM old_versions v WHERE v.version IS NOT NULL
+)"""
+
+# An analysis of an outdated version is due again once it is a lease old: an analyser
+# still on the old version cannot put the same app back at the head in a loop.
+OUTDATED_RESULT_SETTLED = f"COALESCE(analysed, '-infinity') < {LEASE_CUTOFF}"
+# Whether an unflagged analysis is stale: the oldest of each version in stale_versions,
+# one probe each (the statement defines stale_versions).
+UNFLAGGED_STALE_EXIST = f"""(
+    SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
+        SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version) f
+) < {STALE_CUTOFF}"""
+STALE_DAYS = f"""stale_days(version, day) AS (
+    SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
+                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                         AND COALESCE(analysisversion, 0) = s.version
+                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
+    FROM stale_versions s WHERE s.version IS NOT NULL AND {UNFLAGGED_STALE_EXIST}
+  UNION ALL
+    SELECT d.version, (SELECT min(analysis_day(analysed)) FROM apps
+                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                         AND COALESCE(analysisversion, 0) = d.version
+                         AND analysis_day(analysed) > d.day
+                         AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
+    FROM stale_days d WHERE d.day IS NOT NULL AND d.day < analysis_day({STALE_CUTOFF})
+)"""
+CLAIM_KEYS = "appid, app_popularity(details) AS popularity, added"
+# What a claim writes. lease_attempts counts the claims in a row that took over an
+# expired lease; a refetch asked during a lease is done by the claim that follows it.
+CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
+    analysis_claim_token = :token, claimed_by = :analyser, claimed_with = :token,
+    refetch_requested = false,
+    lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
+CLAIM_NEXT_APP = f"""
+WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}, {STALE_DAYS},
+head AS (
+    SELECT {CLAIM_KEYS} FROM apps
+    WHERE (status = 'queued' OR due) AND {CANDIDATE}
+    ORDER BY {CLAIM_ORDER}
+    LIMIT 1 FOR UPDATE SKIP LOCKED
+), version_heads AS (
+    SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
+        SELECT {CLAIM_KEYS} FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
+          AND {OUTDATED_RESULT_SETTLED}
+        ORDER BY {CLAIM_ORDER}
+        LIMIT 1 FOR UPDATE SKIP LOCKED
+    ) h
+), lease_heads AS (
+    SELECT {CLAIM_KEYS} FROM apps
+    WHERE status = 'processing' AND NOT due AND {LEASE_EXPIRED}
+      AND lease_attempts < :max_lease_attempts
+    ORDER BY {CLAIM_ORDER}
+    LIMIT 1 FOR UPDATE SKIP LOCKED
+), stale_heads AS (
+    SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
+        SELECT {CLAIM_KEYS} FROM apps
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = d.version
+          AND analysis_day(analysed) = d.day
+          AND COALESCE(analysed, '-infinity') < {STALE_CUTOFF}
+        ORDER BY {CLAIM_ORDER}
+        LIMIT 1 FOR UPDATE SKIP LOCKED
+    ) h
+), choice AS (
+    SELECT appid FROM (
+        SELECT * FROM head UNION ALL SELECT * FROM version_heads
+        UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
+    ) c
+    ORDER BY popularity DESC, added, appid
+    LIMIT 1
+)
+UPDATE apps SET {CLAIM_SET}
+FROM choice WHERE apps.appid = choice.appid
+RETURNING apps.appid
+"""
+
+CLAIM_NAMED_APP = f"""
+UPDATE apps SET {CLAIM_SET}
+WHERE appid = (
+    SELECT appid FROM apps
+    WHERE lower(appid) = lower(:appid) AND {CANDIDATE}
+    FOR UPDATE SKIP LOCKED)
+RETURNING appid
+"""
+
+# Read through apps_processing_started: only processing rows hold a claim token.
+FIND_OWN_CLAIM = """
+SELECT appid FROM apps WHERE status = 'processing' AND analysis_claim_token = :token
+"""
+
+
+# -- the claim
+
+
+def claim_next_app(
+    db: SharedConnection,
+    policy: QueuePolicy,
+    app_id: str | None = None,
+    promotion_budget_seconds: float | None = None,
+    analyser: str | None = None,
+) -> tuple[str, str] | None:
+    """Hand out the next app (or the named one, if it is a candidate): (appid, token).
+
+    The token is a random UUID in apps.analysis_claim_token, the column and type the old
+    server's claim-token release uses too (sql/018), so both releases fence one token.
+    The claim records its analyser (None: the shared password) bound to that token."""
+    try:
+        promote_due_apps(db, policy, promotion_budget_seconds)
+    except pg8000.native.DatabaseError as error:
+        if not _is_server_reply(error):
+            raise
+        # A lock or statement timeout while flagging. The claim does not need the flags
+        # to be right (it reads the heads of the unflagged rows too), so it goes on.
+        logger.warning("promotion skipped", extra={"error": _error_text(error)})
+    token = uuid.uuid4()
+    tries = 0
+
+    def claim(session: Session) -> list[dict[str, Any]]:
+        nonlocal tries
+        tries += 1
+        if tries > 1:
+            # The connection was lost, maybe after the claim committed: a second claim
+            # would leave that app leased to nobody, so first look for this token's app.
+            mine = session.records(FIND_OWN_CLAIM, token=token)
+            if mine:
+                return mine
+        params = {"token": token, "analyser": analyser, **policy.sql_params()}
+        if app_id is None:
+            return session.records(CLAIM_NEXT_APP, **params)
+        return session.records(CLAIM_NAMED_APP, appid=app_id, **params)
+
+    rows = db.autocommit(claim)
+    return (rows[0]["appid"], str(token)) if rows else None
+
+
+# -- route
+
+
+@app.get(
+    "/queue",
+    response_class=PlainTextResponse,
+    openapi_extra=_documented({"appId": False}, claim="issued", errors=(400, 401, 503)),
+)
+async def next_app(
+    request: Request, credential: Credential = Depends(require_analyser)
+) -> PlainTextResponse:
+    """The next bundle ID as the whole body, or an empty body when there is no work."""
+    _only_query(request, ("appId",))
+    wanted = _single_query_value(request, "appId", required=False)
+    if wanted is not None:
+        wanted = _bundle_id(wanted)
+    config = settings()
+    claimed = await blocking(
+        lambda: claim_next_app(
+            api_connection(),
+            config.policy,
+            wanted,
+            config.promotion_budget_ms / 1000,
+            credential.analyser,
+        )
+    )
+    if claimed is None:
+        return PlainTextResponse("")
+    appid, token = claimed
+    return PlainTextResponse(appid, headers={CLAIM_TOKEN_HEADER: token})
+
+
+# == Apps ===============================================================================
+# An app's state and its place in the queue (GET /apps/{appId}), and new apps (POST
+# /apps).
+
+
+# -- SQL
+
+# A stored failure record (derive_analysis_state: `success` is false) is what an analyser
+# wrote about its own run, its raw log included: never in a public answer.
+FAILURE_RECORD = "COALESCE(analysis->'success' = 'false'::jsonb, false)"
+FIND_APP = f"""
+SELECT appid, {DOCUMENT.format("details")}, {DOCUMENT.format("analysis")},
+       analysisversion, analysed, added, status, processing_started, failure_reason,
+       failure_retryable, analysis_claim_token, app_popularity(details) AS popularity,
+       {FAILURE_RECORD} AS failure_record, {CLAIM_HOLDER} AS claim_holder, analysed_by
+FROM apps WHERE lower(appid) = lower(:appid)
+"""
+
+# The public queue position: candidates ahead of the app in claim order, counted from the
+# same indexes the claim reads and only up to QUEUE_POSITION_BOUND, so it costs about as
+# much as a claim at any size. Each source is split into "more popular" and "as popular,
+# added earlier" so both halves are index ranges. Stale analyses the promoter has not
+# flagged yet are not counted (the answer says so).
+QUEUE_POSITION_BOUND = 1000
+VERSION_ORDER = f"COALESCE(analysisversion, 0), {CLAIM_ORDER}"
+
+
+def _rows_ahead(where: str, order: str) -> str:
+    """The rows of one claim source ahead of the app, as two index ranges read in index
+    order: ORDER BY ... LIMIT makes the planner read the index in order and stop, where
+    without them it collects every match and sorts it."""
+    return f"""(SELECT 1 FROM apps WHERE {where} AND app_popularity(details) > :popularity
+     ORDER BY {order} LIMIT :limit)
+    UNION ALL
+    (SELECT 1 FROM apps WHERE {where} AND app_popularity(details) = :popularity
+       AND (added, appid) < (:added, :appid)
+     ORDER BY {order} LIMIT :limit)"""
+
+
+QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
+OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
+    AND {OUTDATED_RESULT_SETTLED}"""
+UNFLAGGED_EXPIRED_LEASE = f"""status = 'processing' AND NOT due AND {LEASE_EXPIRED}
+    AND lease_attempts < :max_lease_attempts"""
+QUEUE_POSITION = f"""
+WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}
+SELECT
+    (SELECT count(*) FROM (
+        {_rows_ahead(QUEUED_OR_DUE_CANDIDATE, CLAIM_ORDER)}
+        UNION ALL
+        {_rows_ahead(UNFLAGGED_EXPIRED_LEASE, CLAIM_ORDER)}
+        UNION ALL
+        (SELECT 1 FROM old_versions v CROSS JOIN LATERAL (
+            {_rows_ahead(OLD_VERSION_ROW, VERSION_ORDER)}) x
+         WHERE v.version IS NOT NULL)
+        LIMIT :limit) ahead),
+    {UNFLAGGED_STALE_EXIST}
+"""
+
+# The details as sent: the member "details" of the request's body, cast once (a JSON null
+# is no details).
+ADD_APP = """
+INSERT INTO apps (appid, details)
+VALUES (:appid, NULLIF(CAST(:body AS jsonb) -> 'details', 'null'::jsonb))
+ON CONFLICT DO NOTHING
+RETURNING appid
+"""
+
+
+# -- adding and reading
+
+
+def listed_bundle_id(app_id: str, details: dict[str, Any] | None) -> str | None:
+    """The bundle ID an app is added under (docs/fidelity.md): the App Store listing's
+    `appId` when it is the requested ID in another letter case (the App Store's casing is
+    the one the analysers download by and the website shows), the request's when the
+    listing names none; None when the listing's `appId` names another app or is no bundle
+    ID at all (checked as a bundle ID first: str.lower() folds the Kelvin sign to "k")."""
+    if details is None or "appId" not in details:
+        return app_id
+    listed = details["appId"]
+    if isinstance(listed, str) and is_valid_bundle_id(listed) and listed.lower() == app_id.lower():
+        return listed
+    return None
+
+
+def add_app(
+    db: SharedConnection, app_id: str, details: dict[str, Any] | None, sent: str | None = None
+) -> tuple[bool, dict]:
+    """Insert as queued, under the listing's casing (listed_bundle_id); (created, app). An
+    existing app (any letter case) is unchanged, its bundle ID included. A listing that
+    names another app is refused (BadInput) before anything is written. `sent`: the
+    request's body as sent, whose `details` member is what is stored (exact, as jsonb
+    keeps it; `details` is the same, as parsed, for the checks); None: `details`
+    serialised."""
+    stored_id = listed_bundle_id(app_id, details)
+    if stored_id is None:
+        raise BadInput(f"App Store bundle ID mismatch: details.appId does not name {app_id}")
+    if sent is None:
+        sent = json.dumps({"details": details}, ensure_ascii=False, allow_nan=False)
+
+    def work(session: Session) -> tuple[bool, dict]:
+        created = bool(session.run(ADD_APP, appid=stored_id, body=sent))
+        (row,) = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
+        return created, _app_view(row, admin=True)
+
+    return db.transaction(work)
+
+
+def shown_failure_reason(reason: str | None) -> str | None:
+    """A failed app's reason as GET /apps shows it: one of FAILURE_REASONS (None: the row
+    has none). A row written before reasons were classified, or by another program,
+    may hold an analyser's own text: that is analysis_failed here, to anyone."""
+    if reason is None or reason in FAILURE_REASONS:
+        return reason
+    return ANALYSIS_FAILED
+
+
+def _app_view(row: dict[str, Any], admin: bool = False, identities: bool = False) -> dict:
+    """An app as GET /apps answers it. Public: what the website shows (state, failure
+    reason and retryable, the analysis). A stored failure record (the analyser's raw log,
+    whatever else it wrote about its own run): admin only; with `identities` too, who
+    holds its lease and who stored its result (GET /apps with the admin token)."""
+    withheld = row["failure_record"] and not admin
+    view = {
+        "appId": row["appid"],
+        "status": row["status"],
+        "analysed": _plain(row["analysed"]),
+        "analysisVersion": row["analysisversion"],
+        "added": _plain(row["added"]),
+        **_document("details", row["details"], row["details_bytes"]),
+        **(
+            {"analysis": None}
+            if withheld
+            else _document("analysis", row["analysis"], row["analysis_bytes"])
+        ),
+    }
+    if row["status"] == "failed":
+        view["failure"] = {
+            "reason": shown_failure_reason(row["failure_reason"]),
+            "retryable": row["failure_retryable"],
+        }
+    if row["status"] == "processing":
+        view["processingStarted"] = _plain(row["processing_started"])
+    if admin and identities:
+        view["claimedBy"] = row["claim_holder"]
+        view["analysedBy"] = row["analysed_by"]
+    return view
+
+
+def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
+    """What GET /apps says of a queued app's place: exact up to QUEUE_POSITION_BOUND apps
+    ahead; beyond it, or while the promoter is catching up, a lower bound that says so."""
+    if ahead > QUEUE_POSITION_BOUND:
+        return {
+            "queuePosition": None,
+            "queuePositionExact": False,
+            "queuePositionNote": f"more than {QUEUE_POSITION_BOUND} apps are ahead",
+        }
+    view: dict[str, Any] = {"queuePosition": ahead + 1, "queuePositionExact": not unflagged_stale}
+    if unflagged_stale:
+        view["queuePositionNote"] = (
+            "at least this: analyses that fell due after a policy change are still being"
+            " added to the queue"
+        )
+    return view
+
+
+def app_status(
+    db: SharedConnection, policy: QueuePolicy, app_id: str, admin: bool = False
+) -> dict[str, Any] | None:
+    def work(session: Session) -> dict[str, Any] | None:
+        rows = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
+        if not rows:
+            return None
+        (row,) = rows
+        view = _app_view(row, admin, identities=admin)
+        if row["status"] == "queued":
+            ((ahead, unflagged_stale),) = session.run(
+                QUEUE_POSITION,
+                popularity=row["popularity"],
+                added=row["added"],
+                appid=row["appid"],
+                limit=QUEUE_POSITION_BOUND + 1,
+                **policy.sql_params(),
+            )
+            view.update(queue_position_view(int(ahead), bool(unflagged_stale)))
+        return view
+
+    return db.transaction(work)
+
+
+# -- routes
+
+NEW_APP_SCHEMA = {
+    "type": "object",
+    "required": ["appId"],
+    "properties": {"appId": {"type": "string"}, "details": {"type": "object"}},
+}
+NEW_APP_DOC = _documented(
+    {}, ("application/json", NEW_APP_SCHEMA), errors=(400, 401, 413, 415, 503)
+)
+NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any letter case)."}
+
+
+@app.post(
+    "/apps",
+    status_code=201,
+    dependencies=[Depends(require_admin)],
+    openapi_extra=NEW_APP_DOC,
+)
+async def create_app(request: Request) -> JSONResponse:
+    """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
+    _require_content_type(request, ("application/json",))
+    sent, body = await blocking(_parse_json_text, await _read_body(request), "the body", parse=True)
+    return await blocking(_create_app, body, sent)
+
+
+def _create_app(body: Any, sent: str) -> Response:
+    if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
+        raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
+    app_id = _bundle_id(body["appId"])
+    details = body.get("details")
+    if details is not None and not isinstance(details, dict):
+        raise HTTPException(400, "details must be a JSON object")
+    problem = details_problem(details or {})
+    if problem:
+        raise HTTPException(400, problem)
+    created, view = add_app(api_connection(), app_id, details, sent)
+    return _json_answer(view, 201 if created else 200, droppable=("analysis", "details"))
+
+
+APP_ID_PATH = {
+    "parameters": [{"name": "appId", "in": "path", "required": True, "schema": {"type": "string"}}],
+    "responses": _errors(400, 404, 503),
+    # Public; the admin token is optional (it adds what only operators see).
+    "security": [{}, {"AdminToken": []}],
+}
+
+
+@app.get("/apps/{appId}", openapi_extra=APP_ID_PATH)
+async def get_app(request: Request) -> JSONResponse:
+    """Public: an app's state, failure reason, analysis and queue position. With the
+    admin token also a stored failure record (the analyser's raw log) and who claimed and
+    stored it; with any other Authorization (or none) the public answer. A public route
+    stays public whatever the caller sends: a token the server cannot check (no admin
+    token configured, its secret unreadable) is no admin token either, never a 503."""
+    admin = False
+    credentials = await admin_bearer(request)  # read here: the route is public
+    if credentials is not None:
+        try:
+            await require_admin(credentials)
+            admin = True
+        except HTTPException:
+            admin = False
+    app_id = _bundle_id(request.path_params["appId"])
+
+    def answer() -> Response:
+        view = app_status(api_connection(), settings().policy, app_id, admin)
+        if view is None:
+            raise HTTPException(404, f"unknown app {app_id}")
+        return _json_answer(view, droppable=("analysis", "details"))
+
+    return await blocking(answer)
+
+
+# == Reports ============================================================================
+# The queue-status report (the CLI's text and JSON, the scheduled report's log record and
+# metrics) and the priority report.
+
+
+# -- SQL
+
+CANDIDATE_REASON = """CASE
+    WHEN status = 'queued' THEN 'queued'
+    WHEN status = 'processing' THEN 'lease_expired'
+    WHEN status = 'failed' THEN 'retry_failed'
+    WHEN COALESCE(analysisversion, 0) < :analysis_version THEN 'outdated_version'
+    ELSE 'stale'
+END"""
+
+COUNT_BY_STATUS = """
+SELECT status, count(*) AS apps, count(*) FILTER (WHERE failure_retryable) AS retryable
+FROM apps GROUP BY status
+"""
+BACKLOG_BY_REASON = f"""
+SELECT {CANDIDATE_REASON} AS reason, count(*) AS apps FROM apps WHERE {CANDIDATE} GROUP BY 1
+"""
+THROUGHPUT = """
+SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) AS analysed_1h,
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours'
+                        AND COALESCE(analysisversion, 0) < :analysis_version) AS outdated_24h,
+       count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND NOT success) AS failed_1h,
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND success) AS analysed_24h,
+       count(*) FILTER (WHERE analysed > now() - interval '24 hours' AND NOT success)
+           AS failed_24h,
+       count(*) FILTER (WHERE success) AS analysed_7d,
+       count(*) FILTER (WHERE NOT success) AS failed_7d
+FROM app_analyses WHERE analysed > now() - interval '7 days'
+"""
+FAILED_BY_REASON = """
+SELECT failure_reason AS reason, count(*) AS apps FROM apps WHERE status = 'failed' GROUP BY 1
+"""
+PROCESSING_APPS = f"""
+SELECT appid, processing_started, lease_attempts, refetch_requested,
+       CASE WHEN isfinite(processing_started)
+            THEN extract(epoch FROM now() - processing_started) / 60 END AS age_minutes,
+       {LEASE_EXPIRED} AS expired
+FROM apps WHERE status = 'processing'
+ORDER BY processing_started
+LIMIT :limit
+"""
+# Apps the queue holds back: leases that expired max_lease_attempts times in a row (the
+# promoter records them as lease_expired failures), and outdated-version analyses not yet
+# a lease old (an analyser still on an old version made them).
+HELD_BACK = f"""
+SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expired')
+           AS lease_expired_failures,
+       count(*) FILTER (WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
+                        AND {LEASE_EXPIRED}) AS abandoned_leases,
+       count(*) FILTER (WHERE {RETRY_ELIGIBLE}
+                        AND COALESCE(analysisversion, 0) < :analysis_version
+                        AND NOT {OUTDATED_RESULT_SETTLED}) AS outdated_settling,
+       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting
+FROM apps
+"""
+TOP_BACKLOG = f"""
+SELECT appid, app_popularity(details) AS popularity, added, {CANDIDATE_REASON} AS reason
+FROM apps WHERE {CANDIDATE}
+ORDER BY {CLAIM_ORDER}
+LIMIT :limit
+"""
+
+
+# -- reading
 
 
 def eta_hours(backlog: int, finished_last_24h: int) -> float | None:
@@ -2131,49 +3603,77 @@ def eta_hours(backlog: int, finished_last_24h: int) -> float | None:
     return round(backlog / (finished_last_24h / 24.0), 1)
 
 
-def _plain(value: Any) -> Any:
-    """JSON-friendly form of database values."""
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).isoformat()
-    if isinstance(value, Decimal):
-        return int(value) if value == value.to_integral_value() else float(value)
-    return value
+def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {name: _plain(value) for name, value in row.items()}
 
 
-def omission(field: str, size: int) -> dict[str, str]:
-    """What an answer says in place of a stored document too large for it."""
-    return {
-        f"{field}Omitted": f"the stored {field} is {size} bytes of JSON, more than a response"
-        " can carry"
-    }
+def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
+    """Everything the queue-status report says, as its one document
+    (queue_status_document)."""
+
+    def work(session: Session) -> dict[str, Any]:
+        params = policy.sql_params()
+        by_status = session.records(COUNT_BY_STATUS)
+        counts = {row["status"]: row["apps"] for row in by_status}
+        failed_retryable = sum(row["retryable"] for row in by_status if row["status"] == "failed")
+        failed_by_reason = {
+            row["reason"] or "unclassified": row["apps"]
+            for row in session.records(FAILED_BY_REASON)
+        }
+        backlog = {
+            row["reason"]: row["apps"] for row in session.records(BACKLOG_BY_REASON, **params)
+        }
+        (throughput,) = session.records(THROUGHPUT, **params)
+        (ping,) = session.records(LAST_PING)
+        (held_back,) = session.records(HELD_BACK, **params)
+        processing = [
+            {
+                "appid": row["appid"],
+                "started": _plain(row["processing_started"]),
+                "age_minutes": None if row["age_minutes"] is None else float(row["age_minutes"]),
+                "expired": bool(row["expired"]),
+                "lease_attempts": row["lease_attempts"],
+                "refetch_requested": row["refetch_requested"],
+            }
+            for row in session.records(
+                PROCESSING_APPS,
+                limit=50,
+                timeout_minutes=policy.processing_timeout_minutes,
+            )
+        ]
+        top_rows = [_plain_row(row) for row in session.records(TOP_BACKLOG, limit=top, **params)]
+        analysers = list_analysers(session, policy)
+        backlog_total = sum(backlog.values())
+        minutes = ping["minutes_since_last_ping"]
+        return {
+            "counts": counts,
+            "total": sum(counts.values()),
+            "failed_retryable": failed_retryable,
+            "failed_by_reason": failed_by_reason,
+            "backlog": backlog,
+            "backlog_total": backlog_total,
+            "expired_leases": backlog.get("lease_expired", 0),
+            "throughput": throughput,
+            "eta_hours": eta_hours(
+                backlog_total, throughput["analysed_24h"] + throughput["failed_24h"]
+            ),
+            "minutes_since_last_ping": None if minutes is None else round(float(minutes), 1),
+            "analysers_last_hour": ping["analysers_last_hour"],
+            "held_back": held_back,
+            "analysers": analysers,
+            "processing": processing,
+            "top_backlog": top_rows,
+            "policy": dataclasses.asdict(policy),
+        }
+
+    return queue_status_document(db.transaction(work))
 
 
-class RawJSON(str):
-    """JSON text from the database, spliced into a response as it is (see json_text)."""
-
-    @classmethod
-    def of(cls, text: str | None) -> RawJSON | None:
-        return None if text is None else cls(text)
+def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
+    return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
 
 
-def json_text(value: Any) -> str:
-    """The JSON text of value, with RawJSON parts copied in, never parsed: a stored
-    document of any depth or size is answered as PostgreSQL wrote it."""
-    if isinstance(value, RawJSON):
-        return str(value)
-    if isinstance(value, dict):
-        items = (
-            json.dumps(str(k), ensure_ascii=False) + ":" + json_text(v) for k, v in value.items()
-        )
-        return "{" + ",".join(items) + "}"
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(json_text(v) for v in value) + "]"
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)
-
-
-# == Report formatting ==================================================================
-# The queue-status report as text and JSON for the CLI, and as the scheduled report's
-# metrics (the scheduled report logs it as data).
+# -- text, JSON and metrics
 
 REASON_TEXT = {
     "queued": "queued",
@@ -2373,763 +3873,102 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-# == Queue operations ===================================================================
-# The queue logic applied to the database.
-#
-# How /queue stays an index read at any size (sql/010-017, 024, 025): filtering CANDIDATE and
-# sorting grows with the table, so the claim reads index heads instead ("SQL: the claim"
-# lists them). The promoter moves rows that fell due by time into apps_claim_order in
-# bounded batches; until it has, the claim finds them through the heads of the unflagged
-# rows. So the result is always the first candidate of the rule, however far behind the
-# promoter is, and no request does work that grows with the table.
-
-# The promoter (promote_due_apps, below) runs at most this often per process once it has
-# caught up, and flags what falls due within the horizon, so the claim normally finds due
-# rows in one index. It commits every PROMOTION_BATCH rows.
-PROMOTE_EVERY_SECONDS = 15
-PROMOTION_BATCH = 2000
-PROMOTION_HORIZON_SECONDS = 60
-
-
-@dataclasses.dataclass
-class Promotion:
-    """What one run of the promoter did; `complete` is False when its budget ran out."""
-
-    cleared: int = 0
-    requeued: int = 0
-    abandoned: int = 0
-    # Leases that backed off with a newer analysisVersion stored than the current one:
-    # judge_result refused the lease_expired failure, and the app went back to its result.
-    returned: int = 0
-    leases: int = 0
-    stale: int = 0
-    complete: bool = True
-
-
-class PromotionPass:
-    """One run of the promoter over one database, in bounded batches that each commit.
-
-    The promoter has two roles (as River names them): the lease rescuer, which records a
-    lease_expired failure for apps whose leases keep expiring and flags the other expired
-    leases into the claim index, and the staleness scheduler, which flags analyses that
-    fell due by age. Before either, the first pass under a new policy clears the flags the
-    policy no longer supports. Every step is a loop of batches; `budget_seconds` is
-    checked before each batch, so a pass lasts at most its budget and one full batch.
-    """
-
-    def __init__(self, db: SharedConnection, policy: QueuePolicy, budget_seconds: float | None):
-        self.db, self.policy, self.memo = db, policy, db.promoter
-        self.started = self.memo.clock()
-        self.deadline = None if budget_seconds is None else self.started + budget_seconds
-        self.params = {
-            **policy.sql_params(),
-            "horizon_seconds": PROMOTION_HORIZON_SECONDS,
-            "batch": PROMOTION_BATCH,
-        }
-        self.full_batches = 0
-
-    def _batch(self, sql: str, **cursor: str) -> dict[str, Any]:
-        def work(session: Session) -> dict[str, Any]:
-            # Unlike the claim, these range scans must be planned with the real cutoffs: a
-            # generic plan cannot tell "few rows are due" from "a third are" and scans apps.
-            session.execute(PLAN_WITH_VALUES)
-            (row,) = session.records(sql, **self.params, **cursor)
-            return row
-
-        return self.db.transaction(work)
-
-    def _out_of_time(self) -> bool:
-        # Until a full batch has run, every step gets its batch: each call makes progress,
-        # and a step with nothing to do (a short batch) costs next to nothing.
-        return (
-            self.full_batches > 0
-            and self.deadline is not None
-            and self.memo.clock() >= self.deadline
-        )
-
-    def _repeat(self, sql: str) -> tuple[int, bool]:
-        """Run a flagging statement batch after batch: (rows changed, finished)."""
-        return self._repeat_batches(lambda: self._batch(sql)["flagged"])
-
-    def _repeat_batches(self, batch: Callable[[], int]) -> tuple[int, bool]:
-        """Run batch() until it does less than a full batch: (rows, finished)."""
-        total = 0
-        while not self._out_of_time():
-            count = batch()
-            total += count
-            if count < PROMOTION_BATCH:
-                return total, True
-            self.full_batches += 1
-        return total, False
-
-    def back_off(self) -> tuple[int, int, bool]:
-        """The lease rescuer's back-off, batch after batch: each lease that expired
-        max_lease_attempts times in a row gets the server's lease_expired failure, as its
-        open claim's holder, if judge_result stores it; refused (a newer analysisVersion
-        is stored than the policy's), the lease ends and the app goes back to its stored
-        result. (failures stored, leases returned, finished)."""
-        version = self.policy.analysis_version
-        totals = {"abandoned": 0, "returned": 0}
-
-        def work(session: Session) -> dict[str, Any]:
-            session.execute(PLAN_WITH_VALUES)
-            rows = session.records(BACK_OFF_LEASES, **self.params)
-            if not rows:
-                return {"flagged": 0, "abandoned": 0, "returned": 0}
-            failed, returned = [], []
-            for row in rows:
-                # A new failure each time, never the stored result sent again: a retry
-                # after a lost COMMIT finds the lease ended.
-                target = ResultTarget.of(row, same_result=False)
-                holder = None if target.claim is None else str(target.claim)
-                verdict = judge_result(target, version, False, holder, version)
-                (failed if verdict.action == "store" else returned).append(row["appid"])
-            ended = []
-            if returned:
-                for parts in session.records(STORED_RESULT_PARTS, appids=returned):
-                    state = stored_result_state(parts)
-                    ended.append({"appid": parts["appid"], **dataclasses.asdict(state)})
-            (applied,) = session.records(
-                BACK_OFF_APPLY, **self.params, failed=failed, ended=json.dumps(ended)
-            )
-            return {"flagged": len(rows), **applied}
-
-        def batch() -> int:
-            step = self.db.transaction(work)
-            for name in totals:
-                totals[name] += step[name]
-            return step["flagged"]
-
-        _, finished = self._repeat_batches(batch)
-        return totals["abandoned"], totals["returned"], finished
-
-    def clear_unsupported_flags(self) -> tuple[int, bool]:
-        """Walk apps_due from the memo's cursor, clearing flags the policy does not back."""
-        cursors, policy, total = self.memo.clear_cursors, self.policy, 0
-        while not self._out_of_time():
-            step = self._batch(CLEAR_STALE_DUE_FLAGS, after=cursors.get(policy, ""))
-            total += step["cleared"]
-            if step["examined"] < PROMOTION_BATCH:
-                cursors.pop(policy, None)
-                return total, True
-            self.full_batches += 1
-            cursors[policy] = step["last"]
-        return total, False
-
-    def run(self) -> Promotion:
-        done = Promotion()
-        params = self.policy.sql_params()
-        if not self.db.run(QUEUE_POLICY_APPLIED, **params):
-            # The row is missing (deleted by hand): put it back, so the policy is recorded.
-            self.db.run(RESTORE_QUEUE_POLICY_ROW)
-            logger.warning("queue_policy had no row; it was added again")
-        ((applied,),) = self.db.run(QUEUE_POLICY_APPLIED, **params)
-        if not applied:
-            done.cleared, cleared_all = self.clear_unsupported_flags()
-            done.complete = cleared_all and bool(self.db.run(RECORD_QUEUE_POLICY, **params))
-        # The lease rescuer, then the staleness scheduler.
-        done.requeued, requeued_all = self._repeat(REQUEUE_REFETCHED_LEASES)
-        done.abandoned, done.returned, abandoned_all = self.back_off()
-        done.leases, leases_all = self._repeat(PROMOTE_EXPIRED_LEASES)
-        done.stale, stale_all = self._repeat(PROMOTE_STALE_BATCH)
-        done.complete = done.complete and requeued_all and abandoned_all
-        done.complete = done.complete and leases_all and stale_all
-        return done
-
-
-def promote_due_apps(
-    db: SharedConnection,
-    policy: QueuePolicy,
-    budget_seconds: float | None = None,
-    force: bool = False,
-) -> Promotion:
-    """Flag rows due by time (expired leases, stale analyses) into the claim index, and
-    back off apps whose leases keep expiring (PromotionPass).
-
-    Runs at most every PROMOTE_EVERY_SECONDS per process once it has caught up, and
-    looks PROMOTION_HORIZON_SECONDS ahead, so a row that became due since the last run
-    was already flagged then. Rows flagged early are not handed out early: the claim
-    re-checks the candidate rule. When budget_seconds run out the rest waits for the next
-    call.
-    """
-    memo = db.promoter
-    last = memo.caught_up_at.get(policy)
-    if not force and last is not None and memo.clock() - last < PROMOTE_EVERY_SECONDS:
-        return Promotion()
-    promotion = PromotionPass(db, policy, budget_seconds)
-    done = promotion.run()
-    if done.complete:
-        memo.caught_up_at.clear()
-        memo.caught_up_at[policy] = promotion.started
-    return done
-
-
-def claim_next_app(
-    db: SharedConnection,
-    policy: QueuePolicy,
-    app_id: str | None = None,
-    promotion_budget_seconds: float | None = None,
-    analyser: str | None = None,
-) -> tuple[str, str] | None:
-    """Hand out the next app (or the named one, if it is a candidate): (appid, token).
-
-    The token is a random UUID in apps.analysis_claim_token, the column and type the old
-    server's claim-token release uses too (sql/018), so both releases fence one token.
-    The claim records its analyser (None: the shared password) bound to that token."""
-    try:
-        promote_due_apps(db, policy, promotion_budget_seconds)
-    except pg8000.native.DatabaseError as error:
-        if not _is_server_reply(error):
-            raise
-        # A lock or statement timeout while flagging. The claim does not need the flags
-        # to be right (it reads the heads of the unflagged rows too), so it goes on.
-        logger.warning("promotion skipped", extra={"error": _error_text(error)})
-    token = uuid.uuid4()
-    tries = 0
-
-    def claim(session: Session) -> list[dict[str, Any]]:
-        nonlocal tries
-        tries += 1
-        if tries > 1:
-            # The connection was lost, maybe after the claim committed: a second claim
-            # would leave that app leased to nobody, so first look for this token's app.
-            mine = session.records(FIND_OWN_CLAIM, token=token)
-            if mine:
-                return mine
-        params = {"token": token, "analyser": analyser, **policy.sql_params()}
-        if app_id is None:
-            return session.records(CLAIM_NEXT_APP, **params)
-        return session.records(CLAIM_NAMED_APP, appid=app_id, **params)
-
-    rows = db.autocommit(claim)
-    return (rows[0]["appid"], str(token)) if rows else None
-
-
-class ResultRefused(ServiceError):
-    """judge_result refused the result (409): it was not written; the message says why.
-    `lease`: "answered" or "ended" (Verdict.lease), as it was done; "": nothing changed."""
-
-    def __init__(self, why: str, lease: str = ""):
-        super().__init__(why)
-        self.lease = lease
-
-
-class IdentityConflict(ServiceError):
-    """A result without a claim token from a credential whose claim is not the app's
-    current one (check_result_identity)."""
-
-    detail = "the app's current claim is not this analyser's; send its X-Analysis-Claim-Token"
-
-
-class UnknownApp(ServiceError):
-    pass
-
-
-def check_result_identity(
-    found: dict[str, Any], analyser: str | None, claim_token: str | None
-) -> None:
-    """Whose result this may be, before anything is written (`found`: the app's row, locked;
-    `analyser`: the request's credential, None for the shared password).
-
-    With a claim token the token decides (judge_result), for every credential, as
-    ever. Without one: a named analyser's result is taken only while the app's current
-    lease is that analyser's claim; a shared-password result only while no named analyser
-    holds it. Anything else is someone else's lease or result: IdentityConflict (409)."""
-    if claim_token is not None:
-        return
-    holder = found["claim_holder"]
-    if analyser is None:
-        if holder is not None:
-            raise IdentityConflict(found["appid"])
-    elif holder is None or not hmac.compare_digest(holder.encode(), analyser.encode()):
-        raise IdentityConflict(found["appid"])
-
-
-def store_result(
-    db: SharedConnection,
-    app_id: str,
-    version: int,
-    payload: dict[str, Any],
-    claim_token: str | None,
-    analyser: str | None = None,
-    sent: str | None = None,
-    *,
-    current_version: int,
-) -> list[dict[str, Any]]:
-    """Write an analysis or failure record, snapshot it into history, end the lease, as
-    judge_result decides; a result that is stored already is answered as the first time
-    (a retry after a lost reply, the service's own or the analyser's). `analyser`: the
-    credential it came with (None: the shared password), which check_result_identity
-    holds a tokenless result to. `sent`: the document's JSON text as the analyser sent
-    it, which is what is stored (jsonb keeps its numbers exact); None: `payload`, which
-    the service built, serialised. `current_version`: CURRENT_ANALYSIS_VERSION.
-
-    PostgreSQL parses the document once per request, whatever the verdict: whether it is
-    the stored result is asked only when that decides the verdict, and then, when it
-    would otherwise be stored, by the statement that stores it (STORE_RESULT's
-    :unless_stored). A refused result raises ResultRefused once its transaction is over:
-    the holder's result refused as older answers or ends its lease (committed), and its
-    retry after a lost reply finds that done and is refused again."""
-    state = derive_analysis_state(payload)
-    success = state.status == "analysed"
-    document = json.dumps(payload, ensure_ascii=False, allow_nan=False) if sent is None else sent
-
-    def may_store(found: dict[str, Any]) -> bool:
-        try:
-            check_result_identity(found, analyser, claim_token)
-        except IdentityConflict:
-            return False
-        return True
-
-    def refuse(session: Session, found: dict[str, Any], verdict: Verdict) -> ResultRefused:
-        if not verdict.lease:
-            return ResultRefused(verdict.why)
-        try:
-            check_result_identity(found, analyser, claim_token)
-        except IdentityConflict:
-            return ResultRefused(verdict.why)  # not the holder's: nothing changes
-        if verdict.lease == "answered":
-            session.run(ANSWER_LEASE, appid=found["appid"])
-            return ResultRefused(verdict.why, "answered")
-        (parts,) = session.records(STORED_RESULT_PARTS, appids=[found["appid"]])
-        ended = {"appid": found["appid"], **dataclasses.asdict(stored_result_state(parts))}
-        session.run(RETURN_TO_STORED_RESULT, ended=json.dumps([ended]))
-        return ResultRefused(verdict.why, "ended")
-
-    def work(session: Session) -> list[dict[str, Any]] | ResultRefused:
-        rows = session.records(
-            FIND_RESULT_TARGET, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES
-        )
-        if not rows:
-            raise UnknownApp(app_id)
-        (found,) = rows
-        target = ResultTarget.of(found, same_result=False)
-        verdict = judge_result(target, version, success, claim_token, current_version)
-        if_stored = judge_result(
-            dataclasses.replace(target, same_result=True),
-            version,
-            success,
-            claim_token,
-            current_version,
-        )
-        unless_stored = False
-        if verdict != if_stored:
-            if verdict.action == "store" and if_stored.action == "stored" and may_store(found):
-                unless_stored = True  # STORE_RESULT tells, storing it unless it is stored
-            else:
-                ((same,),) = session.run(
-                    SAME_RESULT, appid=found["appid"], analysis=document, version=version
-                )
-                verdict = if_stored if same else verdict
-        if verdict.action == "refuse":
-            return refuse(session, found, verdict)
-        stored = []
-        if verdict.action == "store":
-            check_result_identity(found, analyser, claim_token)
-            stored = session.records(
-                STORE_RESULT,
-                document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES,
-                appid=found["appid"],
-                analysis=document,
-                version=version,
-                status=state.status,
-                failure_reason=state.failure_reason,
-                failure_retryable=state.failure_retryable,
-                result_claim=verdict.claim,
-                verified=verdict.verified,
-                analyser=analyser,
-                unless_stored=unless_stored,
-            )
-        if stored:
-            (found,) = stored
-            session.run(RECORD_HISTORY, appids=[found["appid"]])
-            # A refetch asked during this claim: queued again once its result is in (and
-            # still queued when a result replaces one stored without the token, or one
-            # that queued the app so).
-            waited = target.status == "processing" and target.refetch_requested
-            replaced = target.status == "queued" and (
-                verdict.claim is not None or target.refetch_requested
-            )
-            if waited or replaced:
-                session.run(REQUEUE_AFTER_RESULT, appid=found["appid"])
-            if analyser is not None:
-                session.run(
-                    RECORD_ANALYSER_RESULT,
-                    name=analyser,
-                    appid=found["appid"],
-                    success=success,
-                    version=version,
-                )
-        return [
-            {
-                "appid": found["appid"],
-                **_document("details", found["details"], found["details_bytes"]),
-                "analysed": _plain(found["analysed"]),
-            }
-        ]
-
-    stored = db.transaction(work)
-    if isinstance(stored, ResultRefused):
-        raise stored
-    return stored
-
-
-def add_app(
-    db: SharedConnection, app_id: str, details: dict[str, Any] | None, sent: str | None = None
-) -> tuple[bool, dict]:
-    """Insert as queued, under the listing's casing (listed_bundle_id); (created, app). An
-    existing app (any letter case) is unchanged, its bundle ID included. A listing that
-    names another app is refused (BadInput) before anything is written. `sent`: the
-    request's body as sent, whose `details` member is what is stored (exact, as jsonb
-    keeps it; `details` is the same, as parsed, for the checks); None: `details`
-    serialised."""
-    stored_id = listed_bundle_id(app_id, details)
-    if stored_id is None:
-        raise BadInput(f"App Store bundle ID mismatch: details.appId does not name {app_id}")
-    if sent is None:
-        sent = json.dumps({"details": details}, ensure_ascii=False, allow_nan=False)
-
-    def work(session: Session) -> tuple[bool, dict]:
-        created = bool(session.run(ADD_APP, appid=stored_id, body=sent))
-        (row,) = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
-        return created, _app_view(row, admin=True)
-
-    return db.transaction(work)
-
-
-def _document(field: str, text: str | None, size: int | None) -> dict[str, Any]:
-    """A stored document for an answer: its JSON text, or, if it was too large to read
-    (text None, size given), null and a note saying so."""
-    if text is None and size is not None:
-        return {field: None, **omission(field, size)}
-    return {field: RawJSON.of(text)}
-
-
-def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {name: _plain(value) for name, value in row.items()}
-
-
-def shown_failure_reason(reason: str | None) -> str | None:
-    """A failed app's reason as GET /apps shows it: one of FAILURE_REASONS (None: the row
-    has none). A row written before reasons were classified, or by another program,
-    may hold an analyser's own text: that is analysis_failed here, to anyone."""
-    if reason is None or reason in FAILURE_REASONS:
-        return reason
-    return ANALYSIS_FAILED
-
-
-def _app_view(row: dict[str, Any], admin: bool = False, identities: bool = False) -> dict:
-    """An app as GET /apps answers it. Public: what the website shows (state, failure
-    reason and retryable, the analysis). A stored failure record (the analyser's raw log,
-    whatever else it wrote about its own run): admin only; with `identities` too, who
-    holds its lease and who stored its result (GET /apps with the admin token)."""
-    withheld = row["failure_record"] and not admin
-    view = {
-        "appId": row["appid"],
-        "status": row["status"],
-        "analysed": _plain(row["analysed"]),
-        "analysisVersion": row["analysisversion"],
-        "added": _plain(row["added"]),
-        **_document("details", row["details"], row["details_bytes"]),
-        **(
-            {"analysis": None}
-            if withheld
-            else _document("analysis", row["analysis"], row["analysis_bytes"])
-        ),
-    }
-    if row["status"] == "failed":
-        view["failure"] = {
-            "reason": shown_failure_reason(row["failure_reason"]),
-            "retryable": row["failure_retryable"],
-        }
-    if row["status"] == "processing":
-        view["processingStarted"] = _plain(row["processing_started"])
-    if admin and identities:
-        view["claimedBy"] = row["claim_holder"]
-        view["analysedBy"] = row["analysed_by"]
-    return view
-
-
-def queue_position_view(ahead: int, unflagged_stale: bool) -> dict[str, Any]:
-    """What GET /apps says of a queued app's place: exact up to QUEUE_POSITION_BOUND apps
-    ahead; beyond it, or while the promoter is catching up, a lower bound that says so."""
-    if ahead > QUEUE_POSITION_BOUND:
-        return {
-            "queuePosition": None,
-            "queuePositionExact": False,
-            "queuePositionNote": f"more than {QUEUE_POSITION_BOUND} apps are ahead",
-        }
-    view: dict[str, Any] = {"queuePosition": ahead + 1, "queuePositionExact": not unflagged_stale}
-    if unflagged_stale:
-        view["queuePositionNote"] = (
-            "at least this: analyses that fell due after a policy change are still being"
-            " added to the queue"
-        )
-    return view
-
-
-def app_status(
-    db: SharedConnection, policy: QueuePolicy, app_id: str, admin: bool = False
-) -> dict[str, Any] | None:
-    def work(session: Session) -> dict[str, Any] | None:
-        rows = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
-        if not rows:
-            return None
-        (row,) = rows
-        view = _app_view(row, admin, identities=admin)
-        if row["status"] == "queued":
-            ((ahead, unflagged_stale),) = session.run(
-                QUEUE_POSITION,
-                popularity=row["popularity"],
-                added=row["added"],
-                appid=row["appid"],
-                limit=QUEUE_POSITION_BOUND + 1,
-                **policy.sql_params(),
-            )
-            view.update(queue_position_view(int(ahead), bool(unflagged_stale)))
-        return view
-
-    return db.transaction(work)
-
-
-NOT_MIGRATED = "not migrated"
-
-
-@dataclasses.dataclass(frozen=True)
-class Readiness:
-    """Why a claim could not run now (`problem` None: it could). `status` is the word
-    /healthz answers; `ledger` the last file the database's ledger records (None: it has
-    no ledger), said when the database is behind this code's ledger."""
-
-    problem: str | None = None
-    status: str = "ok"
-    ledger: str | None = None
-
-
-def claim_readiness(db: SharedConnection, ledger_files: tuple[str, ...]) -> Readiness:
-    """Whether a claim could run now, against the ledger files this code needs
-    (`ledger_files`): the database takes writes, its ledger records every one of them
-    (else it is "not migrated": a first deploy whose migration failed, a database the
-    ledger never reached), and the claim's lock is granted. A role that may not read the
-    ledger skips that check: a table or column the code needs and the database lacks is
-    still a 503 "not migrated", on this route as on every other. A lock it would wait for
-    past the lock_timeout raises (55P03: 503 like any claim)."""
-
-    def work(session: Session) -> Readiness:
-        ((writable,),) = session.run(DATABASE_WRITABLE)
-        if not writable:
-            return Readiness("the database is read-only (a replica?)", "unavailable")
-        ((has_ledger, readable),) = session.run(LEDGER_READABLE)
-        recorded = [name for name, _ in session.run(LEDGER_READ_NAMES)] if readable else []
-        missing = [name for name in ledger_files if name not in recorded]
-        if missing and (readable or not has_ledger):
-            at = max(recorded) if recorded else None
-            where = f"its ledger is at {at}" if at else "it has no ledger (no schema_migrations)"
-            return Readiness(
-                f"the database is not migrated: {where}; this code needs {ledger_files[-1]}"
-                f" ({len(missing)} file(s) to apply: run python handler.py migrate)",
-                NOT_MIGRATED,
-                at,
-            )
-        session.run(CLAIM_LOCK_PROBE)
-        return Readiness()
-
-    return db.transaction(work)
-
-
-def record_ping(
-    db: SharedConnection, analyser_id: str, source_address: str, user_agent: str
-) -> None:
-    db.run(
-        RECORD_PING,
-        analyser_id=analyser_id,
-        source_address=source_address,
-        user_agent=user_agent,
-    )
-
-
-def last_ping(db: SharedConnection) -> tuple[float | None, int]:
-    """Minutes since the last heartbeat of any analyser (None: never), and how many
-    analysers (named or under the shared password) sent one in the last hour."""
-    (ping,) = db.records(LAST_PING)
-    minutes = ping["minutes_since_last_ping"]
-    return (None if minutes is None else float(minutes)), ping["analysers_last_hour"]
-
-
-# Named analysers' credentials (sql/022, docs/analysers.md).
-
-
-class UnknownAnalyser(Exception):
-    pass
-
-
-class AnalyserExists(Exception):
-    pass
-
-
-class AnalyserRevoked(Exception):
-    pass
-
-
-def _analyser_name(name: str) -> str:
-    if not isinstance(name, str) or not ANALYSER_NAME.fullmatch(name):
-        raise BadInput("an analyser's name is 1-64 letters, digits or ._:@-")
-    return name
-
-
-def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
-    """A new analyser and its token: {"name", "created", "token"}. The token exists only
-    in this answer; the database keeps its hash."""
-    token = new_analyser_token()
-    rows = db.records(ADD_ANALYSER, name=_analyser_name(name), token_hash=token_hash(token))
-    if not rows:
-        raise AnalyserExists(name)
-    return {"name": rows[0]["name"], "created": _plain(rows[0]["created"]), "token": token}
-
-
-def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, Any]:
-    """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
-    token = new_analyser_token()
-    rows = db.records(
-        ROTATE_ANALYSER,
-        name=_analyser_name(name),
-        token_hash=token_hash(token),
-        overlap_seconds=overlap,
-    )
-    if not rows:
-        raise UnknownAnalyser(name)
-    (row,) = rows
-    if row["revoked"]:
-        raise AnalyserRevoked(name)
-    return {
-        "name": row["name"],
-        "rotated": _plain(row["rotated"]),
-        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
-        "token": token,
-    }
-
-
-def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
-    """The analyser's tokens (current and previous) stop working with this commit."""
-    rows = db.records(REVOKE_ANALYSER, name=_analyser_name(name))
-    if not rows:
-        raise UnknownAnalyser(name)
-    return {"name": rows[0]["name"], "revoked": _plain(rows[0]["revoked"])}
-
-
-def authenticate_analyser(db: SharedConnection, token: str) -> str | None:
-    """The name of the analyser whose current (or still overlapping previous) token this
-    is, or None. One index probe per request, no cache: a revocation or the end of an
-    overlap holds from the next request on, in every process."""
-    digest = token_hash(token)
-    for row in db.records(ANALYSER_BY_HASH, token_hash=digest):
-        for stored in (row["token_hash"], row["previous_token_hash"]):
-            if stored is not None and hmac.compare_digest(bytes(stored), digest):
-                return row["name"]
-    return None
-
-
-def record_analyser_seen(db: SharedConnection, name: str) -> None:
-    db.run(RECORD_ANALYSER_SEEN, name=name)
-
-
-def _analyser_view(row: dict[str, Any]) -> dict[str, Any]:
-    last = None
-    if row["last_result_at"] is not None:
-        last = {
-            "appId": row["last_result_app"],
-            "at": _plain(row["last_result_at"]),
-            "success": row["last_result_success"],
-            "analysisVersion": row["last_result_version"],
-        }
-    return {
-        "name": row["name"],
-        "created": _plain(row["created"]),
-        "rotated": _plain(row["rotated"]),
-        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
-        "revoked": _plain(row["revoked"]),
-        "lastSeen": _plain(row["last_seen"]),
-        "online": bool(row["online"]),
-        "holding": None
-        if row["holding"] is None
-        else {"appId": row["holding"], "since": _plain(row["holding_since"])},
-        "lastResult": last,
-        "results24h": row["results_24h"],
-        "failures24h": row["failures_24h"],
-        "outdatedVersion": bool(row["outdated_version"]),
-    }
-
-
-def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[dict[str, Any]]:
-    """Every named analyser (revoked ones too), by name: never a token or its hash."""
-    rows = db.records(ANALYSER_ACTIVITY, analysis_version=policy.analysis_version)
-    return [_analyser_view(row) for row in rows]
-
-
-def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
-    """Everything the queue-status report says, as its one document
-    (queue_status_document)."""
-
-    def work(session: Session) -> dict[str, Any]:
-        params = policy.sql_params()
-        by_status = session.records(COUNT_BY_STATUS)
-        counts = {row["status"]: row["apps"] for row in by_status}
-        failed_retryable = sum(row["retryable"] for row in by_status if row["status"] == "failed")
-        failed_by_reason = {
-            row["reason"] or "unclassified": row["apps"]
-            for row in session.records(FAILED_BY_REASON)
-        }
-        backlog = {
-            row["reason"]: row["apps"] for row in session.records(BACKLOG_BY_REASON, **params)
-        }
-        (throughput,) = session.records(THROUGHPUT, **params)
-        (ping,) = session.records(LAST_PING)
-        (held_back,) = session.records(HELD_BACK, **params)
-        processing = [
-            {
-                "appid": row["appid"],
-                "started": _plain(row["processing_started"]),
-                "age_minutes": None if row["age_minutes"] is None else float(row["age_minutes"]),
-                "expired": bool(row["expired"]),
-                "lease_attempts": row["lease_attempts"],
-                "refetch_requested": row["refetch_requested"],
-            }
-            for row in session.records(
-                PROCESSING_APPS,
-                limit=50,
-                timeout_minutes=policy.processing_timeout_minutes,
-            )
-        ]
-        top_rows = [_plain_row(row) for row in session.records(TOP_BACKLOG, limit=top, **params)]
-        analysers = list_analysers(session, policy)
-        backlog_total = sum(backlog.values())
-        minutes = ping["minutes_since_last_ping"]
-        return {
-            "counts": counts,
-            "total": sum(counts.values()),
-            "failed_retryable": failed_retryable,
-            "failed_by_reason": failed_by_reason,
-            "backlog": backlog,
-            "backlog_total": backlog_total,
-            "expired_leases": backlog.get("lease_expired", 0),
-            "throughput": throughput,
-            "eta_hours": eta_hours(
-                backlog_total, throughput["analysed_24h"] + throughput["failed_24h"]
-            ),
-            "minutes_since_last_ping": None if minutes is None else round(float(minutes), 1),
-            "analysers_last_hour": ping["analysers_last_hour"],
-            "held_back": held_back,
-            "analysers": analysers,
-            "processing": processing,
-            "top_backlog": top_rows,
-            "policy": dataclasses.asdict(policy),
-        }
-
-    return queue_status_document(db.transaction(work))
-
-
-def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
-    return [_plain_row(row) for row in db.records(TOP_BACKLOG, limit=limit, **policy.sql_params())]
+# == Refetch ============================================================================
+# queue-refetch: apps queued for a new analysis, in committed batches.
+
+
+# -- SQL
+
+# A refetch never hands an app out twice: an app under a live lease is re-queued when
+# that lease's result arrives or the lease expires (refetch_requested), unless `force`
+# breaks the lease, which fences its holder (its claim token no longer matches). What
+# happens to each app is its outcome (REFETCH_OUTCOME, the one rule for the dry run and
+# --apply alike): queued, waiting (for the lease) or lease_broken.
+# A lease counts as live for the longer of this process's PROCESSING_TIMEOUT_MINUTES and
+# the one the serving API recorded (queue_policy): an operator's command run with other
+# settings than the API's must not break a lease the API still honours.
+REFETCH_LEASE_EXPIRED = lease_expired(
+    "GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0))"
+)
+REFETCH_LIVE_LEASE = f"status = 'processing' AND NOT {REFETCH_LEASE_EXPIRED}"
+REFETCH_OUTCOME = f"""CASE
+    WHEN status = 'processing' AND :force THEN 'lease_broken'
+    WHEN {REFETCH_LIVE_LEASE} THEN 'waiting'
+    ELSE 'queued'
+END"""
+REFETCH_SELECT_BY_ID = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
+WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
+ORDER BY app_popularity(details) DESC, added, appid
+"""
+# An invalid bundle ID is never valid again (apps' CHECK would refuse the UPDATE).
+REFETCH_FAILED_ROWS = """status = 'failed' AND (failure_retryable OR :include_non_retryable)
+  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'"""
+REFETCH_ANALYSED_ROWS = "status = 'analysed'"
+REFETCH_SELECT_FAILED = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_FAILED_ROWS}
+ORDER BY app_popularity(details) DESC, added, appid
+LIMIT :limit
+"""
+REFETCH_SELECT_ANALYSED = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_ANALYSED_ROWS}
+ORDER BY app_popularity(details) DESC, added, appid
+LIMIT :limit
+"""
+# A bulk refetch without a limit walks apps by bundle ID (the primary key) from a cursor,
+# one window of :batch rows at a time, and selects the window's rows that match: a window
+# costs the same at any table size, whether none or all of its rows match.
+REFETCH_WALK = """
+SELECT appid, status, {rows} AS selected, {outcome} AS outcome FROM apps
+WHERE appid > :after ORDER BY appid LIMIT :batch
+"""
+REFETCH_WALK_FAILED = REFETCH_WALK.format(rows=f"({REFETCH_FAILED_ROWS})", outcome=REFETCH_OUTCOME)
+REFETCH_WALK_ANALYSED = REFETCH_WALK.format(
+    rows=f"({REFETCH_ANALYSED_ROWS})", outcome=REFETCH_OUTCOME
+)
+# The number of apps the planner believes there are (-1: never counted): a walk's progress
+# total, read without counting.
+APPS_ESTIMATE = "SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 'apps'::regclass"
+# Applying a refetch first locks the selected rows that still match the selection (in
+# bundle-ID order, so two refetches never deadlock): a row deleted since it was read, or
+# changed so that it no longer matches (a failed app analysed since, an analysed app
+# claimed), is not returned, and is left as it is. The outcome is decided on the locked
+# row, with the dry run's rule. The history snapshot and the apply then act on locked rows.
+REFETCH_LOCK = f"""
+SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
+WHERE appid = ANY(CAST(:appids AS text[])) AND {{rows}}
+ORDER BY appid
+FOR UPDATE
+"""
+REFETCH_LOCK_NAMED = REFETCH_LOCK.format(rows="true")
+REFETCH_LOCK_FAILED = REFETCH_LOCK.format(rows=f"({REFETCH_FAILED_ROWS})")
+REFETCH_LOCK_ANALYSED = REFETCH_LOCK.format(rows=f"({REFETCH_ANALYSED_ROWS})")
+# A refetched app's stored result becomes verified: the token of the claim that stored it
+# may send it again (answered as the first time), but no longer replace it.
+REFETCH_APPLY = """
+WITH requeued AS (
+    UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
+                    failure_retryable = NULL, analysis_claim_token = NULL, due = false,
+                    refetch_requested = false, lease_attempts = 0,
+                    result_claim_verified = true
+    WHERE appid = ANY(CAST(:requeue AS text[]))
+    RETURNING 1
+), deferred AS (
+    UPDATE apps SET refetch_requested = true WHERE appid = ANY(CAST(:wait AS text[]))
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM requeued) AS requeued, (SELECT count(*) FROM deferred) AS deferred
+"""
+
+
+# -- the refetch
+
+
+def unknown_app_ids(named: list[str], selected: list[dict[str, str]]) -> list[str]:
+    """The bundle IDs a refetch named that it did not select (any letter case matches),
+    when it selected fewer than it was given."""
+    found = {row["appid"].lower() for row in selected}
+    return [app_id for app_id in named if app_id.lower() not in found]
 
 
 # What a refetch does to each app it selected, and how the CLI says it: one vocabulary
@@ -3324,9 +4163,53 @@ def queue_refetch(
     return selected
 
 
-# == Migrations =========================================================================
+# == The ledger =========================================================================
 # The sorted SQL ledger in sql/: each file and its ledger row in one transaction,
 # serialised across runners by an advisory lock.
+
+
+# -- SQL
+
+LEDGER_CREATE = """
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    filename text PRIMARY KEY,
+    applied_at timestamp without time zone NOT NULL DEFAULT now()
+)
+"""
+LEDGER_ADD_CHECKSUM = "ALTER TABLE schema_migrations ADD COLUMN IF NOT EXISTS checksum text"
+LEDGER_READ = "SELECT filename, checksum FROM schema_migrations ORDER BY filename"
+# What a dry run reads instead of creating or altering anything: whether the ledger table
+# exists, and whether it has the checksum column (the old server's has none).
+LEDGER_SHAPE = """
+SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
+       EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('schema_migrations')
+               AND attname = 'checksum' AND NOT attisdropped) AS checksums
+"""
+LEDGER_READ_NAMES = "SELECT filename, NULL AS checksum FROM schema_migrations ORDER BY filename"
+LEDGER_ADOPT = """
+UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND checksum IS NULL
+"""
+LEDGER_RECORD = "INSERT INTO schema_migrations (filename, checksum) VALUES (:filename, :checksum)"
+LEDGER_TRY_LOCK = "SELECT pg_try_advisory_lock(:key)"
+LEDGER_UNLOCK = "SELECT pg_advisory_unlock(:key)"
+# Indexes a failed (or killed) CREATE INDEX CONCURRENTLY of a no-transaction ledger file
+# left INVALID: kept up to date on every write yet never read, and, being there, they make
+# the file's `CREATE INDEX CONCURRENTLY IF NOT EXISTS` skip the build on a re-run. Only
+# indexes the file names are candidates (its words, as unquoted identifiers fold).
+LEDGER_INVALID_INDEXES = """
+SELECT n.nspname, c.relname
+FROM pg_index i
+JOIN pg_class c ON c.oid = i.indexrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE NOT i.indisvalid
+  AND n.nspname = current_schema()
+  AND c.relname = ANY(regexp_split_to_array(lower(:file_text), '[^a-z0-9_$]+'))
+"""
+LEDGER_DROP_INDEX = "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}"  # quoted identifiers
+VACUUM_APPS = "VACUUM (ANALYZE) apps"
+
+
+# -- the files
 
 MIGRATIONS_LOCK_KEY = 7_311_020_260  # pg_advisory_lock key serialising ledger runners
 
@@ -3349,19 +4232,6 @@ FOREIGN_LEDGER_FILES = frozenset(
 # to run again (IF NOT EXISTS): it is recorded only after it succeeded, so a run cut short
 # runs it again. tests/test_zero_downtime.py holds new files to both rules.
 NO_TRANSACTION_MARKER = "-- ledger: no-transaction"
-
-
-class MigrationRefused(ServiceError):
-    """The ledger and sql/ disagree in a way no runner should paper over."""
-
-
-class MigrationFailed(ServiceError):
-    """A ledger file failed and was rolled back; the message names the file."""
-
-    def __init__(self, filename: str, error: BaseException):
-        super().__init__(f"{filename}: {_error_text(error)}")
-        self.filename = filename
-        self.sqlstate = sqlstate(error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3456,6 +4326,9 @@ def pending_migrations(
                 " rename to sort after it"
             )
     return pending
+
+
+# -- the runner
 
 
 def _drop_invalid_indexes(connection: pg8000.native.Connection, migration: MigrationFile) -> None:
@@ -3674,797 +4547,76 @@ def closing_owner_connection() -> Iterator[SharedConnection]:
         db.discard()
 
 
-# == HTTP routes ========================================================================
-# The analysers' frozen contract, plus the operators' and website's routes.
-
-# The routes are `async def` and hand their blocking work (the database, parsing a large
-# body) to `blocking`. A Lambda container serves one request at a time, and a hop to a
-# worker thread (which FastAPI makes for `def` routes and dependencies, starting a new
-# thread per invocation under Mangum) costs more than the claim itself: there `blocking`
-# calls the work inline. Under `serve` (uvicorn, one event loop for every client) the
-# Runtime has worker threads, each with its own connection, and `blocking` runs the work
-# on one of them, so /queue is answered while large uploads are parsed and stored.
-app = FastAPI(
-    title="Analysis queue",
-    version="1.0.0",
-    description="Queue server for the iOS app privacy analysers.",
-    redirect_slashes=False,
-    docs_url=None,
-    redoc_url=None,
-)
+# == Health =============================================================================
+# /healthz (whether a claim could run now) and /healthz/analyser.
 
 
-async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) -> Any:
-    """work(*args): inline (Lambda), or on a worker thread when the Runtime has them
-    (`parse`: work that parses a body, one at a time: Runtime.worker_limiter)."""
-    limiter = runtime().worker_limiter(parse)
-    if limiter is None:
-        return work(*args)
-    import anyio.to_thread
+# -- SQL
 
-    return await anyio.to_thread.run_sync(lambda: work(*args), limiter=limiter)
-
-
-analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
-admin_bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken")
-CLAIM_TOKEN_HEADER = "X-Analysis-Claim-Token"  # noqa: S105 - a header name
-# A 503 for database trouble (a lock, a timeout, a lost or read-only server) says when
-# to try again.
-RETRY_AFTER = {"Retry-After": "5"}
-
-
-def _configured_secret(reference: str) -> str | None:
-    """The secret's current version, as cached for SECRETS_MAX_AGE_SECONDS; None when it
-    is not text (no token)."""
-    try:
-        value = fetch_secret(reference, settings().secrets_max_age_seconds)
-    except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
-        logger.warning(
-            "secret unavailable",
-            extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
-        )
-        raise HTTPException(503, "the server cannot read its token for this route") from None
-    return value if isinstance(value, str) and value else None
+# Healthy means a claim could run now: the server takes writes, and the lock a claim
+# takes on apps (ROW EXCLUSIVE, which an index build's SHARE lock or a migration's ACCESS
+# EXCLUSIVE blocks) is granted within the API's lock_timeout. The probe changes nothing.
+DATABASE_WRITABLE = """
+SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'
+"""
+CLAIM_LOCK_PROBE = "UPDATE apps SET due = due WHERE false"
+# Whether the database has a ledger, and whether this role may read it (a role granted
+# only the queue's tables cannot: /healthz then checks what the claim needs, no more).
+LEDGER_READABLE = """
+SELECT to_regclass('schema_migrations') IS NOT NULL AS ledger,
+       COALESCE(has_table_privilege(to_regclass('schema_migrations'), 'SELECT'), false)
+           AS readable
+"""
 
 
-def _previous_secret(reference: str) -> str | None:
-    """The secret's previous version (Secrets Manager's AWSPREVIOUS), read only when the
-    current one did not match: during a rotation both are accepted. Unreadable: none."""
-    try:
-        return runtime().previous_secret(reference)
-    except Exception as error:  # noqa: BLE001 - the current version still works
-        logger.warning(
-            "previous secret version unavailable",
-            extra={"secret": reference, "error": f"{type(error).__name__}"},
-        )
-        return None
+# -- readiness
 
-
-def _secret_matches(given: bytes, reference: str) -> bool:
-    """Whether `given` is the secret's current version (as cached) or its previous one."""
-    expected = _configured_secret(reference)
-    if expected is None:
-        raise HTTPException(503, "the server has no token configured for this route")
-    if hmac.compare_digest(given, expected.encode()):
-        return True
-    older = _previous_secret(reference)
-    return older is not None and hmac.compare_digest(given, older.encode())
-
-
-def _unauthorized() -> HTTPException:
-    return HTTPException(
-        401, "Please provide correct password.", headers={"WWW-Authenticate": "Bearer"}
-    )
-
-
-def _check_bearer(
-    credentials: HTTPAuthorizationCredentials | None, plain: str | None, reference: str | None
-) -> None:
-    """The bearer token against the route's: `plain` (from the environment), or else the
-    secret at `reference`, its current version or its previous one. A token that matches
-    neither cached version may be a rotated secret's new value: the secret is read again
-    (Runtime.refresh_secret, rate-limited) before the answer is 401, so a new value works
-    at its first use."""
-    given = credentials.credentials.encode() if credentials else b""
-    if plain:
-        if hmac.compare_digest(given, plain.encode()):
-            return
-        raise _unauthorized()
-    if reference is None:
-        raise HTTPException(503, "the server has no token configured for this route")
-    if _secret_matches(given, reference):
-        return
-    try:
-        runtime().refresh_secret(reference)
-    except Exception as error:  # noqa: BLE001 - the cached versions stand; a wrong token is 401
-        logger.warning(
-            "secret refresh failed", extra={"secret": reference, "error": type(error).__name__}
-        )
-    if _secret_matches(given, reference):
-        return
-    raise _unauthorized()
+NOT_MIGRATED = "not migrated"
 
 
 @dataclasses.dataclass(frozen=True)
-class Credential:
-    """Who sent an analyser request: a named analyser (its own token), or, with
-    analyser None, a host using the shared UPLOAD_PASSWORD."""
-
-    analyser: str | None = None
-
-
-SHARED_PASSWORD = Credential()
-
-
-def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credential:
-    """A named analyser's token (found by its hash, on every request: revocation holds
-    from the next request), or the shared password while ACCEPT_SHARED_UPLOAD_PASSWORD."""
-    given = credentials.credentials if credentials else ""
-    if given.startswith(ANALYSER_TOKEN_PREFIX):
-        name = authenticate_analyser(api_connection(), given)
-        if name is None:
-            raise _unauthorized()
-        return Credential(name)
-    config = settings()
-    if not config.shared_password_accepted:
-        raise _unauthorized()
-    _check_bearer(credentials, config.upload_password, config.upload_password_secret)
-    return SHARED_PASSWORD
-
-
-def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
-    config = settings()
-    _check_bearer(credentials, config.admin_token, config.admin_token_secret)
-
-
-async def require_analyser(
-    credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
-) -> Credential:
-    # The shared password set in the environment is checked inline; a named analyser's
-    # token (a database lookup) and a secret read from Secrets Manager or SSM (a network
-    # call on a cache miss) are blocking work.
-    given = credentials.credentials if credentials else ""
-    if settings().upload_password and not given.startswith(ANALYSER_TOKEN_PREFIX):
-        return _check_analyser(credentials)
-    return await blocking(_check_analyser, credentials)
-
-
-async def require_admin(
-    credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer),
-):
-    if settings().admin_token:
-        _check_admin(credentials)
-    else:
-        await blocking(_check_admin, credentials)
-
-
-def _single_query_value(request: Request, name: str, required: bool = True) -> str | None:
-    values = request.query_params.getlist(name)
-    if len(values) > 1:
-        raise HTTPException(400, f"{name} given more than once")
-    if not values:
-        if required:
-            raise HTTPException(400, f"{name} is required")
-        return None
-    return values[0]
-
-
-def _only_query(request: Request, known: tuple[str, ...]) -> None:
-    """A misspelt parameter (appid for appId) must not quietly change what a route does:
-    /queue would hand out some other app."""
-    unknown = sorted({name for name in request.query_params if name not in known})
-    if unknown:
-        raise HTTPException(400, f"unknown query parameter {unknown[0]!r}; known: {known}"[:300])
-
-
-def _bundle_id(value: str | None) -> str:
-    if value is None or not is_valid_bundle_id(value):
-        raise HTTPException(400, "appId must be a bundle ID (letters, digits, '.', '-')")
-    return value
-
-
-VERSION_TEXT = re.compile(r"[0-9]{1,9}")
-
-
-def _analysis_version(request: Request) -> int:
-    value = _single_query_value(request, "analysisVersion")
-    if value is None or not VERSION_TEXT.fullmatch(value):
-        raise HTTPException(400, "analysisVersion must be a whole number of 1 to 9 digits")
-    return int(value)
-
-
-def _require_content_type(request: Request, accepted: tuple[str, ...]) -> None:
-    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if given not in accepted:
-        raise HTTPException(415, f"Content-Type must be {' or '.join(accepted)}")
-
-
-# Header values the service reads or stores: printable ASCII only. Anything else (a
-# control character, NUL, a byte over 0x7F) is a client bug, and PostgreSQL's text cannot
-# hold some of it.
-PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
-DIGITS = re.compile(r"[0-9]{1,15}")
-ANALYSER_ID = ANALYSER_NAME  # an X-Analyser-Id label is spelt as a name is
-
-
-def _header(request: Request, name: str, max_length: int) -> str | None:
-    """The one value of header `name`, checked; None if absent; 400 naming it if bad."""
-    values = request.headers.getlist(name)
-    if len(values) > 1:
-        raise HTTPException(400, f"{name} given more than once")
-    if not values:
-        return None
-    if len(values[0]) > max_length or not PRINTABLE_ASCII.fullmatch(values[0]):
-        raise HTTPException(400, f"{name} must be at most {max_length} printable ASCII characters")
-    return values[0]
-
-
-async def _read_body(request: Request) -> bytes:
-    limit = settings().max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not DIGITS.fullmatch(declared):
-            raise HTTPException(400, "invalid Content-Length")
-        if int(declared) > limit:
-            raise HTTPException(413, f"body larger than {limit} bytes")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPException(413, f"body larger than {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        # The client went away mid-body (serve): nothing to answer, nothing written, and
-        # not the service's error.
-        raise HTTPException(400, "the client disconnected before sending its body") from None
-    return b"".join(chunks)
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-class _CollectorPause:
-    """Parsing a large document makes millions of containers, and every pass of Python's
-    cyclic garbage collector walks them all again: 4 MB of small nested arrays took 4.6 s
-    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits while
-    any parse and its check run; with worker threads (`serve`) several may overlap, and
-    the collector is on again (if it was on) when the last one is done."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active = 0
-        self._was_enabled = False
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        with self._lock:
-            if self._active == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if self._active == 0 and self._was_enabled:
-                    gc.enable()
-
-
-_COLLECTOR = _CollectorPause()
-
-
-def _parse_json_text(body: bytes, name: str) -> tuple[str, Any]:
-    """The body as JSON that PostgreSQL can store and the service can read back (400
-    naming the place otherwise): its text, which is what is stored, and its value, which
-    the service reads and checks (numbers with a fraction or an exponent as JSONNumber)."""
-    try:
-        with _COLLECTOR.paused():
-            text = body.decode("utf-8")
-            value = json.loads(text, parse_float=JSONNumber, parse_constant=_reject_constant)
-            problem = json_problem(value, name)
-    except RecursionError:
-        raise HTTPException(400, f"{name} nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as error:  # also UnicodeDecodeError, and integers over 4300 digits
-        raise HTTPException(400, f"{name} is not valid JSON: {str(error)[:200]}") from None
-    if problem:
-        raise HTTPException(400, problem)
-    return text, value
-
-
-def _parse_json(body: bytes, name: str) -> Any:
-    """The body's value, as _parse_json_text checks it."""
-    return _parse_json_text(body, name)[1]
-
-
-def _claim_token(request: Request) -> str | None:
-    return _header(request, CLAIM_TOKEN_HEADER, max_length=128)
-
-
-def _result_target(request: Request) -> tuple[str, int, str | None]:
-    """What a result names: the app, the analyser's format version, its claim token."""
-    _only_query(request, tuple(RESULT_QUERY))
-    app_id = _bundle_id(_single_query_value(request, "appId"))
-    return app_id, _analysis_version(request), _claim_token(request)
-
-
-# Lambda refuses a response over 6 MB, counted as the JSON document the runtime sends:
-# the body is a string in it, so every quote and backslash in the body is escaped again
-# and every character past ASCII may become a \\uXXXX escape (12 bytes for one outside
-# the BMP). The allowance covers the status, headers and field names.
-RESPONSE_ENVELOPE_ALLOWANCE = 32_768
-WORST_ESCAPE_FACTOR = 12
-
-
-def lambda_body_bytes(text: str) -> int:
-    """The size of the body text inside Lambda's response document, at worst."""
-    if len(text) * WORST_ESCAPE_FACTOR <= LAMBDA_PAYLOAD_LIMIT_BYTES // 2:
-        return len(text) * WORST_ESCAPE_FACTOR  # clearly small: skip the exact count
-    return len(json.dumps(text))
-
-
-def fit_for_lambda(view: dict[str, Any], droppable: tuple[str, ...]) -> str:
-    """view as JSON text, with its large stored documents (fields in droppable, in that
-    order) left out, and said so, until the answer fits Lambda's response limit."""
-    text = json_text(view)
-    for field in droppable:
-        if lambda_body_bytes(text) + RESPONSE_ENVELOPE_ALLOWANCE <= LAMBDA_PAYLOAD_LIMIT_BYTES:
-            break
-        stored = view.get(field)
-        if stored is None:
-            continue
-        view = {**view, field: None, **omission(field, len(stored.encode()))}
-        text = json_text(view)
-    return text
-
-
-def _json_answer(
-    view: dict[str, Any], status_code: int = 200, droppable: tuple[str, ...] = ()
-) -> Response:
-    return Response(
-        fit_for_lambda(view, droppable), status_code=status_code, media_type="application/json"
-    )
-
-
-def _store(
-    app_id: str,
-    version: int,
-    payload: dict,
-    token: str | None,
-    credential: Credential,
-    sent: str | None = None,
-) -> Response:
-    try:
-        rows = store_result(
-            api_connection(),
-            app_id,
-            version,
-            payload,
-            token,
-            credential.analyser,
-            sent,
-            current_version=settings().policy.analysis_version,
-        )
-    except UnknownApp:
-        raise HTTPException(404, f"unknown app {app_id}") from None
-    except (ResultRefused, IdentityConflict) as refused:
-        detail = getattr(refused, "detail", str(refused))
-        lease = getattr(refused, "lease", "")
-        if lease:
-            written = "its lease ended" if lease == "ended" else "its lease counts as answered"
-            raise HTTPException(409, f"{detail}; it was not written, and {written}") from None
-        raise HTTPException(409, f"{detail}; nothing was written") from None
-    fitted = [RawJSON(fit_for_lambda(row, ("details",))) for row in rows]
-    return _json_answer({"rowCount": len(rows), "rows": fitted})
-
-
-# Every answer but the success a route documents: {"detail": "..."} saying why.
-ERROR_ANSWERS = {
-    400: "Bad input, named in `detail`; nothing was written.",
-    401: "A wrong or missing bearer token.",
-    404: "No such app (bundle IDs match in any letter case); nothing was written.",
-    409: "The result is refused, and `detail` says why (a stale X-Analysis-Claim-Token, a"
-    " result of a newer analysisVersion stored, a claim answered already, or, sent without"
-    " a token, another credential's claim): it was not written, and it is not the stored"
-    " one. Nothing else changed, but for the lease's holder refused for a newer"
-    " analysisVersion stored: that lease counts as answered (and ends at once when the"
-    " stored version is above CURRENT_ANALYSIS_VERSION).",
-    413: "The body is larger than MAX_BODY_BYTES.",
-    415: "The Content-Type is not one the route takes.",
-    503: "The database is unavailable or busy (a lock, a timeout, a failover): try again"
-    " after Retry-After seconds.",
-}
-DETAIL_SCHEMA = {"type": "object", "properties": {"detail": {"type": "string"}}}
-
-
-def _errors(*codes: int) -> dict[str, dict]:
-    """The OpenAPI responses of the error answers `codes`."""
-    return {
-        str(code): {
-            "description": ERROR_ANSWERS[code],
-            "content": {"application/json": {"schema": DETAIL_SCHEMA}},
-        }
-        for code in codes
-    }
-
-
-@app.get(
-    "/ping",
-    response_class=PlainTextResponse,
-    openapi_extra={"responses": _errors(400, 401, 503)},
-)
-async def ping(
-    request: Request, credential: Credential = Depends(require_analyser)
-) -> PlainTextResponse:
-    """Heartbeat. A named analyser is its token's; under the shared password it is known
-    by X-Analyser-Id (a label), else address and User-Agent."""
-    if credential.analyser is not None:
-        await blocking(lambda: record_analyser_seen(api_connection(), credential.analyser))
-        return PlainTextResponse("online")
-    source = request.client.host if request.client else "unknown"
-    if len(source) > 100 or not PRINTABLE_ASCII.fullmatch(source):
-        raise HTTPException(400, "the request's source address is not printable ASCII")
-    user_agent = (_header(request, "User-Agent", max_length=1000) or "")[:200]
-    analyser_id = _header(request, "X-Analyser-Id", max_length=64)
-    if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
-        raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
-    await blocking(
-        lambda: record_ping(
-            api_connection(), analyser_id or f"{source} {user_agent}", source, user_agent
-        )
-    )
-    return PlainTextResponse("online")
-
-
-CLAIM_ISSUED_DOC = (
-    "The claim: a random UUID, fresh with each app handed out (absent when there is no "
-    "work). Sending it back in the X-Analysis-Claim-Token header of the upload or failure "
-    "report fences the result: it is accepted only while this is the app's current claim, "
-    "and for one result."
-)
-CLAIM_RETURNED_DOC = (
-    "The X-Analysis-Claim-Token the GET /queue answer carried. When given, the result is "
-    "accepted only while it is the app's current claim; sent again after a lost reply, the "
-    "result that claim stored is answered 200 as the first time. A stale token (another "
-    "result stored for the claim, or the lease handed out again) gets 409 and nothing is "
-    "written. Optional, as the deployed analysers send none: a result without it is judged "
-    'by what it would replace (docs/queue.md, "Results").'
-)
-
-
-def _documented(
-    query: dict[str, bool],
-    body: tuple[str, dict] | None = None,
-    claim: str | None = None,
-    errors: tuple[int, ...] = (),
-) -> dict:
-    """OpenAPI for what a route reads itself: its query parameters (name -> required) and
-    body; and the claim token, which the route has either "issued" (a header of its 200) or
-    "returned" to it (an optional request header). The routes parse these by hand, for the
-    contract's exact 400s; declaring them as FastAPI parameters (path parameters too) would
-    also load pydantic.v1 at cold start (docs/benchmarks.md says how long). `errors`: the
-    error answers it gives."""
-    extra: dict[str, Any] = {
-        "parameters": [
-            {"name": name, "in": "query", "required": required, "schema": {"type": "string"}}
-            for name, required in query.items()
-        ],
-        "responses": _errors(*errors),
-    }
-    if body is not None:
-        media_type, schema = body
-        extra["requestBody"] = {"required": True, "content": {media_type: {"schema": schema}}}
-    if claim == "issued":
-        extra["responses"]["200"] = {
-            "headers": {
-                CLAIM_TOKEN_HEADER: {
-                    "description": CLAIM_ISSUED_DOC,
-                    "schema": {"type": "string", "format": "uuid"},
-                }
-            }
-        }
-    elif claim == "returned":
-        extra["parameters"].append(
-            {
-                "name": CLAIM_TOKEN_HEADER,
-                "in": "header",
-                "required": False,
-                "description": CLAIM_RETURNED_DOC,
-                "schema": {"type": "string"},
-            }
-        )
-    elif claim is not None:
-        raise ValueError(f"claim is 'issued', 'returned' or None, not {claim!r}")
-    return extra
-
-
-RESULT_QUERY = {"appId": True, "analysisVersion": True}
-RESULT_ERRORS = (400, 401, 404, 409, 413, 415, 503)
-
-
-@app.get(
-    "/queue",
-    response_class=PlainTextResponse,
-    openapi_extra=_documented({"appId": False}, claim="issued", errors=(400, 401, 503)),
-)
-async def next_app(
-    request: Request, credential: Credential = Depends(require_analyser)
-) -> PlainTextResponse:
-    """The next bundle ID as the whole body, or an empty body when there is no work."""
-    _only_query(request, ("appId",))
-    wanted = _single_query_value(request, "appId", required=False)
-    if wanted is not None:
-        wanted = _bundle_id(wanted)
-    config = settings()
-    claimed = await blocking(
-        lambda: claim_next_app(
-            api_connection(),
-            config.policy,
-            wanted,
-            config.promotion_budget_ms / 1000,
-            credential.analyser,
-        )
-    )
-    if claimed is None:
-        return PlainTextResponse("")
-    appid, token = claimed
-    return PlainTextResponse(appid, headers={CLAIM_TOKEN_HEADER: token})
-
-
-@app.post(
-    "/uploadAnalysis",
-    openapi_extra=_documented(
-        RESULT_QUERY,
-        ("application/json", {"type": "object"}),
-        claim="returned",
-        errors=RESULT_ERRORS,
-    ),
-)
-async def upload_analysis(
-    request: Request, credential: Credential = Depends(require_analyser)
-) -> JSONResponse:
-    app_id, version, token = _result_target(request)
-    _require_content_type(request, ("application/json",))
-    sent, payload = await blocking(
-        _parse_json_text, await _read_body(request), "the analysis", parse=True
-    )
-    if not isinstance(payload, dict):
-        raise HTTPException(400, "the analysis must be a JSON object")
-    return await blocking(_store, app_id, version, payload, token, credential, sent)
-
-
-@app.post(
-    "/reportAnalysisFailure",
-    openapi_extra=_documented(
-        RESULT_QUERY, ("text/plain", {"type": "string"}), claim="returned", errors=RESULT_ERRORS
-    ),
-)
-async def report_analysis_failure(
-    request: Request, credential: Credential = Depends(require_analyser)
-) -> JSONResponse:
-    app_id, version, token = _result_target(request)
-    _require_content_type(request, ("text/plain", "application/octet-stream"))
-    record = await blocking(failure_record, await _read_body(request), parse=True)
-    return await blocking(_store, app_id, version, record, token, credential)
-
-
-NEW_APP_SCHEMA = {
-    "type": "object",
-    "required": ["appId"],
-    "properties": {"appId": {"type": "string"}, "details": {"type": "object"}},
-}
-NEW_APP_DOC = _documented(
-    {}, ("application/json", NEW_APP_SCHEMA), errors=(400, 401, 413, 415, 503)
-)
-NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any letter case)."}
-
-
-@app.post(
-    "/apps",
-    status_code=201,
-    dependencies=[Depends(require_admin)],
-    openapi_extra=NEW_APP_DOC,
-)
-async def create_app(request: Request) -> JSONResponse:
-    """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
-    _require_content_type(request, ("application/json",))
-    sent, body = await blocking(_parse_json_text, await _read_body(request), "the body", parse=True)
-    return await blocking(_create_app, body, sent)
-
-
-def _create_app(body: Any, sent: str) -> Response:
-    if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
-        raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
-    app_id = _bundle_id(body["appId"])
-    details = body.get("details")
-    if details is not None and not isinstance(details, dict):
-        raise HTTPException(400, "details must be a JSON object")
-    problem = details_problem(details or {})
-    if problem:
-        raise HTTPException(400, problem)
-    created, view = add_app(api_connection(), app_id, details, sent)
-    return _json_answer(view, 201 if created else 200, droppable=("analysis", "details"))
-
-
-APP_ID_PATH = {
-    "parameters": [{"name": "appId", "in": "path", "required": True, "schema": {"type": "string"}}],
-    "responses": _errors(400, 404, 503),
-    # Public; the admin token is optional (it adds what only operators see).
-    "security": [{}, {"AdminToken": []}],
-}
-
-
-@app.get("/apps/{appId}", openapi_extra=APP_ID_PATH)
-async def get_app(request: Request) -> JSONResponse:
-    """Public: an app's state, failure reason, analysis and queue position. With the
-    admin token also a stored failure record (the analyser's raw log) and who claimed and
-    stored it; with any other Authorization (or none) the public answer. A public route
-    stays public whatever the caller sends: a token the server cannot check (no admin
-    token configured, its secret unreadable) is no admin token either, never a 503."""
-    admin = False
-    credentials = await admin_bearer(request)  # read here: the route is public
-    if credentials is not None:
-        try:
-            await require_admin(credentials)
-            admin = True
-        except HTTPException:
-            admin = False
-    app_id = _bundle_id(request.path_params["appId"])
-
-    def answer() -> Response:
-        view = app_status(api_connection(), settings().policy, app_id, admin)
-        if view is None:
-            raise HTTPException(404, f"unknown app {app_id}")
-        return _json_answer(view, droppable=("analysis", "details"))
-
-    return await blocking(answer)
-
-
-def _analyser_errors(**answers: str) -> dict[str, dict]:
-    """The OpenAPI responses of an admin analyser route: 401 and 503 as every route's,
-    and its own (`e404="..."` for 404)."""
-    responses = _errors(401, 503)
-    for code, description in answers.items():
-        responses[code.lstrip("e")] = {
-            "description": description,
-            "content": {"application/json": {"schema": DETAIL_SCHEMA}},
-        }
-    return responses
-
-
-ANALYSER_NAME_PATH = {
-    "name": "name",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string", "pattern": ANALYSER_NAME.pattern},
-}
-NO_SUCH_ANALYSER = "No such analyser; nothing was changed."
-
-
-def _analyser_name_param(request: Request) -> str:
-    name = request.path_params["name"]
-    if not ANALYSER_NAME.fullmatch(name):
-        raise HTTPException(400, "an analyser's name is 1-64 letters, digits or ._:@-")
-    return name
-
-
-@app.post(
-    "/analysers",
-    status_code=201,
-    dependencies=[Depends(require_admin)],
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {"name": {"type": "string"}},
-                    }
-                }
-            },
-        },
-        "responses": _analyser_errors(
-            e400="Bad input (the name); nothing was written.",
-            e409="An analyser of that name exists (revoked ones too); nothing was written.",
-            e413=ERROR_ANSWERS[413],
-            e415=ERROR_ANSWERS[415],
-        ),
-    },
-)
-async def create_analyser(request: Request) -> JSONResponse:
-    """A new named analyser: {"name": ...}. Its token is in this answer and nowhere else,
-    ever: the database keeps its SHA-256."""
-    _require_content_type(request, ("application/json",))
-    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
-    if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
-        raise HTTPException(400, 'the body must be {"name": "..."}')
-    try:
-        created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
-    except AnalyserExists:
-        raise HTTPException(409, f"an analyser named {body['name']} exists") from None
-    return JSONResponse(created, status_code=201)
-
-
-@app.get(
-    "/analysers",
-    dependencies=[Depends(require_admin)],
-    openapi_extra={"responses": _errors(401, 503)},
-)
-async def get_analysers() -> JSONResponse:
-    """Every named analyser: created, last seen, online, the app it holds and since when,
-    its last result, results and failures in the last 24 hours, revoked or not. Never a
-    token."""
-    analysers = await blocking(lambda: list_analysers(api_connection(), settings().policy))
-    return JSONResponse({"analysers": analysers})
-
-
-@app.delete(
-    "/analysers/{name}",
-    dependencies=[Depends(require_admin)],
-    openapi_extra={
-        "parameters": [ANALYSER_NAME_PATH],
-        "responses": _analyser_errors(e400="Bad input (the name).", e404=NO_SUCH_ANALYSER),
-    },
-)
-async def delete_analyser(request: Request) -> JSONResponse:
-    """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
-    name = _analyser_name_param(request)
-    try:
-        return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), name)))
-    except UnknownAnalyser:
-        raise HTTPException(404, f"no analyser named {name}") from None
-
-
-@app.post(
-    "/analysers/{name}/rotate",
-    dependencies=[Depends(require_admin)],
-    openapi_extra={
-        "parameters": [ANALYSER_NAME_PATH],
-        "requestBody": {
-            "required": False,
-            "content": {
-                "application/json": {
-                    "schema": {"type": "object", "properties": {"overlap": {"type": "string"}}}
-                }
-            },
-        },
-        "responses": _analyser_errors(
-            e400="Bad input (the name or the overlap); nothing was changed.",
-            e404=NO_SUCH_ANALYSER,
-            e409="The analyser is revoked; nothing was changed.",
-            e413=ERROR_ANSWERS[413],
-            e415=ERROR_ANSWERS[415],
-        ),
-    },
-)
-async def rotate_analyser_token(request: Request) -> JSONResponse:
-    """A new token for the analyser (in this answer only); the old one keeps working for
-    the overlap: {"overlap": "24h"} (the default, also for an empty body); "0" ends it at
-    once."""
-    name = _analyser_name_param(request)
-    body = await _read_body(request)
-    overlap = DEFAULT_ROTATION_OVERLAP
-    if body:
-        _require_content_type(request, ("application/json",))
-        parsed = await blocking(_parse_json, body, "the body", parse=True)
-        if not isinstance(parsed, dict) or not set(parsed) <= {"overlap"}:
-            raise HTTPException(400, 'the body must be {"overlap": "24h"} or empty')
-        overlap = parsed.get("overlap", overlap)
-        if not isinstance(overlap, str):
-            raise HTTPException(400, 'overlap is a duration such as "30m" or "7d"')
-    seconds = overlap_seconds(overlap)
-    try:
-        rotated = await blocking(lambda: rotate_analyser(api_connection(), name, seconds))
-    except UnknownAnalyser:
-        raise HTTPException(404, f"no analyser named {name}") from None
-    except AnalyserRevoked:
-        raise HTTPException(409, f"the analyser {name} is revoked") from None
-    return JSONResponse(rotated)
-
+class Readiness:
+    """Why a claim could not run now (`problem` None: it could). `status` is the word
+    /healthz answers; `ledger` the last file the database's ledger records (None: it has
+    no ledger), said when the database is behind this code's ledger."""
+
+    problem: str | None = None
+    status: str = "ok"
+    ledger: str | None = None
+
+
+def claim_readiness(db: SharedConnection, ledger_files: tuple[str, ...]) -> Readiness:
+    """Whether a claim could run now, against the ledger files this code needs
+    (`ledger_files`): the database takes writes, its ledger records every one of them
+    (else it is "not migrated": a first deploy whose migration failed, a database the
+    ledger never reached), and the claim's lock is granted. A role that may not read the
+    ledger skips that check: a table or column the code needs and the database lacks is
+    still a 503 "not migrated", on this route as on every other. A lock it would wait for
+    past the lock_timeout raises (55P03: 503 like any claim)."""
+
+    def work(session: Session) -> Readiness:
+        ((writable,),) = session.run(DATABASE_WRITABLE)
+        if not writable:
+            return Readiness("the database is read-only (a replica?)", "unavailable")
+        ((has_ledger, readable),) = session.run(LEDGER_READABLE)
+        recorded = [name for name, _ in session.run(LEDGER_READ_NAMES)] if readable else []
+        missing = [name for name in ledger_files if name not in recorded]
+        if missing and (readable or not has_ledger):
+            at = max(recorded) if recorded else None
+            where = f"its ledger is at {at}" if at else "it has no ledger (no schema_migrations)"
+            return Readiness(
+                f"the database is not migrated: {where}; this code needs {ledger_files[-1]}"
+                f" ({len(missing)} file(s) to apply: run python handler.py migrate)",
+                NOT_MIGRATED,
+                at,
+            )
+        session.run(CLAIM_LOCK_PROBE)
+        return Readiness()
+
+    return db.transaction(work)
+
+
+# -- routes
 
 HEALTH_RESPONSES = {"503": {"description": "Not healthy: `detail` or `status` says why."}}
 
@@ -4496,6 +4648,10 @@ async def healthz_analyser() -> JSONResponse:
         "analysersLastHour": last_hour,
     }
     return JSONResponse(body, status_code=200 if online else 503)
+
+
+# == HTTP error answers =================================================================
+# What a route's exception is answered with: {"detail": "..."} and its status.
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -4587,6 +4743,16 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 # api (API Gateway), migrate (CloudFormation custom resource), report (EventBridge).
 
 
+# -- SQL
+
+# The migration runner's server session, which migrate ends when its time runs out.
+BACKEND_PID = "SELECT pg_backend_pid()"
+TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
+
+
+# -- api
+
+
 async def deployed_app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
     """The app as the HTTP API serves it: without the OpenAPI document, which the local
     server serves (the deployed API routes only the service's own paths; its catch-all
@@ -4632,6 +4798,8 @@ def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
         }
     return _mangum(event, context)
 
+
+# -- migrate
 
 CUSTOM_RESOURCE_ID = "analysis-queue-migrations"
 CFN_REPLY_LIMIT = 4096
@@ -4871,6 +5039,9 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
     return json.loads(body)
 
 
+# -- report
+
+
 def _publish_queue_metrics(status: dict[str, Any]) -> None:
     for name, value in queue_metrics(status).items():
         unit = MetricUnit.NoUnit if name in UNITLESS_METRICS else MetricUnit.Count
@@ -4988,6 +5159,9 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     return status
 
 
+# -- the container's Init
+
+
 def after_snapshot_restore() -> None:
     """SnapStart: this container is one of many restored from the same snapshot, taken
     after Init. Init opens no connection and reads no secret (the clients hold no
@@ -5020,9 +5194,13 @@ if LAMBDA_FUNCTION_NAME:
     lambda_init()
 
 
-# == CLI ================================================================================
+# == CLI: serve and invoke ==============================================================
 # python handler.py serve | migrate | queue-status | priority-report | queue-refetch |
-# analysers | invoke: a developer's and an operator's commands.
+# analysers | invoke: a developer's and an operator's commands. Here the local database
+# and the developer's commands; the operators' follow.
+
+
+# -- the local database
 
 # With nothing configured (no DATABASE_URL, no DB_HOST), every command uses the embedded
 # PostgreSQL of this checkout, in .local/pgdata: one server per checkout, shared by the
@@ -5158,8 +5336,10 @@ def _local_defaults() -> None:
         )
 
 
+# -- serve
+
 # `serve`: the routes' blocking work on this many worker threads, each with a database
-# connection of its own (see "HTTP routes"). A client must send a request's line and
+# connection of its own (see "HTTP scaffolding"). A client must send a request's line and
 # headers within SERVE_HEADER_SECONDS of connecting (or of its previous response): one
 # that trickles them a byte at a time is cut off instead of holding a connection forever
 # (uvicorn itself only times out a connection that sends nothing).
@@ -5228,6 +5408,9 @@ def _cli_serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=SERVE_KEEP_ALIVE_SECONDS,
     )
     return 0
+
+
+# -- invoke
 
 
 class LocalContext:
@@ -5303,6 +5486,13 @@ def _cli_invoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# == CLI: operators' commands ===========================================================
+# migrate, queue-status, priority-report, queue-refetch, analysers; then the parser and
+# main(), which runs every command.
+
+
+# -- progress
+
 # Plain progress lines (stderr is a log or a pipe, not a terminal): at most this often.
 PROGRESS_LINE_SECONDS = 5
 PROGRESS_BAR_WIDTH = 30
@@ -5348,6 +5538,9 @@ class ProgressLine:
 
 def _print_progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+# -- the commands
 
 
 def _cli_migrate(args: argparse.Namespace) -> int:
@@ -5543,6 +5736,9 @@ def _cli_analysers(args: argparse.Namespace) -> int:
     except AnalyserRevoked:
         print(f"error: the analyser {args.name} is revoked", file=sys.stderr)
         return 1
+
+
+# -- the parser and main
 
 
 def _positive_int(text: str) -> int:
