@@ -1,6 +1,7 @@
-"""handler.py reads top to bottom: its table of contents is its banners, and no section
-uses a name defined by a later one. (A refactoring that moves code keeps these true, or
-says where it did not.)"""
+"""handler.py reads top to bottom: its table of contents is its banners, and no chapter
+uses a name defined by a later one. A chapter is one operation through every layer, at
+most 500 lines, its SQL at its head (each statement in the chapter of its first caller).
+(A refactoring that moves code keeps these true, or says where it did not.)"""
 
 from __future__ import annotations
 
@@ -44,6 +45,48 @@ def test_every_banner_has_the_one_form():
     ]
     assert other == []
     assert all(len(line) == 89 for line in lines if BANNER.match(line))
+
+
+# A chapter's named part: `# -- <part>`, the one shape (any other heading-like comment, a
+# `# ~~ name`, a `# ** name`, a `## name`, is refused).
+PART = re.compile(r"^# -- (\S(?:.*\S)?)$")
+HEADING_LIKE = re.compile(r"^(#{2,}|# ?([-=~*+_])\2+(\s|$))")
+CHAPTER_LIMIT = 500
+
+
+def test_every_part_has_the_one_form():
+    """Inside a chapter, parts are named by `# -- <part>` lines, each alone after a blank
+    line; no other heading shape hides from `grep -n '^# == \\|^# -- '`. A chapter with
+    parts has two or more."""
+    lines = SOURCE.splitlines()
+    other = [
+        (number, line)
+        for number, line in enumerate(lines, start=1)
+        if HEADING_LIKE.match(line) and not BANNER.match(line) and not PART.match(line)
+    ]
+    assert other == []
+    parts = [(number, line) for number, line in enumerate(lines, start=1) if PART.match(line)]
+    assert [(number, line) for number, line in parts if lines[number - 2] != ""] == []
+    assert [(n, line) for n, line in parts if re.search(r"[-=~*]{2,}$", line)] == []
+    starts = banners()
+    count: dict[int, int] = {}
+    for number, _ in parts:
+        index = section_of(number, starts)
+        count[index] = count.get(index, 0) + 1
+    assert [starts[index][1] for index, parts_in in count.items() if parts_in < 2] == []
+
+
+def chapters(source: str = SOURCE) -> list[tuple[str, int, int]]:
+    """(name, first line, length in lines) of each chapter, its banner to the next one's."""
+    starts = banners(source)
+    ends = [start for start, _ in starts[1:]] + [len(source.splitlines()) + 1]
+    return [(name, start, end - start) for (start, name), end in zip(starts, ends, strict=True)]
+
+
+def test_no_chapter_is_over_500_lines():
+    """A chapter is read in one sitting: one that grows past the limit is split into two
+    adjacent chapters with honest names (as the CLI's and the analysers' are)."""
+    assert [(name, length) for name, _, length in chapters() if length > CHAPTER_LIMIT] == []
 
 
 def section_of(line: int, starts: list[tuple[int, str]]) -> int:
@@ -118,6 +161,110 @@ def late():
     return early()
 """
     assert forward_uses(example) == ["line 4 (First) uses late from Second"]
+
+
+# The chapter of the fragments several operations' statements share.
+SHARED_SQL = "SQL: the queue's rule"
+SQL_STATEMENT = re.compile(
+    r"\s*(SELECT|WITH|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|VACUUM|SET)\b", re.IGNORECASE
+)
+UPPER_CASE = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def _opening_text(value: ast.expr, texts: dict[str, str]) -> str | None:
+    """How a constant's string begins, read from its code: a literal, an f-string's
+    literal head, or `TEMPLATE.format(...)` of another such constant; None: no string."""
+    if isinstance(value, ast.Constant):
+        return value.value if isinstance(value.value, str) else None
+    if isinstance(value, ast.JoinedStr):
+        head = value.values[0] if value.values else None
+        return head.value if isinstance(head, ast.Constant) else ""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        template = value.func.value
+        if value.func.attr == "format" and isinstance(template, ast.Name):
+            return texts.get(template.id)
+    return None
+
+
+def sql_constants(source: str = SOURCE) -> dict[str, ast.Assign]:
+    """The module's SQL constants: the statements (an UPPER_CASE name assigned a string, an
+    f-string or a `.format()` of one, that begins with a statement's keyword: SELECT,
+    WITH, INSERT, UPDATE, DELETE, CREATE, ALTER, DROP, VACUUM, SET), and the fragments
+    they are composed of (UPPER_CASE string constants their values name), transitively."""
+    texts: dict[str, str] = {}
+    strings: dict[str, ast.Assign] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name) and UPPER_CASE.fullmatch(target.id):
+                text = _opening_text(node.value, texts)
+                if text is not None:
+                    texts[target.id] = text
+                    strings[target.id] = node
+    found = {name: node for name, node in strings.items() if SQL_STATEMENT.match(texts[name])}
+    pending = list(found.values())
+    while pending:
+        for used in ast.walk(pending.pop().value):
+            if isinstance(used, ast.Name) and used.id in strings and used.id not in found:
+                found[used.id] = strings[used.id]
+                pending.append(strings[used.id])
+    return found
+
+
+def sql_first_callers(source: str = SOURCE) -> dict[str, tuple[int, int]]:
+    """Each SQL constant's line and the line of its first use by another top-level
+    statement (a function, a class, another constant)."""
+    constants = sql_constants(source)
+    first: dict[str, tuple[int, int]] = {}
+    for node in ast.parse(source).body:
+        own = defined_names(node)
+        for used in ast.walk(node):
+            if isinstance(used, ast.Name) and used.id in constants and used.id not in own:
+                if used.id not in first:
+                    first[used.id] = (constants[used.id].lineno, used.lineno)
+    return first
+
+
+def test_every_sql_constant_sits_with_its_first_caller():
+    """A statement is at the head of its operation's chapter: in the chapter of the first
+    code that runs it (a fragment, of the first statement made of it). Only the fragments
+    several operations share sit apart, in the queue's rule, and they are shared: used
+    by two chapters or more."""
+    starts = banners()
+    constants = sql_constants()
+    assert {"CLAIM_NEXT_APP", "CANDIDATE", "LEDGER_CREATE", "REFETCH_LOCK_NAMED"} <= set(constants)
+    misplaced = []
+    for name, (defined, called) in sql_first_callers().items():
+        home, caller = section_of(defined, starts), section_of(called, starts)
+        if starts[home][1] != SHARED_SQL and home != caller:
+            misplaced.append(f"{name} ({starts[home][1]}) first used in {starts[caller][1]}")
+    assert misplaced == []
+    assert sorted(set(constants) - set(sql_first_callers())) == []  # none unused
+    users: dict[str, set[int]] = {}
+    for node in MODULE.body:
+        for used in ast.walk(node):
+            if isinstance(used, ast.Name) and used.id in constants:
+                users.setdefault(used.id, set()).add(section_of(node.lineno, starts))
+    shared = [
+        name
+        for name, node in constants.items()
+        if starts[section_of(node.lineno, starts)][1] == SHARED_SQL
+    ]
+    assert shared
+    assert [
+        name
+        for name in shared
+        if len(users[name] - {section_of(constants[name].lineno, starts)}) < 2
+    ] == []
+
+
+def test_sql_constants_are_near_their_first_callers():
+    """The median distance, in lines, from an SQL constant to its first use is under 300
+    (some 2,000 when the SQL sat in sections of its own at the top)."""
+    import statistics
+
+    distances = [called - defined for defined, called in sql_first_callers().values()]
+    assert statistics.median(distances) < 300
 
 
 def test_the_failure_table_of_the_api_page_is_the_code():
