@@ -128,19 +128,19 @@ class IdentityConflict(ServiceError):
 
 
 class UnknownApp(ServiceError):
-    pass
+    """A result names an app the queue does not have; the API answers 404."""
 
 
-class UnknownAnalyser(Exception):
-    pass
+class UnknownAnalyser(ServiceError):
+    """No analyser has that name; the API answers 404, the CLI exits 1."""
 
 
-class AnalyserExists(Exception):
-    pass
+class AnalyserExists(ServiceError):
+    """An analyser of that name exists (a revoked one too); the API answers 409."""
 
 
-class AnalyserRevoked(Exception):
-    pass
+class AnalyserRevoked(ServiceError):
+    """The analyser is revoked: it cannot be rotated; the API answers 409."""
 
 
 class MigrationRefused(ServiceError):

@@ -89,6 +89,30 @@ def test_no_chapter_is_over_500_lines():
     assert [(name, length) for name, _, length in chapters() if length > CHAPTER_LIMIT] == []
 
 
+def test_the_service_errors_are_one_family_in_one_chapter():
+    """Every exception handler.py defines is a ServiceError that says in its docstring what
+    went wrong, and is defined in "The service's errors"."""
+    import handler
+
+    starts = banners()
+    found = []
+    for node in MODULE.body:
+        value = getattr(handler, getattr(node, "name", ""), None)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            chapter = starts[section_of(node.lineno, starts)][1]
+            found.append(
+                (
+                    node.name,
+                    issubclass(value, handler.ServiceError),
+                    bool(vars(value).get("__doc__")),
+                )
+            )
+            assert chapter == "The service's errors", node.name
+    assert len(found) > 10
+    assert [name for name, family, _ in found if not family] == []
+    assert [name for name, _, documented in found if not documented] == []
+
+
 def section_of(line: int, starts: list[tuple[int, str]]) -> int:
     index = -1
     for position, (start, _) in enumerate(starts):
