@@ -2250,6 +2250,9 @@ def stored_result_state(parts: dict[str, Any]) -> AnalysisState:
     it that decide them (STORED_RESULT_PARTS): the service never parses a stored document."""
     if not parts["failure_record"]:
         return AnalysisState("analysed")
+    if parts["server_record"]:  # the back-off's failure: lease_expired, whatever it says
+        retryable = parts["retryable"]
+        return AnalysisState("failed", "lease_expired", True if retryable is None else retryable)
     payload = {"success": False}
     payload.update({k: parts[k] for k in ("reason", "retryable", "logs") if parts[k] is not None})
     return derive_analysis_state(payload)
@@ -2270,6 +2273,8 @@ class ResultTarget:
     # An operator's refetch: waiting for the open claim's result (processing), or done by
     # the stored result, which queued the app again (queued; REQUEUE_AFTER_RESULT).
     refetch_requested: bool = False
+    # The stored result is the back-off's lease_expired failure (SERVER_RECORD).
+    server_record: bool = False
 
     @classmethod
     def of(cls, row: dict[str, Any], same_result: bool) -> ResultTarget:
@@ -2284,6 +2289,7 @@ class ResultTarget:
             result_claim=row["result_claim_token"],
             result_verified=row["result_claim_verified"],
             refetch_requested=row["refetch_requested"],
+            server_record=row["server_record"],
         )
 
 
@@ -2333,7 +2339,10 @@ def judge_result(
     left_by_a_result = target.status in ("analysed", "failed") or queued_by_its_result
     if target.same_result and left_by_a_result:
         return Verdict("stored")
-    newer = target.has_result and target.version is not None and target.version > version
+    # The back-off's failure is no analysis: any result may replace it, whatever version
+    # the process that wrote it had set.
+    newer = target.has_result and not target.server_record and target.version is not None
+    newer = newer and target.version > version
     refused_as_older = Verdict(
         "refuse",
         why=f"a result of analysisVersion {target.version} is stored; this one is {version}",
@@ -2370,7 +2379,7 @@ def judge_result(
     state = "queued for a refetch after its result" if queued_by_its_result else target.status
     return Verdict(
         "refuse",
-        why=f"the app is {state} and no claim is open; send the claim token to replace its result",
+        why=f"the app is {state} and no claim is open, so a result without a token is late",
     )
 
 
@@ -2381,11 +2390,21 @@ def judge_result(
 
 # -- SQL
 
+# The analysis_source of the failure the promoter records for a lease that keeps expiring
+# (the back-off: see the promotion chapter).
+SERVER_FAILURE_SOURCE = "queue-server"
+# Whether the stored result is that failure: no analysis of any version, so it is never a
+# newer result than an analyser's (judge_result), and the app goes back to it as the
+# lease_expired failure it is (stored_result_state). The version it was written with is
+# the writer's setting, which may be above the API's (a setting rolled back).
+SERVER_RECORD = f"""COALESCE(analysis->>'analysis_source' = '{SERVER_FAILURE_SOURCE}'
+       AND analysis->>'reason' = 'lease_expired' AND analysed_by IS NULL, false)"""
 # What the columns of a stored failure record are derived from (stored_result_state, by
 # derive_analysis_state): its reason, its retryable flag, and its log when it names no
 # reason. Read for the few rows a lease ends on without a result, never answered.
-STORED_RESULT_PARTS = """
+STORED_RESULT_PARTS = f"""
 SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
+       {SERVER_RECORD} AS server_record,
        CASE WHEN jsonb_typeof(analysis->'reason') = 'string'
             THEN analysis->>'reason' END AS reason,
        CASE WHEN jsonb_typeof(analysis->'retryable') = 'boolean'
@@ -2421,6 +2440,7 @@ FIND_RESULT_TARGET = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
        NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
        analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
+       {SERVER_RECORD} AS server_record,
        {CLAIM_HOLDER} AS claim_holder, {DOCUMENT.format("details")}, analysed
 FROM apps WHERE lower(appid) = lower(:appid) FOR UPDATE
 """
@@ -2556,6 +2576,12 @@ def store_result(
             check_result_identity(found, analyser, claim_token)
         except IdentityConflict:
             return ResultRefused(verdict.why)  # not the holder's: nothing changes
+        if verdict.lease == "ended" and claim_token is None and analyser is None:
+            # Only the holder's result may end a lease, and a tokenless result under the
+            # shared password cannot show it is the holder's: ending the lease would make
+            # the holder's token stop working. The lease runs out, counts as one without
+            # a result, and the back-off gives the app back its stored result.
+            return ResultRefused(verdict.why)
         if verdict.lease == "answered":
             session.run(ANSWER_LEASE, appid=found["appid"])
             return ResultRefused(verdict.why, "answered")
@@ -2770,11 +2796,12 @@ SELECT count(*) AS flagged FROM flagged
 # a result like an analyser's, written as the open claim's holder, so judge_result
 # decides it (PromotionPass.back_off): a batch of such leases is read under its row locks
 # with what judge_result needs, and one statement applies the verdicts.
-SERVER_FAILURE_SOURCE = "queue-server"
+# (SERVER_FAILURE_SOURCE: the results' chapter, which judges that failure's record.)
 BACK_OFF_LEASES = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
        NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
-       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested
+       analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
+       {SERVER_RECORD} AS server_record
 FROM apps
 WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE_EXPIRED}
   AND NOT refetch_requested

@@ -41,8 +41,8 @@ MUTATIONS = {
         '    if False:\n        return Verdict("stored")',
     ),
     "an older version replaces a newer one": (
-        "newer = target.has_result and target.version is not None",
-        "newer = False and target.version is not None",
+        "    newer = newer and target.version > version\n",
+        "    newer = False\n",
     ),
     "a tokenless result spends the open claim's token": (
         '            replaceable = target.status != "processing" and not target.result_verified',
@@ -84,6 +84,28 @@ MUTATIONS = {
         "     OR processing_started > now() + make_interval(mins => {minutes}))",
         "     OR false)",
         "tests/test_odd_data.py",
+    ),
+    "migrate --dry-run waits for a lock without a timeout": (
+        '            connection.run("SET LOCAL lock_timeout = "'
+        " + pg8000.native.literal(lock_timeout))\n",
+        "",
+        "tests/test_cli_operations.py",
+    ),
+    "an upload is re-serialised through floats": (
+        "        raise HTTPException(400, problem)\n    return text, value\n",
+        "        raise HTTPException(400, problem)\n"
+        "    return json.dumps(json.loads(text)), value\n",
+        "tests/test_documents_as_sent.py",
+    ),
+    "the public answer shows an analyser's own failure reason": (
+        "    if reason is None or reason in FAILURE_REASONS:\n        return reason\n",
+        "    if True:\n        return reason\n",
+        "tests/test_public_answers.py",
+    ),
+    "an analyser's own failure reason is stored as the app's reason": (
+        "        reason = written if written in ANALYSER_FAILURE_REASONS else ANALYSIS_FAILED\n",
+        "        reason = written\n",
+        "tests/test_public_answers.py",
     ),
 }
 

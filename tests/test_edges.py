@@ -326,3 +326,119 @@ def test_a_client_that_leaves_mid_upload_is_not_an_error(database_url, sql, caps
     logged = capsys.readouterr().err
     assert "unhandled error" not in logged
     assert app_row(sql, "com.example.app")["status"] == "queued"
+
+
+def as_setting(monkeypatch, database_url: str, version: int) -> None:
+    """A process whose CURRENT_ANALYSIS_VERSION is `version` (a new Runtime)."""
+    configure_service(monkeypatch, database_url, CURRENT_ANALYSIS_VERSION=str(version))
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    current=st.integers(3, 6),
+    late_version=st.integers(2, 4),
+    late_success=st.booleans(),
+    holder_version=st.integers(5, 6),
+)
+def test_a_tokenless_result_never_ends_the_token_holders_lease(
+    client, sql, monkeypatch, database_url, current, late_version, late_success, holder_version
+):
+    """A stored analysis of version 5 and any setting; after a refetch a host claims the app
+    and keeps its claim token. A result without a token under the shared password, of an
+    older version (a late one, another host's), is refused; whatever the setting, the
+    holder's token still works and its result is stored (a tokenless result cannot show it
+    is the holder's, so it never ends the lease)."""
+    sql.run("DELETE FROM app_analyses")
+    sql.run("DELETE FROM apps")
+    as_setting(monkeypatch, database_url, current)
+    newer = {"success": True, "trackers": {"v5": 1}}
+    insert_app(sql, "com.example.app", status="analysed", version=5, analysed=days_ago(400))
+    sql.run("UPDATE apps SET analysis = CAST(:a AS jsonb)", a=json.dumps(newer))
+    assert refetch("com.example.app") == "queued"
+    token = claim(client, "com.example.app")
+    base = "?appId=com.example.app&analysisVersion="
+    if late_success:
+        late = client.post(f"/uploadAnalysis{base}{late_version}", json={"v": 1}, headers=ANALYSER)
+    else:
+        headers = {**ANALYSER, "Content-Type": "text/plain"}
+        late = client.post(
+            f"/reportAnalysisFailure{base}{late_version}", content=b"usb", headers=headers
+        )
+    assert late.status_code == 409, late.text
+    assert "its lease ended" not in late.json()["detail"]
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["claim_token"]) == ("processing", token)
+    mine = {"success": True, "trackers": {"holder": holder_version}}
+    headers = {**ANALYSER, "X-Analysis-Claim-Token": token}
+    stored = client.post(f"/uploadAnalysis{base}{holder_version}", json=mine, headers=headers)
+    assert stored.status_code == 200, stored.text
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysis"], row["analysisversion"]) == (
+        "analysed",
+        mine,
+        holder_version,
+    )
+
+
+@pytest.mark.parametrize("later", [3, 4, 5])
+def test_the_back_offs_failure_under_a_higher_setting_never_blocks_a_result(
+    client, sql, monkeypatch, database_url, later
+):
+    """A process set to version 6 (a setting rolled back since, or a command run with
+    another setting) backs an app off: its lease_expired failure carries version 6. It is
+    no analysis, so it is never a newer result: an analyser of a lower version replaces
+    it, with or without a token."""
+    as_setting(monkeypatch, database_url, 6)
+    insert_app(sql, "com.example.app")
+    for _ in range(3):
+        claim(client, "com.example.app")
+        sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    promotion = handler.promote_due_apps(
+        handler.api_connection(), handler.settings().policy, force=True
+    )
+    assert promotion.abandoned == 1
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["failure_reason"], row["analysisversion"]) == (
+        "failed",
+        "lease_expired",
+        6,
+    )
+    as_setting(monkeypatch, database_url, later)
+    assert refetch("com.example.app") == "queued"
+    claim(client, "com.example.app")
+    path = f"/uploadAnalysis?appId=com.example.app&analysisVersion={later}"
+    answer = client.post(path, json={"success": True, "v": later}, headers=ANALYSER)
+    assert answer.status_code == 200, answer.text
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysisversion"]) == ("analysed", later)
+
+
+def test_the_back_offs_failure_is_given_back_as_lease_expired(sql):
+    """The state an app goes back to when a lease ends over the back-off's failure (as
+    BACK_OFF_APPLY writes it) is lease_expired, not the analysis_failed an analyser's
+    unknown reason is classified as."""
+    insert_app(sql, "com.example.app")
+    record = {
+        "success": False,
+        "reason": "lease_expired",
+        "retryable": True,
+        "analysis_source": handler.SERVER_FAILURE_SOURCE,
+        "logs": "no result after 3 leases in a row of 120 minutes each",
+    }
+    sql.run("UPDATE apps SET analysis = CAST(:a AS jsonb)", a=json.dumps(record))
+    (parts,) = handler.api_connection().records(
+        handler.STORED_RESULT_PARTS, appids=["com.example.app"]
+    )
+    assert handler.stored_result_state(parts) == handler.AnalysisState(
+        "failed", "lease_expired", True
+    )
+    # An analyser's own record saying the same is its own text, classified as ever.
+    sql.run("UPDATE apps SET analysed_by = 'pi-1'")
+    (parts,) = handler.api_connection().records(
+        handler.STORED_RESULT_PARTS, appids=["com.example.app"]
+    )
+    assert handler.stored_result_state(parts).failure_reason == handler.ANALYSIS_FAILED

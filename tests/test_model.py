@@ -133,7 +133,9 @@ def verdict(app: App, key: tuple, version: int, token: str | None, current: int)
     same = app.result == key and app.version == version
     if same and left_by_a_result:
         return ("stored",)
-    newer = app.result is not None and app.version is not None and app.version > version
+    # The back-off's lease_expired failure is no analysis: never newer than a result.
+    newer = app.result is not None and app.result[0] != "server" and app.version is not None
+    newer = newer and app.version > version
     held = app.status == "processing"
     holders_refusal = ("refuse", "ended" if newer and app.version > current else "answered")
     if token is not None:
@@ -171,6 +173,10 @@ def judged(
     judgement = verdict(app, key, version, token, current)
     if token is not None or judgement[0] == "stored" or judgement == ("refuse",):
         return judgement
+    if judgement == ("refuse", "ended") and sender is None:
+        # A tokenless shared-password result cannot show it is the holder's, so it does
+        # not end the lease (the holder's token keeps working): nothing changes.
+        return ("refuse",)
     leased = app.status == "processing"
     if sender is not None:
         allowed = leased and app.holder == sender
