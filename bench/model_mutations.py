@@ -85,6 +85,15 @@ MUTATIONS = {
         "     OR false)",
         "tests/test_odd_data.py",
     ),
+    "a tokenless result under the shared password ends the holder's lease": (
+        '        if verdict.lease == "ended" and claim_token is None and analyser is None:\n',
+        "        if False:\n",
+    ),
+    "the back-off's failure is a newer result than a lower version's": (
+        "    newer = target.has_result and not target.server_record and target.version",
+        "    newer = target.has_result and target.version",
+        "tests/test_edges.py",
+    ),
     "migrate --dry-run waits for a lock without a timeout": (
         '            connection.run("SET LOCAL lock_timeout = "'
         " + pg8000.native.literal(lock_timeout))\n",
