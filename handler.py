@@ -436,6 +436,8 @@ RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryab
 # the claim's OLD_VERSIONS finds the old ones (a skip scan, here of
 # apps_stale_version_watch). Here, not in "Claims": promotion uses it too.
 STALE_VERSIONS = f"""stale_versions(version) AS (
+    -- Each analysis version up to the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan of apps_stale_version_watch.
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) <= :analysis_version
   UNION ALL
@@ -3109,6 +3111,8 @@ def promote_due_apps(
 # -- SQL
 
 OLD_VERSIONS = f"""old_versions(version) AS (
+    -- Each analysis version below the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan (the lowest, then the next above it, until none).
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) < :analysis_version
   UNION ALL
@@ -3130,6 +3134,8 @@ UNFLAGGED_STALE_EXIST = f"""(
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version) f
 ) < {STALE_CUTOFF}"""
 STALE_DAYS = f"""stale_days(version, day) AS (
+    -- For each stale version whose oldest unflagged analysis is past the cutoff, each
+    -- analysis day up to the cutoff that holds such rows, oldest first: a skip scan.
     SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
                        WHERE NOT due AND {RETRY_ELIGIBLE}
                          AND COALESCE(analysisversion, 0) = s.version
@@ -3153,11 +3159,13 @@ CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
 CLAIM_NEXT_APP = f"""
 WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}, {STALE_DAYS},
 head AS (
+    -- The first queued or flagged (due) candidate in claim order: apps_claim_order.
     SELECT {CLAIM_KEYS} FROM apps
     WHERE (status = 'queued' OR due) AND {CANDIDATE}
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), version_heads AS (
+    -- For each old version, its first unflagged row whose outdated analysis is a lease old.
     SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
@@ -3166,12 +3174,14 @@ head AS (
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
 ), lease_heads AS (
+    -- The first expired lease not flagged yet (normally none: the promoter flags them).
     SELECT {CLAIM_KEYS} FROM apps
     WHERE status = 'processing' AND NOT due AND {LEASE_EXPIRED}
       AND lease_attempts < :max_lease_attempts
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
+    -- For each stale version and analysis day, its first unflagged row past the cutoff.
     SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = d.version
@@ -3181,6 +3191,7 @@ head AS (
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
 ), choice AS (
+    -- The best of the heads: the most popular, then the first added.
     SELECT appid FROM (
         SELECT * FROM head UNION ALL SELECT * FROM version_heads
         UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
@@ -3188,6 +3199,7 @@ head AS (
     ORDER BY popularity DESC, added, appid
     LIMIT 1
 )
+-- Lease the chosen app to this claim's token.
 UPDATE apps SET {CLAIM_SET}
 FROM choice WHERE apps.appid = choice.appid
 RETURNING apps.appid

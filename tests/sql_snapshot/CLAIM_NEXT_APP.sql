@@ -1,5 +1,7 @@
 
 WITH RECURSIVE old_versions(version) AS (
+    -- Each analysis version below the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan (the lowest, then the next above it, until none).
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) < :analysis_version
   UNION ALL
@@ -9,6 +11,8 @@ WITH RECURSIVE old_versions(version) AS (
               AND COALESCE(analysisversion, 0) < :analysis_version)
     FROM old_versions v WHERE v.version IS NOT NULL
 ), stale_versions(version) AS (
+    -- Each analysis version up to the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan of apps_stale_version_watch.
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) <= :analysis_version
   UNION ALL
@@ -18,6 +22,8 @@ WITH RECURSIVE old_versions(version) AS (
               AND COALESCE(analysisversion, 0) <= :analysis_version)
     FROM stale_versions v WHERE v.version IS NOT NULL
 ), stale_days(version, day) AS (
+    -- For each stale version whose oldest unflagged analysis is past the cutoff, each
+    -- analysis day up to the cutoff that holds such rows, oldest first: a skip scan.
     SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
                        WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
                          AND COALESCE(analysisversion, 0) = s.version
@@ -36,6 +42,7 @@ WITH RECURSIVE old_versions(version) AS (
     FROM stale_days d WHERE d.day IS NOT NULL AND d.day < analysis_day(now() - make_interval(days => :stale_days))
 ),
 head AS (
+    -- The first queued or flagged (due) candidate in claim order: apps_claim_order.
     SELECT appid, app_popularity(details) AS popularity, added FROM apps
     WHERE (status = 'queued' OR due) AND (
     status = 'queued'
@@ -52,6 +59,7 @@ head AS (
     ORDER BY app_popularity(details) DESC, added, appid
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), version_heads AS (
+    -- For each old version, its first unflagged row whose outdated analysis is a lease old.
     SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
         SELECT appid, app_popularity(details) AS popularity, added FROM apps
         WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = v.version
@@ -60,6 +68,7 @@ head AS (
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
 ), lease_heads AS (
+    -- The first expired lease not flagged yet (normally none: the promoter flags them).
     SELECT appid, app_popularity(details) AS popularity, added FROM apps
     WHERE status = 'processing' AND NOT due AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -68,6 +77,7 @@ head AS (
     ORDER BY app_popularity(details) DESC, added, appid
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
+    -- For each stale version and analysis day, its first unflagged row past the cutoff.
     SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
         SELECT appid, app_popularity(details) AS popularity, added FROM apps
         WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = d.version
@@ -77,6 +87,7 @@ head AS (
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
 ), choice AS (
+    -- The best of the heads: the most popular, then the first added.
     SELECT appid FROM (
         SELECT * FROM head UNION ALL SELECT * FROM version_heads
         UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
@@ -84,6 +95,7 @@ head AS (
     ORDER BY popularity DESC, added, appid
     LIMIT 1
 )
+-- Lease the chosen app to this claim's token.
 UPDATE apps SET status = 'processing', processing_started = now(), due = false,
     analysis_claim_token = :token, claimed_by = :analyser, claimed_with = :token,
     refetch_requested = false,

@@ -1,5 +1,7 @@
 
 WITH RECURSIVE stale_versions(version) AS (
+    -- Each analysis version up to the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan of apps_stale_version_watch.
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) <= :analysis_version
   UNION ALL
