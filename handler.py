@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -4003,7 +4003,7 @@ SELECT (SELECT count(*) FROM requeued) AS requeued, (SELECT count(*) FROM deferr
 # -- the refetch
 
 
-def unknown_app_ids(named: list[str], selected: list[dict[str, str]]) -> list[str]:
+def unknown_app_ids(named: Sequence[str], selected: list[dict[str, str]]) -> list[str]:
     """The bundle IDs a refetch named that it did not select (any letter case matches),
     when it selected fewer than it was given."""
     found = {row["appid"].lower() for row in selected}
@@ -4055,6 +4055,97 @@ class RefetchProgress:
         return sum(self.outcomes[outcome] for outcome in QUEUED_NOW)
 
 
+# How each asker spells a RefetchRequest's fields: the report function's queue-refetch
+# event, and the CLI's queue-refetch (whose parser gives each its type).
+REFETCH_EVENT_NAMES = {
+    "app_ids": "appIds",
+    "failed": "failed",
+    "include_non_retryable": "includeNonRetryable",
+    "limit": "limit",
+    "apply": "apply",
+    "force": "force",
+}
+REFETCH_CLI_NAMES = {
+    "app_ids": "--appid",
+    "failed": "--failed",
+    "include_non_retryable": "--include-non-retryable",
+    "limit": "--limit",
+    "apply": "--apply",
+    "force": "--force",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RefetchRequest:
+    """A refetch as it is asked for: the named apps (`app_ids`, any letter case), or else
+    the failed ones (`failed`: the retryable ones, every one with `include_non_retryable`),
+    or else the analysed ones; at most `limit` of them, the most popular first (None: no
+    limit); done with `apply` (else a dry run), breaking live leases with `force` (else
+    waiting for them). The CLI's queue-refetch (from_args) and the report function's
+    queue-refetch event (from_event) are checked by one rule (checked): a request that
+    would not do what it says is BadInput, in the words of whoever asked."""
+
+    app_ids: tuple[str, ...] = ()
+    failed: bool = False
+    include_non_retryable: bool = False
+    limit: int | None = None
+    apply: bool = False
+    force: bool = False
+
+    @classmethod
+    def checked(cls, names: dict[str, str], **fields: Any) -> RefetchRequest:
+        """The request of these fields, checked (BadInput, naming each field by `names`:
+        REFETCH_EVENT_NAMES or REFETCH_CLI_NAMES)."""
+        app_ids = fields.pop("app_ids", ())
+        if not isinstance(app_ids, (list, tuple)) or not all(isinstance(a, str) for a in app_ids):
+            raise BadInput(
+                f"{names['app_ids']} must be a list of bundle IDs, got {app_ids!r}"[:300]
+            )
+        invalid = [app_id for app_id in app_ids if not is_valid_bundle_id(app_id)]
+        if invalid:
+            raise BadInput(f"invalid bundle ID in {names['app_ids']}: {invalid[0]!r}"[:300])
+        limit = fields.get("limit")
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= INT32_MAX):
+            raise BadInput(f"{names['limit']} must be a positive integer, got {limit!r}")
+        for flag in ("failed", "include_non_retryable", "apply", "force"):
+            if not isinstance(fields.get(flag, False), bool):
+                raise BadInput(f"{names[flag]} must be true or false, got {fields[flag]!r}")
+        if fields.get("include_non_retryable") and not fields.get("failed"):
+            raise BadInput(f"{names['include_non_retryable']} goes with {names['failed']}")
+        return cls(app_ids=tuple(app_ids), **fields)
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RefetchRequest:
+        """The report function's {"command": "queue-refetch", ...}. A misspelt option
+        must fail, not widen a refetch to every analysed app."""
+        allowed = {"command", *REFETCH_EVENT_NAMES.values()}
+        unknown = sorted(set(event) - allowed)
+        if unknown:
+            raise BadInput(f"queue-refetch takes no {', '.join(unknown)}; only {sorted(allowed)}")
+        fields = {
+            field: event[name] for field, name in REFETCH_EVENT_NAMES.items() if name in event
+        }
+        request = cls.checked(REFETCH_EVENT_NAMES, **fields)
+        if "appIds" in event and not request.app_ids:
+            # An empty list (a script's empty selection) names no app: it must not widen
+            # into a refetch of every analysed app, which is what leaving it out asks for.
+            raise BadInput("appIds names no app; leave it out to select apps by state")
+        return request
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RefetchRequest:
+        """The CLI's queue-refetch arguments."""
+        return cls.checked(
+            REFETCH_CLI_NAMES,
+            app_ids=args.appid,
+            failed=args.failed,
+            include_non_retryable=args.include_non_retryable,
+            limit=args.limit,
+            apply=args.apply,
+            force=args.force,
+        )
+
+
 def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
     """The bundle IDs of rows."""
     return [row["appid"] for row in rows]
@@ -4089,30 +4180,28 @@ def refetch_apps(
 
 def refetch_in_batches(
     db: SharedConnection,
-    app_ids: list[str],
-    failed: bool,
-    include_non_retryable: bool,
-    limit: int | None,
-    apply: bool,
+    request: RefetchRequest,
     on_batch: Callable[[list[dict[str, str]], RefetchProgress], None],
     deadline: float | None = None,
     batch_size: int = REFETCH_BATCH,
     clock: Callable[[], float] = time.monotonic,
     policy: QueuePolicy | None = None,
-    force: bool = False,
 ) -> RefetchProgress:
-    """Select apps to analyse again and, with apply, refetch them, batch by batch. After
-    each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
+    """Select the apps `request` asks for and, if it applies, refetch them, batch by batch.
+    After each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
     "status", "outcome"}: the status before, and what happened, or in a dry run what
     --apply would do now, by the same rule). Past `deadline` (on `clock`, checked before
     each batch but the first) it stops, with progress.complete False."""
     progress = RefetchProgress()
     policy = policy or QueuePolicy()
+    app_ids, failed, limit = request.app_ids, request.failed, request.limit
+    apply, force = request.apply, request.force
     rule = {**policy.sql_params(), "force": force}
     if app_ids:
         lock, selection = REFETCH_LOCK_NAMED, {}
     elif failed:
-        lock, selection = REFETCH_LOCK_FAILED, {"include_non_retryable": include_non_retryable}
+        selection = {"include_non_retryable": request.include_non_retryable}
+        lock = REFETCH_LOCK_FAILED
     else:
         lock, selection = REFETCH_LOCK_ANALYSED, {}
 
@@ -4173,33 +4262,6 @@ def refetch_in_batches(
             return progress
         after = window[-1]["appid"]
     return progress
-
-
-def queue_refetch(
-    db: SharedConnection,
-    app_ids: list[str],
-    failed: bool,
-    include_non_retryable: bool,
-    limit: int | None,
-    apply: bool,
-    policy: QueuePolicy | None = None,
-    force: bool = False,
-) -> list[dict[str, str]]:
-    """refetch_in_batches to the end, its apps as one list ({"appid", "status",
-    "outcome"} each: the status before, and what happened or, in a dry run, would)."""
-    selected: list[dict[str, str]] = []
-    refetch_in_batches(
-        db,
-        app_ids,
-        failed,
-        include_non_retryable,
-        limit,
-        apply,
-        lambda rows, progress: selected.extend(rows),
-        policy=policy,
-        force=force,
-    )
-    return selected
 
 
 # == The ledger =========================================================================
@@ -5104,37 +5166,19 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     event = event or {}
     command = event.get("command", "queue-status")
     policy = settings().policy
-    if command in ("priority-report", "queue-refetch"):
-        # A misspelt option must fail, not widen a refetch to every analysed app.
-        allowed, flags = {"command", "limit"}, ()
-        if command == "queue-refetch":
-            flags = ("failed", "includeNonRetryable", "apply", "force")
-            allowed |= {"appIds", *flags}
-        unknown = sorted(set(event) - allowed)
+    if command == "priority-report":
+        unknown = sorted(set(event) - {"command", "limit"})
         if unknown:
-            raise ValueError(f"{command} takes no {', '.join(unknown)}; only {sorted(allowed)}")
+            raise BadInput(f"{command} takes no {', '.join(unknown)}; only ['command', 'limit']")
         limit = event.get("limit")
         if limit is not None and (type(limit) is not int or not 1 <= limit <= INT32_MAX):
-            raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        for flag in flags:
-            if not isinstance(event.get(flag, False), bool):
-                raise ValueError(f"{flag} must be true or false, got {event[flag]!r}")
-    if command == "priority-report":
+            raise BadInput(f"limit must be a positive integer, got {limit!r}")
         apps = priority_report(api_connection(), policy, event.get("limit") or 50)
         logger.info("priority report", extra={"priority_report": apps})
         return {"command": command, "apps": apps}
     if command == "queue-refetch":
-        app_ids = event.get("appIds", [])
-        if not isinstance(app_ids, list) or not all(
-            isinstance(a, str) and is_valid_bundle_id(a) for a in app_ids
-        ):
-            raise ValueError(f"appIds must be a list of bundle IDs, got {app_ids!r}"[:300])
-        if "appIds" in event and not app_ids:
-            # An empty list (a script's empty selection) names no app: it must not widen
-            # into a refetch of every analysed app, which is what leaving it out asks for.
-            raise ValueError("appIds names no app; leave it out to select apps by state")
-        if event.get("includeNonRetryable") and not event.get("failed"):
-            raise ValueError("includeNonRetryable goes with failed: true")
+        request = RefetchRequest.from_event(event)
+        app_ids = request.app_ids
         listed: list[dict[str, str]] = []
         named: list[dict[str, str]] = []  # every named app found, to tell the unknown ones
 
@@ -5146,17 +5190,12 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         remaining = context.get_remaining_time_in_millis() / 1000 if context else 900
         progress = refetch_in_batches(
             api_connection(),
-            app_ids,
-            event.get("failed", False),
-            event.get("includeNonRetryable", False),
-            event.get("limit"),
-            event.get("apply") is True,
+            request,
             keep,
             deadline=time.monotonic() + remaining - REPORT_TIME_MARGIN_SECONDS,
             policy=policy,
-            force=event.get("force") is True,
         )
-        applied = event.get("apply") is True
+        applied = request.apply
         result = {
             "command": command,
             "applied": applied,
@@ -5183,12 +5222,12 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
                 f" {progress.queued_now} {'queued now' if applied else 'to be queued now'};"
                 " invoke it again for the rest"
             )
-        if app_ids and event.get("limit") is None:
+        if app_ids and request.limit is None:
             result["unknown"] = unknown_app_ids(app_ids, named)
         logger.info("queue refetch", extra={"queue_refetch": result})
         return result
     if command != "queue-status":
-        raise ValueError(f"unknown command {command!r}")
+        raise BadInput(f"unknown command {command!r}")
     # The hourly report also works off promotion (after a mass policy change the API
     # requests do it in small shares; this does a large one).
     promote_due_apps(api_connection(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
@@ -5655,10 +5694,11 @@ def refetch_totals(progress: RefetchProgress, applied: bool) -> list[str]:
 
 
 def _cli_queue_refetch(args: argparse.Namespace) -> int:
-    for app_id in args.appid:
-        if not is_valid_bundle_id(app_id):
-            print(f"error: invalid bundle ID: {app_id!r}", file=sys.stderr)
-            return 2
+    try:
+        request = RefetchRequest.from_args(args)
+    except BadInput as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if not _bulk_refetch_confirmed(args):
         return 2
     _local_database(apply=True)
@@ -5688,17 +5728,7 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
             line.update(progress.examined, progress.total, status(progress))
 
     try:
-        progress = refetch_in_batches(
-            api_connection(),
-            args.appid,
-            args.failed,
-            args.include_non_retryable,
-            args.limit,
-            args.apply,
-            show,
-            policy=settings().policy,
-            force=args.force,
-        )
+        progress = refetch_in_batches(api_connection(), request, show, policy=settings().policy)
     except BaseException:
         if line is not None and last.batches:
             line.finish(last.examined, last.total, f"stopped: {status(last)}")

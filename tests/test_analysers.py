@@ -12,7 +12,15 @@ import pytest
 from kit import ADMIN, ANALYSER, configure_service
 
 import handler
-from helpers import LambdaContext, app_row, insert_app, json_lines, load_event, run_cli
+from helpers import (
+    LambdaContext,
+    app_row,
+    insert_app,
+    json_lines,
+    load_event,
+    refetch_apps,
+    run_cli,
+)
 
 ANALYSER_ROUTES = [
     ("GET", "/ping", None),
@@ -326,7 +334,7 @@ def test_a_public_answer_holds_no_failure_record(client, sql):
     assert (admin["analysedBy"], admin["claimedBy"]) == ("pi-1", None)
     # Queued again for a retry, the failure record is still the stored analysis: still
     # not public.
-    handler.queue_refetch(handler.api_connection(), ["com.example.app"], False, False, None, True)
+    refetch_apps(handler.api_connection(), ["com.example.app"])
     again = client.get("/apps/com.example.app")
     assert again.json()["status"] == "queued" and "hunter2" not in again.text
     # A successful analysis is public.

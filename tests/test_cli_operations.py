@@ -240,11 +240,7 @@ def test_batches_refetch_exactly_the_apps_one_read_selects(
     seen: list[dict] = []
     done = handler.refetch_in_batches(
         handler.api_connection(),
-        [],
-        failed,
-        False,
-        limit,
-        True,
+        handler.RefetchRequest(failed=failed, limit=limit, apply=True),
         lambda rows, _: seen.extend(rows),
         batch_size=batch,
     )

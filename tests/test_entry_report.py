@@ -451,7 +451,7 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         "unknown": ["com.example.nope"],  # named, not in the queue
     }
     assert table_digest(sql) == before
-    with pytest.raises(ValueError, match="apply must be true or false"):
+    with pytest.raises(handler.BadInput, match="apply must be true or false"):
         handler.report(
             {"command": "queue-refetch", "appIds": ["com.example.done"], "apply": "true"},
             LambdaContext(),
@@ -504,7 +504,7 @@ def test_report_queue_refetch_failed_apps(database_url, sql):
 def test_report_unknown_command_fails_clearly(database_url, sql):
     insert_app(sql, "com.example.app")
     before = table_digest(sql)
-    with pytest.raises(ValueError, match="unknown command 'queue-purge'"):
+    with pytest.raises(handler.BadInput, match="unknown command 'queue-purge'"):
         handler.report({"command": "queue-purge", "apply": True}, LambdaContext())
     assert table_digest(sql) == before
 
@@ -526,6 +526,6 @@ def test_report_unknown_command_fails_clearly(database_url, sql):
 def test_report_commands_reject_malformed_options(database_url, sql, event, complaint):
     insert_app(sql, "com.example.app", status="analysed", version=4, analysed=datetime.now(UTC))
     before = table_digest(sql)
-    with pytest.raises(ValueError, match=complaint):
+    with pytest.raises(handler.BadInput, match=complaint):
         handler.report(event, LambdaContext())
     assert table_digest(sql) == before
