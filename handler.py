@@ -3646,11 +3646,78 @@ def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
     return {name: _plain(value) for name, value in row.items()}
 
 
-def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
-    """Everything the queue-status report says, as its one document
-    (queue_status_document)."""
+APP_STATES = ("queued", "processing", "analysed", "failed")
+REASON_TEXT = {
+    "queued": "queued",
+    "lease_expired": "processing lease expired",
+    "outdated_version": "analysis version outdated",
+    "stale": "analysis older than the staleness cutoff",
+    "retry_failed": "retryable failure, outdated or stale",
+}
 
-    def work(session: Session) -> dict[str, Any]:
+
+@dataclasses.dataclass(frozen=True)
+class QueueStatus:
+    """Everything the queue-status report says (queue_status reads it): apps by state
+    (`counts`, the states present; `total`, `failed_retryable`), failed apps by reason,
+    the backlog by reason (REASON_TEXT) and its total, expired leases, throughput (the
+    THROUGHPUT row), the ETA in hours (None: unknown), the last ping's age in minutes
+    (None: never) and the analysers that pinged in the last hour, what is held back (the
+    HELD_BACK row), the named analysers (snake_case keys), the apps being processed, the
+    top of the backlog, and the policy it was read under. Its JSON form is document().
+    The defaults are an empty queue's."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    total: int = 0
+    failed_retryable: int = 0
+    failed_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    backlog: dict[str, int] = dataclasses.field(default_factory=dict)
+    backlog_total: int = 0
+    expired_leases: int = 0
+    throughput: dict[str, int] = dataclasses.field(default_factory=dict)
+    eta_hours: float | None = 0.0
+    minutes_since_last_ping: float | None = None
+    analysers_last_hour: int = 0
+    held_back: dict[str, int] = dataclasses.field(default_factory=dict)
+    analysers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    processing: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    top_backlog: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    policy: QueuePolicy = dataclasses.field(default_factory=QueuePolicy)
+
+    def document(self) -> dict[str, Any]:
+        """The report as one document, the only shape it has: what `queue-status --json`
+        prints and the scheduled report logs and returns (docs/dashboard-and-alarms.md
+        lists its keys). Its keys do not vary with the data and are all snake_case: every
+        state and every backlog reason is there (0 when no app is), failed apps by reason
+        are a list of {reason, apps}, and lists of apps and analysers hold objects with
+        the same keys each."""
+        return {
+            "counts": {state: self.counts.get(state, 0) for state in APP_STATES},
+            "total": self.total,
+            "failed_retryable": self.failed_retryable,
+            "failed_by_reason": [
+                {"reason": reason, "apps": apps}
+                for reason, apps in sorted(self.failed_by_reason.items())
+            ],
+            "backlog": {reason: self.backlog.get(reason, 0) for reason in REASON_TEXT},
+            "backlog_total": self.backlog_total,
+            "expired_leases": self.expired_leases,
+            "throughput": self.throughput,
+            "eta_hours": self.eta_hours,
+            "minutes_since_last_ping": self.minutes_since_last_ping,
+            "analysers_last_hour": self.analysers_last_hour,
+            "held_back": self.held_back,
+            "analysers": self.analysers,
+            "processing": self.processing,
+            "top_backlog": self.top_backlog,
+            "policy": dataclasses.asdict(self.policy),
+        }
+
+
+def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> QueueStatus:
+    """Everything the queue-status report says, read in one transaction."""
+
+    def work(session: Session) -> QueueStatus:
         params = policy.sql_params()
         by_status = session.records(COUNT_BY_STATUS)
         counts = {row["status"]: row["apps"] for row in by_status}
@@ -3681,31 +3748,31 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> di
             )
         ]
         top_rows = [_plain_row(row) for row in session.records(TOP_BACKLOG, limit=top, **params)]
-        analysers = list_analysers(session, policy)
+        analysers = snake_case_keys(list_analysers(session, policy))
         backlog_total = sum(backlog.values())
         minutes = ping["minutes_since_last_ping"]
-        return {
-            "counts": counts,
-            "total": sum(counts.values()),
-            "failed_retryable": failed_retryable,
-            "failed_by_reason": failed_by_reason,
-            "backlog": backlog,
-            "backlog_total": backlog_total,
-            "expired_leases": backlog.get("lease_expired", 0),
-            "throughput": throughput,
-            "eta_hours": eta_hours(
+        return QueueStatus(
+            counts=counts,
+            total=sum(counts.values()),
+            failed_retryable=failed_retryable,
+            failed_by_reason=failed_by_reason,
+            backlog=backlog,
+            backlog_total=backlog_total,
+            expired_leases=backlog.get("lease_expired", 0),
+            throughput=throughput,
+            eta_hours=eta_hours(
                 backlog_total, throughput["analysed_24h"] + throughput["failed_24h"]
             ),
-            "minutes_since_last_ping": None if minutes is None else round(float(minutes), 1),
-            "analysers_last_hour": ping["analysers_last_hour"],
-            "held_back": held_back,
-            "analysers": analysers,
-            "processing": processing,
-            "top_backlog": top_rows,
-            "policy": dataclasses.asdict(policy),
-        }
+            minutes_since_last_ping=None if minutes is None else round(float(minutes), 1),
+            analysers_last_hour=ping["analysers_last_hour"],
+            held_back=held_back,
+            analysers=analysers,
+            processing=processing,
+            top_backlog=top_rows,
+            policy=policy,
+        )
 
-    return queue_status_document(db.transaction(work))
+    return db.transaction(work)
 
 
 def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
@@ -3714,38 +3781,27 @@ def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> li
 
 # -- text, JSON and metrics
 
-REASON_TEXT = {
-    "queued": "queued",
-    "lease_expired": "processing lease expired",
-    "outdated_version": "analysis version outdated",
-    "stale": "analysis older than the staleness cutoff",
-    "retry_failed": "retryable failure, outdated or stale",
-}
 
-
-APP_STATES = ("queued", "processing", "analysed", "failed")
-
-
-def format_queue_status(status: dict[str, Any]) -> str:
-    """The queue-status report (queue_status's document) as text, for people."""
-    counts, backlog = status["counts"], status["backlog"]
+def format_queue_status(status: QueueStatus) -> str:
+    """The queue-status report as text, for people."""
+    counts, backlog = status.counts, status.backlog
     lines = ["Apps by state"]
     for state in APP_STATES:
         lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
-    lines.append(f"  {'  of which retryable':<20}{status['failed_retryable']:>10}")
-    lines.append(f"  {'total':<20}{status['total']:>10}")
-    policy = status["policy"]
+    lines.append(f"  {'  of which retryable':<20}{status.failed_retryable:>10}")
+    lines.append(f"  {'total':<20}{status.total:>10}")
+    policy = status.policy
     lines += [
         "",
-        f"Backlog under the current policy (version {policy['analysis_version']},"
-        f" stale after {policy['stale_days']} days,"
-        f" lease {policy['processing_timeout_minutes']} min,"
-        f" {policy['max_lease_attempts']} expired leases in a row back off)",
+        f"Backlog under the current policy (version {policy.analysis_version},"
+        f" stale after {policy.stale_days} days,"
+        f" lease {policy.processing_timeout_minutes} min,"
+        f" {policy.max_lease_attempts} expired leases in a row back off)",
     ]
     for reason, text in REASON_TEXT.items():
         lines.append(f"  {text:<42}{backlog.get(reason, 0):>10}")
-    lines.append(f"  {'total':<42}{status['backlog_total']:>10}")
-    t = status["throughput"]
+    lines.append(f"  {'total':<42}{status.backlog_total:>10}")
+    t = status.throughput
     lines += [
         "",
         "Throughput (analysed / failed)",
@@ -3754,29 +3810,29 @@ def format_queue_status(status: dict[str, Any]) -> str:
         f"  last 7 days   {t['analysed_7d']:>8} / {t['failed_7d']}",
         "",
         "ETA for the backlog: "
-        + (f"{status['eta_hours']} hours" if status["eta_hours"] is not None else "unknown"),
+        + (f"{status.eta_hours} hours" if status.eta_hours is not None else "unknown"),
         "Last analyser ping: "
         + (
-            f"{status['minutes_since_last_ping']} minutes ago"
-            f" ({status['analysers_last_hour']} analysers in the last hour)"
-            if status["minutes_since_last_ping"] is not None
+            f"{status.minutes_since_last_ping} minutes ago"
+            f" ({status.analysers_last_hour} analysers in the last hour)"
+            if status.minutes_since_last_ping is not None
             else "never"
         ),
         "",
-        f"Named analysers ({len(status['analysers'])})",
+        f"Named analysers ({len(status.analysers)})",
     ]
-    lines += _format_analyser_rows(status["analysers"])
+    lines += _format_analyser_rows(status.analysers)
     lines += [
         "",
         f"Being processed ({counts.get('processing', 0)})",
     ]
-    for app in status["processing"]:
+    for app in status.processing:
         flag = "  lease expired" if app["expired"] else ""
         if app["refetch_requested"]:
             flag += "  refetch when the lease ends"
         age = "?" if app["age_minutes"] is None else f"{app['age_minutes']:.1f}"
         lines.append(f"  {app['appid']:<50} {age:>8} min  lease {app['lease_attempts']}{flag}")
-    held = status["held_back"]
+    held = status.held_back
     lines += [
         "",
         "Held back",
@@ -3788,7 +3844,7 @@ def format_queue_status(status: dict[str, Any]) -> str:
         f"  {'refetches waiting for a lease to end':<52}{held['refetch_waiting']:>10}",
     ]
     lines += ["", "Top of the backlog"]
-    lines += _format_backlog_rows(status["top_backlog"])
+    lines += _format_backlog_rows(status.top_backlog)
     return "\n".join(lines)
 
 
@@ -3820,11 +3876,11 @@ OTHER_FAILURES_METRIC = "FailedOther"
 UNITLESS_METRICS = frozenset({"EtaHours", "MinutesSinceLastPing", "OldestLeaseMinutes"})
 
 
-def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
-    """The queue-status report's metrics (of queue_status's document): name -> value."""
-    counts, throughput = status["counts"], status["throughput"]
+def queue_metrics(status: QueueStatus) -> dict[str, float]:
+    """The queue-status report's metrics: name -> value."""
+    counts, throughput = status.counts, status.throughput
     values: dict[str, float] = {
-        "Backlog": status["backlog_total"],
+        "Backlog": status.backlog_total,
         "Queued": counts.get("queued", 0),
         "Processing": counts.get("processing", 0),
         "Failed": counts.get("failed", 0),
@@ -3834,24 +3890,22 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
         "OutdatedResultsLast24h": throughput["outdated_24h"],
         # Analysers that sent a heartbeat in the last hour (LAST_PING: revoked ones not),
         # one dead host of several shows as a drop (template.yaml alarms on it).
-        "ActiveAnalysers": status["analysers_last_hour"],
+        "ActiveAnalysers": status.analysers_last_hour,
     }
     for reason, name in BACKLOG_REASON_METRICS.items():
-        values[name] = status["backlog"].get(reason, 0)
+        values[name] = status.backlog.get(reason, 0)
     values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
-    for failed in status["failed_by_reason"]:
-        values[FAILURE_REASON_METRICS.get(failed["reason"], OTHER_FAILURES_METRIC)] += failed[
-            "apps"
-        ]
+    for reason, apps in status.failed_by_reason.items():
+        values[FAILURE_REASON_METRICS.get(reason, OTHER_FAILURES_METRIC)] += apps
     # No finished analysis in a day with work waiting: the ETA is unbounded.
-    eta = status["eta_hours"]
+    eta = status.eta_hours
     values["EtaHours"] = 1e6 if eta is None else eta
     # Never pinged: no value, which the ping alarm treats as breaching.
-    if status["minutes_since_last_ping"] is not None:
-        values["MinutesSinceLastPing"] = status["minutes_since_last_ping"]
+    if status.minutes_since_last_ping is not None:
+        values["MinutesSinceLastPing"] = status.minutes_since_last_ping
     # The oldest claim still out (the list is oldest first); 0 when none is.
     # A lease whose start is not a time the service wrote (infinite) has no age.
-    ages = [p["age_minutes"] for p in status["processing"] if p["age_minutes"] is not None]
+    ages = [p["age_minutes"] for p in status.processing if p["age_minutes"] is not None]
     values["OldestLeaseMinutes"] = round(max(ages), 1) if ages else 0
     return values
 
@@ -3867,24 +3921,6 @@ def snake_case_keys(value: Any) -> Any:
     if isinstance(value, list):
         return [snake_case_keys(item) for item in value]
     return value
-
-
-def queue_status_document(status: dict[str, Any]) -> dict[str, Any]:
-    """The queue-status report as one document, the only shape it has: what `queue-status
-    --json` prints, the scheduled report logs and returns, and the text and the metrics
-    are made of (docs/dashboard-and-alarms.md lists its keys). Its keys do not vary with
-    the data and are all snake_case: every state and every backlog reason is there (0
-    when no app is), failed apps by reason are a list of {reason, apps}, and lists of
-    apps and analysers hold objects with the same keys each."""
-    document = dict(status)
-    document["counts"] = {state: status["counts"].get(state, 0) for state in APP_STATES}
-    document["backlog"] = {reason: status["backlog"].get(reason, 0) for reason in REASON_TEXT}
-    document["failed_by_reason"] = [
-        {"reason": reason, "apps": apps}
-        for reason, apps in sorted(status["failed_by_reason"].items())
-    ]
-    document["analysers"] = snake_case_keys(status["analysers"])
-    return document
 
 
 def _format_analyser_rows(rows: list[dict[str, Any]]) -> list[str]:
@@ -5143,7 +5179,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
 # -- report
 
 
-def _publish_queue_metrics(status: dict[str, Any]) -> None:
+def _publish_queue_metrics(status: QueueStatus) -> None:
     for name, value in queue_metrics(status).items():
         unit = MetricUnit.NoUnit if name in UNITLESS_METRICS else MetricUnit.Count
         metrics.add_metric(name=name, unit=unit, value=value)
@@ -5232,9 +5268,10 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     # requests do it in small shares; this does a large one).
     promote_due_apps(api_connection(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
     status = queue_status(api_connection(), policy)
-    logger.info("queue status", extra={"queue_status": status})
+    document = status.document()
+    logger.info("queue status", extra={"queue_status": document})
     _publish_queue_metrics(status)
-    return status
+    return document
 
 
 # -- the container's Init
@@ -5634,7 +5671,7 @@ def _cli_queue_status(args: argparse.Namespace) -> int:
     _local_database(apply=True)
     status = queue_status(api_connection(), settings().policy, top=args.top)
     if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
+        print(json.dumps(status.document(), indent=2, sort_keys=True))
     else:
         print(format_queue_status(status))
     return 0

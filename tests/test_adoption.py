@@ -257,7 +257,7 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
 
         # --- the reports ------------------------------------------------------------------
         status = handler.queue_status(db, handler.settings().policy)
-        assert status["counts"]["processing"] >= 1
+        assert status.counts["processing"] >= 1
         handler.priority_report(db, handler.settings().policy, 10)
         cycle.check("reports")
     sql.close()

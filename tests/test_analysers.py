@@ -394,13 +394,13 @@ def test_active_analysers_agree_everywhere_and_revoked_ones_drop_out(client, sql
     def figures() -> tuple[int, int, int, int]:
         health = client.get("/healthz/analyser").json()["analysersLastHour"]
         status = handler.queue_status(handler.api_connection(), handler.settings().policy)
-        online = sum(analyser["online"] for analyser in status["analysers"])
+        online = sum(analyser["online"] for analyser in status.analysers)
         capsys.readouterr()
         handler.report(load_event("schedule.json"), LambdaContext())
         (emf,) = json_lines(capsys.readouterr().out)
         metric = emf["ActiveAnalysers"]
         metric = metric[0] if isinstance(metric, list) else metric
-        return health, status["analysers_last_hour"], metric, online
+        return health, status.analysers_last_hour, metric, online
 
     assert figures() == (3, 3, 3, 2)
     assert client.delete("/analysers/pi-2", headers=ADMIN).status_code == 200

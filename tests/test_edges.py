@@ -283,7 +283,7 @@ def test_the_queue_works_at_every_settings_maximum(client, sql, database_url, mo
         headers = ANALYSER if path == "/queue" else {}
         assert client.get(path, headers=headers).status_code == 200, path
     status = handler.queue_status(handler.api_connection(), handler.settings().policy)
-    assert status["counts"]["processing"] == 2
+    assert status.counts["processing"] == 2
 
 
 def test_cli_numbers_out_of_range_are_one_usage_error(tmp_path):

@@ -162,7 +162,7 @@ def test_every_reader_survives_what_the_schema_allows(
     db = handler.api_connection()
     status = handler.queue_status(db, policy)
     assert handler.format_queue_status(status)
-    json.dumps(status)
+    json.dumps(status.document())
     assert len(handler.priority_report(db, policy, 10)) <= 2
     assert refetch_apps(db, ["odd.app"], False, policy)
     reported = handler.report(load_event("schedule.json"), LambdaContext())
@@ -241,9 +241,9 @@ def test_every_reader_judges_a_lease_by_one_rule(
         assert selected["outcome"] == ("queued" if expired else "waiting")
     else:
         status = handler.queue_status(db, policy)
-        assert [app["expired"] for app in status["processing"]] == [expired]
-        assert status["held_back"]["abandoned_leases"] == int(expired and at_limit)
-        assert status["expired_leases"] == int(expired and not at_limit)
+        assert [app["expired"] for app in status.processing] == [expired]
+        assert status.held_back["abandoned_leases"] == int(expired and at_limit)
+        assert status.expired_leases == int(expired and not at_limit)
 
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=8)
