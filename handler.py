@@ -1765,7 +1765,10 @@ ORDER BY a.name
 # it up, and an operator knows what it is) and 256 random bits, URL-safe base64: safe to
 # paste into a shell or an .env file unquoted.
 ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
+# How an analyser's name is spelt, and an X-Analyser-Id label (checked_analyser_name),
+# and the same in words: the one rule, for the API, the CLI and the OpenAPI schema.
 ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-"
 DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
@@ -1822,9 +1825,11 @@ def last_ping(db: SharedConnection) -> tuple[float | None, int]:
 # -- named analysers
 
 
-def _analyser_name(name: str) -> str:
+def checked_analyser_name(name: object, refusal: str = "an analyser's name is") -> str:
+    """`name` if it is spelt as ANALYSER_NAME says; else BadInput (400 from a route, exit
+    2 from the CLI): `refusal` and the rule in words."""
     if not isinstance(name, str) or not ANALYSER_NAME.fullmatch(name):
-        raise BadInput("an analyser's name is 1-64 letters, digits or ._:@-")
+        raise BadInput(f"{refusal} {ANALYSER_NAME_WORDS}")
     return name
 
 
@@ -1832,7 +1837,7 @@ def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
     """A new analyser and its token: {"name", "created", "token"}. The token exists only
     in this answer; the database keeps its hash."""
     token = new_analyser_token()
-    rows = db.records(ADD_ANALYSER, name=_analyser_name(name), token_hash=token_hash(token))
+    rows = db.records(ADD_ANALYSER, name=checked_analyser_name(name), token_hash=token_hash(token))
     if not rows:
         raise AnalyserExists(name)
     return {"name": rows[0]["name"], "created": _plain(rows[0]["created"]), "token": token}
@@ -1843,7 +1848,7 @@ def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, 
     token = new_analyser_token()
     rows = db.records(
         ROTATE_ANALYSER,
-        name=_analyser_name(name),
+        name=checked_analyser_name(name),
         token_hash=token_hash(token),
         overlap_seconds=overlap,
     )
@@ -1862,7 +1867,7 @@ def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, 
 
 def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
     """The analyser's tokens (current and previous) stop working with this commit."""
-    rows = db.records(REVOKE_ANALYSER, name=_analyser_name(name))
+    rows = db.records(REVOKE_ANALYSER, name=checked_analyser_name(name))
     if not rows:
         raise UnknownAnalyser(name)
     return {"name": rows[0]["name"], "revoked": _plain(rows[0]["revoked"])}
@@ -1980,8 +1985,6 @@ async def require_admin(
 
 # -- routes
 
-ANALYSER_ID = ANALYSER_NAME  # an X-Analyser-Id label is spelt as a name is
-
 
 @app.get(
     "/ping",
@@ -2001,8 +2004,8 @@ async def ping(
         raise HTTPException(400, "the request's source address is not printable ASCII")
     user_agent = (_header(request, "User-Agent", max_length=1000) or "")[:200]
     analyser_id = _header(request, "X-Analyser-Id", max_length=64)
-    if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
-        raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
+    if analyser_id is not None:  # a label is spelt as an analyser's name is
+        checked_analyser_name(analyser_id, "X-Analyser-Id must be")
     await blocking(
         lambda: record_ping(
             api_connection(), analyser_id or f"{source} {user_agent}", source, user_agent
@@ -2033,10 +2036,7 @@ NO_SUCH_ANALYSER = "No such analyser; nothing was changed."
 
 
 def _analyser_name_param(request: Request) -> str:
-    name = request.path_params["name"]
-    if not ANALYSER_NAME.fullmatch(name):
-        raise HTTPException(400, "an analyser's name is 1-64 letters, digits or ._:@-")
-    return name
+    return checked_analyser_name(request.path_params["name"])
 
 
 @app.post(
@@ -4791,6 +4791,9 @@ async def healthz_analyser() -> JSONResponse:
 # What a route's exception is answered with: {"detail": "..."} and its status.
 
 
+# Every 400 is said one way, as the routes say it: an HTTPException(400, detail), answered
+# here; a BadInput from the code the routes share with the CLI, a request FastAPI could
+# not validate and a value PostgreSQL refused are answered through it.
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
     return JSONResponse(
@@ -4803,7 +4806,7 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     problems = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in error.errors()
     )
-    return JSONResponse({"detail": problems or "invalid request"}, status_code=400)
+    return await _http_error(request, HTTPException(400, problems or "invalid request"))
 
 
 # PostgreSQL errors that say "not now" (a statement or lock timeout, a conflict with
@@ -4820,7 +4823,7 @@ UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
 
 @app.exception_handler(BadInput)
 async def _bad_input(request: Request, error: BadInput) -> Response:
-    return JSONResponse({"detail": str(error)}, status_code=400)
+    return await _http_error(request, HTTPException(400, str(error)))
 
 
 @app.exception_handler(DatabaseUnavailable)
@@ -4855,7 +4858,9 @@ async def _database_error(request: Request, error: pg8000.native.DatabaseError) 
             "input check missed a value",
             extra={"path": request.url.path, "error": _error_text(error)},
         )
-        return JSONResponse({"detail": "a value in this request cannot be stored"}, status_code=400)
+        return await _http_error(
+            request, HTTPException(400, "a value in this request cannot be stored")
+        )
     return await _unexpected(request, error)
 
 
@@ -5960,7 +5965,7 @@ def cli_parser() -> argparse.ArgumentParser:
         ("rotate", "a new token, printed once; the old one works for the overlap"),
     ):
         command = actions.add_parser(action, help=text)
-        command.add_argument("name", help="1-64 letters, digits or ._:@-")
+        command.add_argument("name", help=ANALYSER_NAME_WORDS)
         if action == "rotate":
             command.add_argument(
                 "--overlap",
