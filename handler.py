@@ -2931,6 +2931,22 @@ class Promotion:
     stale: int = 0
     complete: bool = True
 
+    @property
+    def changed(self) -> int:
+        """The rows this run changed, every counter's."""
+        return (
+            self.cleared + self.requeued + self.abandoned + self.returned + self.leases + self.stale
+        )
+
+    def __add__(self, later: Promotion) -> Promotion:
+        """This run's counts and a later run's together; complete if the later run was."""
+        counts = {
+            field.name: getattr(self, field.name) + getattr(later, field.name)
+            for field in dataclasses.fields(self)
+            if field.name != "complete"
+        }
+        return Promotion(**counts, complete=later.complete)
+
 
 class PromotionPass:
     """One run of the promoter over one database, in bounded batches that each commit.
@@ -4645,19 +4661,14 @@ def upgrade_database(
     done = Promotion()
     while True:
         step = promote_due_apps(db, policy, MIGRATE_PROMOTION_SLICE_SECONDS, force=True)
-        done.cleared += step.cleared
-        done.abandoned += step.abandoned
-        done.returned += step.returned
-        done.leases += step.leases
-        done.stale += step.stale
+        done += step
         flagged = (
             f"{done.leases} expired leases and {done.stale} stale analyses flagged,"
             f" {done.abandoned} leases expired too often failed as lease_expired"
-            f" ({done.returned} more went back to their newer analysisVersion)"
+            f" ({done.returned} more went back to their newer analysisVersion),"
+            f" {done.requeued} refetched apps queued as their leases expired"
         )
-        if step.complete or not (
-            step.cleared or step.abandoned or step.returned or step.leases or step.stale
-        ):
+        if step.complete or not step.changed:
             break  # done, or nothing to gain from another slice now (a row locked elsewhere)
         _say(progress, f"promotion: {flagged} so far ({time.monotonic() - started:.1f} s)")
     _say(

@@ -272,6 +272,16 @@ def test_migrate_prints_each_files_duration_promotion_and_vacuum(empty_database)
     assert "VACUUM: not needed (few rows flagged)" in lines
 
 
+def test_a_promotions_changed_rows_are_every_counter():
+    """migrate's promotion goes on while a slice changed rows, of every kind: a refetched
+    app queued as its lease expired (requeued) counts as much as a flagged one."""
+    one = handler.Promotion(cleared=1, requeued=2, abandoned=3, returned=4, leases=5, stale=6)
+    assert one.changed == 21
+    assert handler.Promotion(requeued=1).changed == 1
+    both = one + handler.Promotion(requeued=1, complete=False)
+    assert (both.requeued, both.changed, both.complete) == (3, 22, False)
+
+
 def test_the_migration_function_logs_the_same_progress(
     empty_database, monkeypatch, response_url, capsys
 ):
