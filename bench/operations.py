@@ -139,7 +139,7 @@ def bench_refetch(server_url: str, count: int) -> dict[str, str]:
     # 2. The batched walk, dry, in process: Python's peak memory.
     tracemalloc.start()
     started = time.monotonic()
-    progress = handler.refetch_in_batches(db, [], False, False, None, False, lambda *_: None)
+    progress = handler.refetch_in_batches(db, handler.RefetchRequest(), lambda *_: None)
     walk_seconds = time.monotonic() - started
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

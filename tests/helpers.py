@@ -81,6 +81,23 @@ def record_in_ledger(sql, name: str) -> None:
     sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
 
 
+def refetch_apps(
+    db: handler.SharedConnection,
+    app_ids: list[str],
+    apply: bool = True,
+    policy: handler.QueuePolicy | None = None,
+    force: bool = False,
+) -> list[dict[str, str]]:
+    """A refetch of the named apps run to the end, as `queue-refetch --appid` runs it
+    (handler.refetch_in_batches with a RefetchRequest): the apps it selected, each
+    {"appid", "status", "outcome"} (the status before; what happened or, in a dry run,
+    would)."""
+    request = handler.RefetchRequest(app_ids=tuple(app_ids), apply=apply, force=force)
+    selected: list[dict[str, str]] = []
+    handler.refetch_in_batches(db, request, lambda rows, _: selected.extend(rows), policy=policy)
+    return selected
+
+
 def days_ago(days: float) -> datetime:
     return datetime.now(UTC) - timedelta(days=days)
 

@@ -15,7 +15,7 @@ from kit import ANALYSER, configure_service, time_passes
 
 import handler
 import legacy
-from helpers import app_row, connect, history, ledger, migrate
+from helpers import app_row, connect, history, ledger, migrate, refetch_apps
 
 CHECK = "apps_processing_claim_token_check"
 OURS_AFTER_009 = [name for name in legacy.ALL_OUR_FILES if name >= "010"]
@@ -237,7 +237,7 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
 
         # --- refetch, then a claim without a token (the deployed analysers) ---------------
         db = handler.api_connection()
-        assert handler.queue_refetch(db, ["old.done"], False, False, None, True) == [
+        assert refetch_apps(db, ["old.done"]) == [
             {"appid": "old.done", "status": "analysed", "outcome": "queued"}
         ]
         assert app_row(sql, "old.done")["status"] == "queued"
@@ -257,7 +257,7 @@ def test_migrate_then_serve_an_adopted_database(empty_database, monkeypatch, sta
 
         # --- the reports ------------------------------------------------------------------
         status = handler.queue_status(db, handler.settings().policy)
-        assert status["counts"]["processing"] >= 1
+        assert status.counts["processing"] >= 1
         handler.priority_report(db, handler.settings().policy, 10)
         cycle.check("reports")
     sql.close()

@@ -12,7 +12,15 @@ import pytest
 from kit import ADMIN, ANALYSER, configure_service
 
 import handler
-from helpers import LambdaContext, app_row, insert_app, json_lines, load_event, run_cli
+from helpers import (
+    LambdaContext,
+    app_row,
+    insert_app,
+    json_lines,
+    load_event,
+    refetch_apps,
+    run_cli,
+)
 
 ANALYSER_ROUTES = [
     ("GET", "/ping", None),
@@ -326,7 +334,7 @@ def test_a_public_answer_holds_no_failure_record(client, sql):
     assert (admin["analysedBy"], admin["claimedBy"]) == ("pi-1", None)
     # Queued again for a retry, the failure record is still the stored analysis: still
     # not public.
-    handler.queue_refetch(handler.api_connection(), ["com.example.app"], False, False, None, True)
+    refetch_apps(handler.api_connection(), ["com.example.app"])
     again = client.get("/apps/com.example.app")
     assert again.json()["status"] == "queued" and "hunter2" not in again.text
     # A successful analysis is public.
@@ -386,13 +394,13 @@ def test_active_analysers_agree_everywhere_and_revoked_ones_drop_out(client, sql
     def figures() -> tuple[int, int, int, int]:
         health = client.get("/healthz/analyser").json()["analysersLastHour"]
         status = handler.queue_status(handler.api_connection(), handler.settings().policy)
-        online = sum(analyser["online"] for analyser in status["analysers"])
+        online = sum(analyser["online"] for analyser in status.analysers)
         capsys.readouterr()
         handler.report(load_event("schedule.json"), LambdaContext())
         (emf,) = json_lines(capsys.readouterr().out)
         metric = emf["ActiveAnalysers"]
         metric = metric[0] if isinstance(metric, list) else metric
-        return health, status["analysers_last_hour"], metric, online
+        return health, status.analysers_last_hour, metric, online
 
     assert figures() == (3, 3, 3, 2)
     assert client.delete("/analysers/pi-2", headers=ADMIN).status_code == 200

@@ -25,7 +25,7 @@ from kit import ADMIN, ANALYSER, configure_service, time_passes
 from test_model import judged
 
 import handler
-from helpers import is_candidate
+from helpers import is_candidate, refetch_apps
 
 NAMED = ("pi-1", "pi-2", "pi-3")
 SHARED = ("shared-a", "shared-b")  # two hosts on the shared password
@@ -222,9 +222,7 @@ class FleetModel(RuleBasedStateMachine):
         appid = data.draw(st.sampled_from(sorted(self.apps)))
         # --force: this model's operator breaks leases; refetches that wait for a live
         # lease are tests/test_model.py's.
-        handler.queue_refetch(
-            handler.api_connection(), [appid], False, False, None, True, self.policy, force=True
-        )
+        refetch_apps(handler.api_connection(), [appid], True, self.policy, force=True)
         app = self.apps[appid]
         app.status, app.started, app.reason, app.retryable = "queued", None, None, None
         app.token, app.holder, app.attempts = None, None, 0

@@ -96,6 +96,16 @@ def test_refetch_rejects_invalid_bundle_ids(database_url):
     assert "invalid bundle ID" in done.stderr
 
 
+def test_refetch_refuses_include_non_retryable_without_failed(database_url, sql):
+    """As the report function's event refuses includeNonRetryable without failed (one
+    RefetchRequest rule), in one line, as a bad bundle ID is refused."""
+    insert_app(sql, "app.done", status="analysed", version=4, analysed=days_ago(1))
+    done = cli(database_url, "queue-refetch", "--include-non-retryable", "--apply", "--yes")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["error: --include-non-retryable goes with --failed"]
+    assert app_row(sql, "app.done")["status"] == "analysed"
+
+
 def test_queue_status_report_sections(database_url, sql):
     insert_app(sql, "q.one", reviews="100")
     insert_app(sql, "p.live", status="processing", processing_started=minutes_ago(10))

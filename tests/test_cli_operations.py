@@ -240,11 +240,7 @@ def test_batches_refetch_exactly_the_apps_one_read_selects(
     seen: list[dict] = []
     done = handler.refetch_in_batches(
         handler.api_connection(),
-        [],
-        failed,
-        False,
-        limit,
-        True,
+        handler.RefetchRequest(failed=failed, limit=limit, apply=True),
         lambda rows, _: seen.extend(rows),
         batch_size=batch,
     )
@@ -274,6 +270,16 @@ def test_migrate_prints_each_files_duration_promotion_and_vacuum(empty_database)
         line.startswith("promotion: 0 expired leases and 0 stale analyses") for line in lines
     )
     assert "VACUUM: not needed (few rows flagged)" in lines
+
+
+def test_a_promotions_changed_rows_are_every_counter():
+    """migrate's promotion goes on while a slice changed rows, of every kind: a refetched
+    app queued as its lease expired (requeued) counts as much as a flagged one."""
+    one = handler.Promotion(cleared=1, requeued=2, abandoned=3, returned=4, leases=5, stale=6)
+    assert one.changed == 21
+    assert handler.Promotion(requeued=1).changed == 1
+    both = one + handler.Promotion(requeued=1, complete=False)
+    assert (both.requeued, both.changed, both.complete) == (3, 22, False)
 
 
 def test_the_migration_function_logs_the_same_progress(

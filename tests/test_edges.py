@@ -17,7 +17,16 @@ from hypothesis import strategies as st
 from kit import ADMIN, ANALYSER, configure_service, time_passes
 
 import handler
-from helpers import LambdaContext, app_row, days_ago, history, insert_app, run_cli, table_digest
+from helpers import (
+    LambdaContext,
+    app_row,
+    days_ago,
+    history,
+    insert_app,
+    refetch_apps,
+    run_cli,
+    table_digest,
+)
 from live import LiveServer
 
 
@@ -41,9 +50,7 @@ def test_a_refetch_run_with_a_shorter_lease_waits_for_the_apis(client, sql):
     claim(client, "com.example.app")
     sql.run("UPDATE apps SET processing_started = processing_started - interval '5 minutes'")
     short = handler.QueuePolicy(processing_timeout_minutes=1)
-    selected = handler.queue_refetch(
-        handler.api_connection(), ["com.example.app"], False, False, None, True, short
-    )
+    selected = refetch_apps(handler.api_connection(), ["com.example.app"], True, short)
     assert selected == [{"appid": "com.example.app", "status": "processing", "outcome": "waiting"}]
     time_passes()
     assert client.get("/queue?appId=com.example.app", headers=ANALYSER).text == ""
@@ -60,7 +67,7 @@ def test_a_refetch_run_with_a_shorter_lease_waits_for_the_apis(client, sql):
 def test_the_reports_refetch_refuses_a_selection_that_would_widen(database_url, sql, event):
     insert_app(sql, "com.example.done", status="analysed", version=4)
     before = table_digest(sql)
-    with pytest.raises(ValueError, match=r"appIds names no app|goes with failed"):
+    with pytest.raises(handler.BadInput, match=r"appIds names no app|goes with failed"):
         handler.report(event, LambdaContext())
     assert table_digest(sql) == before
 
@@ -68,14 +75,8 @@ def test_the_reports_refetch_refuses_a_selection_that_would_widen(database_url, 
 def test_the_holder_replaces_a_tokenless_result_stored_while_a_refetch_waited(client, sql):
     insert_app(sql, "com.example.app")
     token = claim(client, "com.example.app")
-    (waiting,) = handler.queue_refetch(
-        handler.api_connection(),
-        ["com.example.app"],
-        False,
-        False,
-        None,
-        True,
-        handler.QueuePolicy(),
+    (waiting,) = refetch_apps(
+        handler.api_connection(), ["com.example.app"], True, handler.QueuePolicy()
     )
     assert waiting["outcome"] == "waiting"
     stale = upload(client, "com.example.app", {"success": True, "stale": 1})
@@ -101,15 +102,7 @@ def test_a_waiting_refetch_wins_over_back_off(client, sql):
     insert_app(sql, "com.example.app")
     claim(client, "com.example.app")
     sql.run("UPDATE apps SET lease_attempts = 3")  # its third lease in a row
-    handler.queue_refetch(
-        handler.api_connection(),
-        ["com.example.app"],
-        False,
-        False,
-        None,
-        True,
-        handler.QueuePolicy(),
-    )
+    refetch_apps(handler.api_connection(), ["com.example.app"], True, handler.QueuePolicy())
     sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
     promotion = handler.promote_due_apps(
         handler.api_connection(), handler.settings().policy, force=True
@@ -133,9 +126,7 @@ def test_without_a_refetch_the_third_expired_lease_backs_off(client, sql):
 
 
 def refetch(appid: str) -> str:
-    (selected,) = handler.queue_refetch(
-        handler.api_connection(), [appid], False, False, None, True, handler.QueuePolicy()
-    )
+    (selected,) = refetch_apps(handler.api_connection(), [appid], True, handler.QueuePolicy())
     return selected["outcome"]
 
 
@@ -292,7 +283,7 @@ def test_the_queue_works_at_every_settings_maximum(client, sql, database_url, mo
         headers = ANALYSER if path == "/queue" else {}
         assert client.get(path, headers=headers).status_code == 200, path
     status = handler.queue_status(handler.api_connection(), handler.settings().policy)
-    assert status["counts"]["processing"] == 2
+    assert status.counts["processing"] == 2
 
 
 def test_cli_numbers_out_of_range_are_one_usage_error(tmp_path):

@@ -379,17 +379,12 @@ def test_report_with_no_throughput_and_no_ping(database_url, sql, capsys):
 def test_failed_apps_by_class_add_up_to_the_failed_apps(failed_by_reason):
     """Whatever reasons failed apps carry (the service's, an analyser's own, none), each is
     counted once: its class's metric, or FailedOther; the classes add up to Failed."""
-    status = {
-        "counts": {"failed": sum(failed_by_reason.values())},
-        "failed_by_reason": [{"reason": r, "apps": n} for r, n in failed_by_reason.items()],
-        "backlog": {},
-        "backlog_total": 0,
-        "throughput": {"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
-        "analysers_last_hour": 0,
-        "eta_hours": None,
-        "minutes_since_last_ping": None,
-        "processing": [],
-    }
+    status = handler.QueueStatus(
+        counts={"failed": sum(failed_by_reason.values())},
+        failed_by_reason=failed_by_reason,
+        throughput={"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
+        eta_hours=None,
+    )
     values = handler.queue_metrics(status)
     classes = [*handler.FAILURE_REASON_METRICS.values(), handler.OTHER_FAILURES_METRIC]
     assert sum(values[name] for name in classes) == values["Failed"]
@@ -451,7 +446,7 @@ def test_report_queue_refetch_command_dry_run_then_apply(database_url, sql, caps
         "unknown": ["com.example.nope"],  # named, not in the queue
     }
     assert table_digest(sql) == before
-    with pytest.raises(ValueError, match="apply must be true or false"):
+    with pytest.raises(handler.BadInput, match="apply must be true or false"):
         handler.report(
             {"command": "queue-refetch", "appIds": ["com.example.done"], "apply": "true"},
             LambdaContext(),
@@ -504,7 +499,7 @@ def test_report_queue_refetch_failed_apps(database_url, sql):
 def test_report_unknown_command_fails_clearly(database_url, sql):
     insert_app(sql, "com.example.app")
     before = table_digest(sql)
-    with pytest.raises(ValueError, match="unknown command 'queue-purge'"):
+    with pytest.raises(handler.BadInput, match="unknown command 'queue-purge'"):
         handler.report({"command": "queue-purge", "apply": True}, LambdaContext())
     assert table_digest(sql) == before
 
@@ -526,6 +521,6 @@ def test_report_unknown_command_fails_clearly(database_url, sql):
 def test_report_commands_reject_malformed_options(database_url, sql, event, complaint):
     insert_app(sql, "com.example.app", status="analysed", version=4, analysed=datetime.now(UTC))
     before = table_digest(sql)
-    with pytest.raises(ValueError, match=complaint):
+    with pytest.raises(handler.BadInput, match=complaint):
         handler.report(event, LambdaContext())
     assert table_digest(sql) == before

@@ -210,11 +210,8 @@ def _opening_text(value: ast.expr, texts: dict[str, str]) -> str | None:
     return None
 
 
-def sql_constants(source: str = SOURCE) -> dict[str, ast.Assign]:
-    """The module's SQL constants: the statements (an UPPER_CASE name assigned a string, an
-    f-string or a `.format()` of one, that begins with a statement's keyword: SELECT,
-    WITH, INSERT, UPDATE, DELETE, CREATE, ALTER, DROP, VACUUM, SET), and the fragments
-    they are composed of (UPPER_CASE string constants their values name), transitively."""
+def _string_constants(source: str) -> tuple[dict[str, ast.Assign], dict[str, str]]:
+    """The module's UPPER_CASE string constants, and how each one's string begins."""
     texts: dict[str, str] = {}
     strings: dict[str, ast.Assign] = {}
     for node in ast.parse(source).body:
@@ -225,7 +222,22 @@ def sql_constants(source: str = SOURCE) -> dict[str, ast.Assign]:
                 if text is not None:
                     texts[target.id] = text
                     strings[target.id] = node
-    found = {name: node for name, node in strings.items() if SQL_STATEMENT.match(texts[name])}
+    return strings, texts
+
+
+def sql_statements(source: str = SOURCE) -> dict[str, ast.Assign]:
+    """The module's SQL statements: an UPPER_CASE name assigned a string, an f-string or a
+    `.format()` of one, that begins with a statement's keyword (SELECT, WITH, INSERT,
+    UPDATE, DELETE, CREATE, ALTER, DROP, VACUUM, SET)."""
+    strings, texts = _string_constants(source)
+    return {name: node for name, node in strings.items() if SQL_STATEMENT.match(texts[name])}
+
+
+def sql_constants(source: str = SOURCE) -> dict[str, ast.Assign]:
+    """The module's SQL constants: the statements (sql_statements), and the fragments
+    they are composed of (UPPER_CASE string constants their values name), transitively."""
+    strings, _ = _string_constants(source)
+    found = sql_statements(source)
     pending = list(found.values())
     while pending:
         for used in ast.walk(pending.pop().value):

@@ -47,7 +47,7 @@ from hypothesis.stateful import (
 from kit import ADMIN, ANALYSER, configure_service, time_passes
 
 import handler
-from helpers import lease_expired
+from helpers import lease_expired, refetch_apps
 
 ANALYSERS = ("pi-1", "pi-2", "pi-3")
 NAMED = ("pi-3",)  # with a credential of its own; the others send the shared password
@@ -717,9 +717,7 @@ class QueueModel(RuleBasedStateMachine):
         live = app.status == "processing" and not lease_expired(
             app.started, self.policy.processing_timeout_minutes, now
         )
-        selected = handler.queue_refetch(
-            handler.api_connection(), [appid.upper()], False, False, None, True, self.policy, force
-        )
+        selected = refetch_apps(handler.api_connection(), [appid.upper()], True, self.policy, force)
         outcome = "waiting" if live and not force else "queued"
         if force and app.status == "processing":
             outcome = "lease_broken"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kit import ANALYSER
 
 import handler
-from helpers import LambdaContext, load_event
+from helpers import LambdaContext, load_event, refetch_apps
 
 TIMES = st.sampled_from(
     [
@@ -162,12 +162,12 @@ def test_every_reader_survives_what_the_schema_allows(
     db = handler.api_connection()
     status = handler.queue_status(db, policy)
     assert handler.format_queue_status(status)
-    json.dumps(status)
+    json.dumps(status.document())
     assert len(handler.priority_report(db, policy, 10)) <= 2
-    assert handler.queue_refetch(db, ["odd.app"], False, False, None, False, policy)
+    assert refetch_apps(db, ["odd.app"], False, policy)
     reported = handler.report(load_event("schedule.json"), LambdaContext())
     json.dumps(reported)
-    handler.queue_refetch(db, ["odd.app"], False, False, None, True, policy, force=True)
+    refetch_apps(db, ["odd.app"], True, policy, force=True)
     assert handler.upgrade_database(db) == []
     ((recorded,),) = sql.run("SELECT count(*) FROM queue_policy")
     assert recorded == 1, "the promoter puts the policy row back"
@@ -237,13 +237,13 @@ def test_every_reader_judges_a_lease_by_one_rule(
         ((status, due),) = sql.run("SELECT status, due FROM apps")
         assert (status, due) == (after_promotion, expired and not at_limit)
     elif reader == "refetch":
-        (selected,) = handler.queue_refetch(db, ["lease.app"], False, False, None, True, policy)
+        (selected,) = refetch_apps(db, ["lease.app"], True, policy)
         assert selected["outcome"] == ("queued" if expired else "waiting")
     else:
         status = handler.queue_status(db, policy)
-        assert [app["expired"] for app in status["processing"]] == [expired]
-        assert status["held_back"]["abandoned_leases"] == int(expired and at_limit)
-        assert status["expired_leases"] == int(expired and not at_limit)
+        assert [app["expired"] for app in status.processing] == [expired]
+        assert status.held_back["abandoned_leases"] == int(expired and at_limit)
+        assert status.expired_leases == int(expired and not at_limit)
 
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=8)

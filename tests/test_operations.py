@@ -244,14 +244,10 @@ def test_the_docs_list_the_json_keys():
     st.dictionaries(st.text(min_size=1, max_size=12), st.integers(0, 10**6), max_size=5),
 )
 def test_the_json_keys_do_not_depend_on_which_states_have_apps(counts, backlog, failed):
-    status = {
-        "counts": counts,
-        "backlog": backlog,
-        "failed_by_reason": failed,
-        "analysers": [],
-        "total": sum(counts.values()),
-    }
-    document = handler.queue_status_document(status)
+    status = handler.QueueStatus(
+        counts=counts, backlog=backlog, failed_by_reason=failed, total=sum(counts.values())
+    )
+    document = status.document()
     assert list(document["counts"]) == list(handler.APP_STATES)
     assert list(document["backlog"]) == list(handler.REASON_TEXT)
     assert all(set(item) == {"reason", "apps"} for item in document["failed_by_reason"])

@@ -66,16 +66,19 @@ MODES = {
 def refetch(mode: str, apply: bool, force: bool) -> tuple[list[dict], handler.RefetchProgress]:
     app_ids, failed, include_non_retryable, limit = MODES[mode]
     rows: list[dict] = []
+    request = handler.RefetchRequest(
+        app_ids=tuple(app_ids),
+        failed=failed,
+        include_non_retryable=include_non_retryable,
+        limit=limit,
+        apply=apply,
+        force=force,
+    )
     progress = handler.refetch_in_batches(
         handler.api_connection(),
-        app_ids,
-        failed,
-        include_non_retryable,
-        limit,
-        apply,
+        request,
         lambda batch, _: rows.extend(batch),
         policy=handler.settings().policy,
-        force=force,
     )
     return rows, progress
 

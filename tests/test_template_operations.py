@@ -99,17 +99,12 @@ def widget_metrics(board: dict) -> dict[str, list[list]]:
 
 def report_metric_names() -> set[str]:
     """Every metric the report publishes (its ping metric only once an analyser pinged)."""
-    status = {
-        "counts": {},
-        "failed_by_reason": [],
-        "backlog": {},
-        "backlog_total": 0,
-        "throughput": {"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
-        "eta_hours": None,
-        "minutes_since_last_ping": 3.0,
-        "analysers_last_hour": 2,
-        "processing": [],
-    }
+    status = handler.QueueStatus(
+        throughput={"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
+        eta_hours=None,
+        minutes_since_last_ping=3.0,
+        analysers_last_hour=2,
+    )
     return set(handler.queue_metrics(status))
 
 

@@ -1,0 +1,21 @@
+
+SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
+       a.revoked IS NULL AND (a.last_seen > now() - interval '1 hour' AND a.last_seen <= now()) AS online,
+       a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
+       a.last_result_version < :analysis_version AS outdated_version,
+       held.appid AS holding, held.processing_started AS holding_since,
+       COALESCE(day.results, 0) AS results_24h, COALESCE(day.failures, 0) AS failures_24h
+FROM analysers a
+LEFT JOIN LATERAL (
+    SELECT appid, processing_started FROM apps
+    WHERE status = 'processing' AND claimed_by = a.name AND CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token
+            THEN claimed_by END = a.name
+    ORDER BY processing_started DESC LIMIT 1
+) held ON true
+LEFT JOIN (
+    SELECT analyser, count(*) FILTER (WHERE success) AS results,
+           count(*) FILTER (WHERE NOT success) AS failures
+    FROM app_analyses WHERE analysed > now() - interval '24 hours' AND analyser IS NOT NULL
+    GROUP BY analyser
+) day ON day.analyser = a.name
+ORDER BY a.name

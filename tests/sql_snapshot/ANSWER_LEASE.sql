@@ -1,0 +1,2 @@
+
+UPDATE apps SET lease_attempts = 0 WHERE appid = :appid AND status = 'processing'

@@ -1,0 +1,1 @@
+SELECT reltuples::bigint AS estimate FROM pg_class WHERE oid = 'apps'::regclass

@@ -1,0 +1,1 @@
+UPDATE apps SET due = due WHERE false

@@ -1,0 +1,12 @@
+
+SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expired')
+           AS lease_expired_failures,
+       count(*) FILTER (WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
+                        AND (processing_started IS NULL
+     OR processing_started < now() - make_interval(mins => :timeout_minutes)
+     OR processing_started > now() + make_interval(mins => :timeout_minutes))) AS abandoned_leases,
+       count(*) FILTER (WHERE (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+                        AND COALESCE(analysisversion, 0) < :analysis_version
+                        AND NOT COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes)) AS outdated_settling,
+       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting
+FROM apps

@@ -1,0 +1,2 @@
+
+UPDATE schema_migrations SET checksum = :checksum WHERE filename = :filename AND checksum IS NULL

@@ -1,0 +1,1 @@
+SELECT filename, checksum FROM schema_migrations ORDER BY filename

@@ -1,0 +1,1 @@
+SELECT filename, NULL AS checksum FROM schema_migrations ORDER BY filename

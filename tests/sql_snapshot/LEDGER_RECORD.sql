@@ -1,0 +1,1 @@
+INSERT INTO schema_migrations (filename, checksum) VALUES (:filename, :checksum)

@@ -1,0 +1,84 @@
+
+WITH RECURSIVE old_versions(version) AS (
+    -- Each analysis version below the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan (the lowest, then the next above it, until none).
+    SELECT min(COALESCE(analysisversion, 0)) FROM apps
+    WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) < :analysis_version
+  UNION ALL
+    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
+            WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+              AND COALESCE(analysisversion, 0) > v.version
+              AND COALESCE(analysisversion, 0) < :analysis_version)
+    FROM old_versions v WHERE v.version IS NOT NULL
+), stale_versions(version) AS (
+    -- Each analysis version up to the current one that an unflagged analysed or retryable
+    -- row holds, lowest first: a skip scan of apps_stale_version_watch.
+    SELECT min(COALESCE(analysisversion, 0)) FROM apps
+    WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) <= :analysis_version
+  UNION ALL
+    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
+            WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+              AND COALESCE(analysisversion, 0) > v.version
+              AND COALESCE(analysisversion, 0) <= :analysis_version)
+    FROM stale_versions v WHERE v.version IS NOT NULL
+)
+SELECT
+    (SELECT count(*) FROM (
+        (SELECT 1 FROM apps WHERE (status = 'queued' OR due) AND (
+    status = 'queued'
+    OR (status = 'processing' AND (processing_started IS NULL
+     OR processing_started < now() - make_interval(mins => :timeout_minutes)
+     OR processing_started > now() + make_interval(mins => :timeout_minutes)) AND lease_attempts < :max_lease_attempts)
+    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
+        AND ((COALESCE(analysisversion, 0) < :analysis_version
+              AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
+             OR (COALESCE(analysisversion, 0) <= :analysis_version
+                 AND COALESCE(analysed, '-infinity')
+                     < now() - make_interval(days => :stale_days))))
+) AND app_popularity(details) > :popularity
+     ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
+    UNION ALL
+    (SELECT 1 FROM apps WHERE (status = 'queued' OR due) AND (
+    status = 'queued'
+    OR (status = 'processing' AND (processing_started IS NULL
+     OR processing_started < now() - make_interval(mins => :timeout_minutes)
+     OR processing_started > now() + make_interval(mins => :timeout_minutes)) AND lease_attempts < :max_lease_attempts)
+    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
+        AND ((COALESCE(analysisversion, 0) < :analysis_version
+              AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
+             OR (COALESCE(analysisversion, 0) <= :analysis_version
+                 AND COALESCE(analysed, '-infinity')
+                     < now() - make_interval(days => :stale_days))))
+) AND app_popularity(details) = :popularity
+       AND (added, appid) < (:added, :appid)
+     ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
+        UNION ALL
+        (SELECT 1 FROM apps WHERE status = 'processing' AND NOT due AND (processing_started IS NULL
+     OR processing_started < now() - make_interval(mins => :timeout_minutes)
+     OR processing_started > now() + make_interval(mins => :timeout_minutes))
+    AND lease_attempts < :max_lease_attempts AND app_popularity(details) > :popularity
+     ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
+    UNION ALL
+    (SELECT 1 FROM apps WHERE status = 'processing' AND NOT due AND (processing_started IS NULL
+     OR processing_started < now() - make_interval(mins => :timeout_minutes)
+     OR processing_started > now() + make_interval(mins => :timeout_minutes))
+    AND lease_attempts < :max_lease_attempts AND app_popularity(details) = :popularity
+       AND (added, appid) < (:added, :appid)
+     ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
+        UNION ALL
+        (SELECT 1 FROM old_versions v CROSS JOIN LATERAL (
+            (SELECT 1 FROM apps WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = v.version
+    AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND app_popularity(details) > :popularity
+     ORDER BY COALESCE(analysisversion, 0), app_popularity(details) DESC, added, appid LIMIT :limit)
+    UNION ALL
+    (SELECT 1 FROM apps WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = v.version
+    AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND app_popularity(details) = :popularity
+       AND (added, appid) < (:added, :appid)
+     ORDER BY COALESCE(analysisversion, 0), app_popularity(details) DESC, added, appid LIMIT :limit)) x
+         WHERE v.version IS NOT NULL)
+        LIMIT :limit) ahead),
+    (
+    SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
+        SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
+        WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = s.version) f
+) < now() - make_interval(days => :stale_days)

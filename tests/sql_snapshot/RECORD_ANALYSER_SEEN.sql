@@ -1,0 +1,2 @@
+
+UPDATE analysers SET last_seen = now() WHERE name = :name AND revoked IS NULL

@@ -1,0 +1,6 @@
+
+UPDATE queue_policy
+SET analysis_version = :analysis_version, stale_days = :stale_days,
+    processing_timeout_minutes = :timeout_minutes, applied = now()
+WHERE singleton = (SELECT singleton FROM queue_policy FOR UPDATE SKIP LOCKED)
+RETURNING 1

@@ -1,0 +1,2 @@
+
+INSERT INTO queue_policy (singleton) VALUES (true) ON CONFLICT DO NOTHING
