@@ -2810,7 +2810,9 @@ WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE
   AND NOT refetch_requested
 LIMIT :batch FOR UPDATE SKIP LOCKED
 """
-
+# The failure is stored as the open claim's result without its token (result_claim_token
+# set, not verified), so the holder's own result, late but with its token, may still
+# replace it, as it may any tokenless result of its claim (judge_result).
 BACK_OFF_APPLY = f"""
 WITH abandoned AS (
     UPDATE apps SET status = 'failed', failure_reason = 'lease_expired',
@@ -2822,7 +2824,8 @@ WITH abandoned AS (
                            lease_attempts, CAST(:timeout_minutes AS integer))),
         processing_started = NULL, analysis_claim_token = NULL, due = false,
         lease_attempts = 0, refetch_requested = false,
-        result_claim_token = NULL, result_claim_verified = false, analysed_by = NULL
+        result_claim_token = analysis_claim_token, result_claim_verified = false,
+        analysed_by = NULL
     WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'
     RETURNING appid, analysis, analysisversion, analysed, details
 ), recorded AS (

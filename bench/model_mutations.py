@@ -94,6 +94,11 @@ MUTATIONS = {
         "    newer = target.has_result and target.version",
         "tests/test_edges.py",
     ),
+    "the back-off's failure is no claim's result": (
+        "        result_claim_token = analysis_claim_token, result_claim_verified = false,\n",
+        "        result_claim_token = NULL, result_claim_verified = false,\n",
+        "tests/test_edges.py",
+    ),
     "migrate --dry-run waits for a lock without a timeout": (
         '            connection.run("SET LOCAL lock_timeout = "'
         " + pg8000.native.literal(lock_timeout))\n",

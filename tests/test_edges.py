@@ -433,3 +433,40 @@ def test_the_back_offs_failure_is_given_back_as_lease_expired(sql):
         handler.STORED_RESULT_PARTS, appids=["com.example.app"]
     )
     assert handler.stored_result_state(parts).failure_reason == handler.ANALYSIS_FAILED
+
+
+@pytest.mark.parametrize("success", [True, False], ids=["an analysis", "a failure"])
+@pytest.mark.parametrize("setting", [4, 6], ids=["the API's setting", "a higher setting"])
+def test_the_holders_late_result_with_its_token_replaces_the_back_offs_failure(
+    client, sql, monkeypatch, database_url, success, setting
+):
+    """The back-off's failure is the open claim's result, written without its token: the
+    holder's own result, arriving after it with the token, is stored over it (as over any
+    tokenless result of its claim), whatever setting the process that backed off had."""
+    insert_app(sql, "com.example.app")
+    token = claim(client, "com.example.app")
+    sql.run("UPDATE apps SET lease_attempts = 3")
+    sql.run("UPDATE apps SET processing_started = processing_started - interval '3 hours'")
+    as_setting(monkeypatch, database_url, setting)
+    promotion = handler.promote_due_apps(
+        handler.api_connection(), handler.settings().policy, force=True
+    )
+    assert promotion.abandoned == 1
+    as_setting(monkeypatch, database_url, 4)
+    base = "?appId=com.example.app&analysisVersion=4"
+    headers = {**ANALYSER, "X-Analysis-Claim-Token": token}
+    if success:
+        answer = client.post(f"/uploadAnalysis{base}", json={"success": True}, headers=headers)
+    else:
+        headers["Content-Type"] = "text/plain"
+        answer = client.post(f"/reportAnalysisFailure{base}", content=b"usb", headers=headers)
+    assert answer.status_code == 200, answer.text
+    row = app_row(sql, "com.example.app")
+    assert (row["status"], row["analysisversion"]) == (
+        ("analysed", 4) if success else ("failed", 4)
+    )
+    with_token = {**ANALYSER, "X-Analysis-Claim-Token": token}
+    again = client.post(
+        f"/uploadAnalysis{base}", json={"success": True, "other": 1}, headers=with_token
+    )
+    assert again.status_code == 409  # the claim's result is stored: it has had its answer

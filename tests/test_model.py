@@ -298,9 +298,10 @@ class QueueModel(RuleBasedStateMachine):
                 continue
             app.version, app.result = self.policy.analysis_version, key
             app.analysed = now  # about: read back once the claim is done (_promoted)
+            # The open claim's result, without its token: the holder's own may replace it.
+            app.result_claim, app.result_verified = app.token, False
             app.started, app.token, app.attempts, app.refetch_requested = None, None, 0, False
             app.status, app.reason, app.retryable = RESULT_STATES["server"]
-            app.result_claim, app.result_verified = None, False
             app.holder = app.analysed_by = None
             app.handouts_since_result = 0
             failed.append(app)

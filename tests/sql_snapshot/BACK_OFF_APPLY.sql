@@ -9,7 +9,8 @@ WITH abandoned AS (
                            lease_attempts, CAST(:timeout_minutes AS integer))),
         processing_started = NULL, analysis_claim_token = NULL, due = false,
         lease_attempts = 0, refetch_requested = false,
-        result_claim_token = NULL, result_claim_verified = false, analysed_by = NULL
+        result_claim_token = analysis_claim_token, result_claim_verified = false,
+        analysed_by = NULL
     WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'
     RETURNING appid, analysis, analysisversion, analysed, details
 ), recorded AS (
