@@ -92,7 +92,7 @@ def test_the_routes_table_names_every_route_with_its_auth_and_nothing_else():
     assert documented_catch_alls == catch_alls == 1
 
 
-# --------------------------------------------------------------------------- settings and parameters
+# ----------------------------------------------------------------- settings and parameters
 
 
 def settings_read() -> set[str]:
