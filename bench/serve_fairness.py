@@ -1,4 +1,4 @@
-"""How long /queue waits behind large uploads under `python handler.py serve`, with the
+"""How long /queue waits behind large uploads under `python3 handler.py serve`, with the
 routes' blocking work on worker threads (as serve runs) and on the event loop (as it ran
 before), measured in one run.
 

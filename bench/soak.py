@@ -2,7 +2,7 @@
 
     python bench/soak.py [--database-url URL] [--analysers 32] [--seconds 180]
 
-The server is `python handler.py serve` (uvicorn, one process, one database connection)
+The server is `python3 handler.py serve` (uvicorn, one process, one database connection)
 on 127.0.0.1; the database defaults to the 1M-app one bench/claims.py leaves behind
 (bench_1000000 on the local PostgreSQL). Each analyser loops ping -> queue -> upload (one
 in ten reports a failure instead), with its claim token, until the time is up. Every

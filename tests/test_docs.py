@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -201,3 +202,17 @@ def test_the_adoption_ranges_end_at_the_last_ledger_file():
     applied = table_column(text, "## What each state gets", column=2)
     ends = [re.match("\\d{3}\u2013(\\d{3})", cell) for cell in applied if cell != "the same"]
     assert ends and all(end and end.group(1) == last for end in ends), applied
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_paragraph_ends_on_a_colon_with_nothing_after_it(page):
+    """A paragraph that ends on a colon is followed by what it announces: a list, a
+    table, or code."""
+    blocks = re.split(r"\n\s*\n", FENCE.sub("```", page.read_text()))
+    dangling = []
+    for block, following in itertools.pairwise(blocks):
+        if block.startswith(("    ", "#")) or not block.rstrip().endswith(":"):
+            continue
+        if not re.match(r"\s*(?:[-*|]|\d+\.|```| {4})", following):
+            dangling.append(block.rstrip().splitlines()[-1])
+    assert dangling == []

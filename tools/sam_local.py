@@ -14,7 +14,7 @@
    Amazon Linux 2023, and its answers only show that the package runs under `sam local`.
 3. Docker's default bridge at 172.30.241.1 (dockerd --bridge=sam0, docs/local-lambda.md),
    so the containers reach this machine at that address, and the database there: the embedded
-   PostgreSQL of `python handler.py serve` listens on a Unix socket only, so this script
+   PostgreSQL of `python3 handler.py serve` listens on a Unix socket only, so this script
    starts a new one (in a temporary directory, not migrated: cfn-create.json does that)
    and forwards gateway:5432 to its socket.
    `--add-host host.docker.internal:<gateway>` makes events/env.json's DATABASE_URL point

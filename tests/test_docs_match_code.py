@@ -1,0 +1,184 @@
+"""The pages list what the code has, each thing once, and nothing it does not have.
+
+* docs/api.md's routes table: every route of `handler.app` and every HttpApi event of
+  template.yaml, each with its auth, and no other route.
+* Every setting handler.py reads and every template parameter: one row, in
+  docs/configuration.md's settings table or docs/deploy.md's parameters table.
+* docs/cli.md: every command, subcommand and flag of `handler.cli_parser()`, and no flag
+  the parser does not have.
+* docs/local-lambda.md names every file in events/; docs/monitoring.md every alarm of
+  template.yaml; neither names one that does not exist.
+
+Each test fails when something is added to the code without its line in the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from fastapi.routing import APIRoute
+from test_docs import DOCS, ROOT, prose, table_column
+from test_template import load_template
+
+import handler
+
+AUTH = ("analyser", "admin", "public")
+
+
+def section(page: str, heading: str) -> str:
+    """The text of `## heading` up to the next heading of its level."""
+    text = (DOCS / page).read_text()
+    body = text.split(f"\n## {heading}\n", 1)[1]
+    return re.split(r"\n## ", body, maxsplit=1)[0]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every row of the tables in `text` (header and rule left out)."""
+    rows = []
+    for block in re.findall(r"(?:^\|.*\n?)+", prose(text), re.MULTILINE):
+        for line in block.splitlines()[2:]:
+            rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def code_routes() -> set[tuple[str, str]]:
+    return {
+        (method, route.path)
+        for route in handler.app.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods
+        if method != "HEAD"
+    }
+
+
+def template_routes() -> tuple[set[tuple[str, str]], int]:
+    """The HttpApi events' (method, path), and how many have no path (a catch-all)."""
+    routes, catch_alls = set(), 0
+    for resource in load_template()["Resources"].values():
+        for event in (resource.get("Properties", {}).get("Events") or {}).values():
+            if event["Type"] != "HttpApi":
+                continue
+            properties = event.get("Properties") or {}
+            if "Path" in properties:
+                routes.add((properties["Method"].upper(), properties["Path"]))
+            else:
+                catch_alls += 1
+    return routes, catch_alls
+
+
+def documented_routes() -> tuple[dict[tuple[str, str], str], int]:
+    """docs/api.md's routes table: (method, path) -> its auth cell, and the catch-all rows."""
+    documented, catch_alls = {}, 0
+    for route, auth, *_ in table_rows(section("api.md", "Routes")):
+        found = re.fullmatch(r"`([A-Z]+) (/[^`?\s]*)(?:\?[^`]*)?`", route)
+        if found is None:
+            assert "`$default`" in route, f"not a route: {route}"
+            catch_alls += 1
+        else:
+            documented[(found.group(1), found.group(2))] = auth
+        assert auth.split(";")[0].split()[0] in AUTH, f"{route}: auth {auth!r}"
+    return documented, catch_alls
+
+
+def test_the_routes_table_names_every_route_with_its_auth_and_nothing_else():
+    documented, documented_catch_alls = documented_routes()
+    template, catch_alls = template_routes()
+    assert code_routes() == template, "handler.app and template.yaml disagree"
+    assert set(documented) == code_routes()
+    assert documented_catch_alls == catch_alls == 1
+
+
+# ----------------------------------------------------------------- settings and parameters
+
+
+def settings_read() -> set[str]:
+    source = (ROOT / "handler.py").read_text()
+    setting = r"(?:\.get|_int_setting|_bool_setting)\(\s*(?:env,\s*)?\"([A-Z][A-Z0-9_]+)\""
+    return set(re.findall(setting, source)) | {"LOG_LEVEL"}  # read by Powertools' Logger
+
+
+def rows_naming(name: str) -> list[str]:
+    """The rows of the settings and parameters tables whose first cell names `name`."""
+    found = []
+    tables = (
+        ("configuration.md", table_column((DOCS / "configuration.md").read_text(), "## Settings")),
+        ("deploy.md", table_column((DOCS / "deploy.md").read_text(), "## Parameters")),
+    )
+    for page, cells in tables:
+        for cell in cells:
+            if name in {part.strip() for part in cell.split(",")}:
+                found.append(page)
+    return found
+
+
+def test_every_setting_and_parameter_has_one_row():
+    names = settings_read() | set(load_template()["Parameters"])
+    assert {name: rows_naming(name) for name in names if len(rows_naming(name)) != 1} == {}
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def parser_words(parser: argparse.ArgumentParser, prefix: str = "") -> set[str]:
+    """Every command and subcommand (as `COMMAND SUB`) and every option string."""
+    words = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                words.add(f"{prefix}{name}")
+                words |= parser_words(sub, f"{prefix}{name} ")
+        else:
+            words |= set(action.option_strings)
+            words |= {f"{prefix}{choice}" for choice in action.choices or ()}
+    return words
+
+
+def test_the_cli_page_names_every_command_and_flag_and_no_other():
+    page = (DOCS / "cli.md").read_text()
+    synopsis = section("cli.md", "Commands")
+    words = parser_words(handler.cli_parser())
+    missing = []
+    for word in sorted(words):
+        *command, last = word.split(" ")
+        if last.startswith("-"):
+            if not re.search(rf"(?<![\w-]){re.escape(last)}(?![\w-])", page):
+                missing.append(word)
+        elif command:  # a subcommand, e.g. `analysers rotate`, or an invoke target
+            line = next(
+                (line for line in synopsis.splitlines() if f"handler.py {command[0]} " in line),
+                "",
+            )
+            if not re.search(rf"(?<![\w-]){re.escape(last)}(?![\w-])", line):
+                missing.append(word)
+        elif f"python3 handler.py {last}" not in synopsis:
+            missing.append(word)
+    assert missing == []
+    flags = set(re.findall(r"(?<![\w-])--?[a-z][a-z-]*", synopsis))
+    assert flags - {word.split(" ")[-1] for word in words} == set()
+
+
+# --------------------------------------------------------------------------- events and alarms
+
+
+def test_every_event_file_is_named_on_the_local_lambda_page():
+    files = {path.name for path in (ROOT / "events").glob("*.json")}
+    named = set()
+    for cell in table_column((DOCS / "local-lambda.md").read_text(), "## The event files"):
+        named |= {name.strip() for name in cell.split(",")}
+    assert named == files
+
+
+def test_every_alarm_is_named_on_the_monitoring_page():
+    alarms = {
+        name
+        for name, resource in load_template()["Resources"].items()
+        if resource["Type"] == "AWS::CloudWatch::Alarm"
+    }
+    named = set()
+    for cell in table_column((DOCS / "monitoring.md").read_text(), "## The alarms"):
+        named |= {name.strip() for name in cell.split(",")}
+    assert named == alarms
