@@ -2472,7 +2472,7 @@ RETURNING apps.appid, {DOCUMENT.format("details")}, apps.analysed
 """
 
 # The history's analysis_source is the analysis's own when it is a non-empty string, else
-# 'legacy', as the old server writes it on every path (docs/fidelity.md); sql/023 makes
+# 'legacy', as the old server writes it on every path (docs/adopting.md); sql/023 makes
 # the rows written without one say so too.
 HISTORY_SOURCE = """CASE
     WHEN jsonb_typeof(analysis->'analysis_source') = 'string'
@@ -3389,7 +3389,7 @@ RETURNING appid
 
 
 def listed_bundle_id(app_id: str, details: dict[str, Any] | None) -> str | None:
-    """The bundle ID an app is added under (docs/fidelity.md): the App Store listing's
+    """The bundle ID an app is added under (docs/adopting.md): the App Store listing's
     `appId` when it is the requested ID in another letter case (the App Store's casing is
     the one the analysers download by and the website shows), the request's when the
     listing names none; None when the listing's `appId` names another app or is no bundle
@@ -3706,7 +3706,7 @@ class QueueStatus:
 
     def document(self) -> dict[str, Any]:
         """The report as one document, the only shape it has: what `queue-status --json`
-        prints and the scheduled report logs and returns (docs/dashboard-and-alarms.md
+        prints and the scheduled report logs and returns (docs/monitoring.md
         lists its keys). Its keys do not vary with the data and are all snake_case: every
         state and every backlog reason is there (0 when no app is), failed apps by reason
         are a list of {reason, apps}, and lists of apps and analysers hold objects with

@@ -757,7 +757,7 @@ DOCUMENTED_CONSTANTS = (
 
 
 def test_the_operations_page_gives_each_constant_as_it_is():
-    text = (handler.HERE / "docs" / "cli-operations.md").read_text()
+    text = (handler.HERE / "docs" / "cli.md").read_text()
     for name in DOCUMENTED_CONSTANTS:
         found = re.findall(rf"`{name}` = ([0-9]+)", text)
         assert found == [str(getattr(handler, name))], name

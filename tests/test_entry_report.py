@@ -228,7 +228,7 @@ def assert_the_status_of_every_state(status: dict) -> None:
     assert all(key == key.lower() for key in keys), keys  # snake_case throughout
 
 
-# The top-level keys of the queue-status document (docs/dashboard-and-alarms.md).
+# The top-level keys of the queue-status document (docs/monitoring.md).
 QUEUE_STATUS_KEYS = (
     "counts",
     "total",

@@ -1,5 +1,5 @@
 """Fidelity to the old server where the website and the history rely on it
-(docs/fidelity.md): an app is added under the App Store listing's bundle ID casing; a
+(docs/adopting.md): an app is added under the App Store listing's bundle ID casing; a
 listing that names another app is refused; a history row whose analysis names no source
 says 'legacy', on every path that writes history and in the rows already written, on a
 database this service made and on one adopted from the old server's ledger."""
@@ -186,7 +186,7 @@ def test_a_listing_naming_another_app_is_refused_and_changes_nothing(
 @PER_EXAMPLE
 @given(spellings=casings(1), details=st.sampled_from([MISSING, None, {}, {"reviews": "4"}]))
 def test_a_listing_that_names_no_app_keeps_the_requested_casing(client, sql, spellings, details):
-    """The one difference kept (docs/fidelity.md): the old server refuses an add without
+    """The one difference kept (docs/adopting.md): the old server refuses an add without
     a listing naming the app; POST /apps takes it, under the requested casing."""
     sql.run("DELETE FROM apps")
     (asked,) = spellings
@@ -351,7 +351,7 @@ def test_an_adopted_database_says_legacy_and_adds_under_the_listings_casing(
 
 
 def test_the_fidelity_page_names_what_the_code_does():
-    page = (ROOT / "docs" / "fidelity.md").read_text()
+    page = (ROOT / "docs" / "adopting.md").read_text()
     assert f"{MISMATCH}: details.appId does not name" in page
     ledger_file = handler.SQL_DIR / "023_history_source_legacy.sql"
     assert ledger_file.name in page

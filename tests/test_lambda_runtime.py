@@ -205,7 +205,7 @@ def test_the_sam_local_page_names_what_make_sam_local_uses():
 
 
 def test_the_cold_start_page_states_the_template_memory():
-    """docs/benchmarks-cold-start.md's figures are for the MemorySize the template gives
+    """docs/benchmarks.md's figures are for the MemorySize the template gives
     the API function; the migration and report functions keep 512 MB."""
     from test_template import translate
 
@@ -216,7 +216,7 @@ def test_the_cold_start_page_states_the_template_memory():
     }
     (api,) = [size for name, size in memory.items() if name.startswith("ApiFunction")]
     others = {size for name, size in memory.items() if not name.startswith("ApiFunction")}
-    page = (handler.HERE / "docs" / "benchmarks-cold-start.md").read_text()
+    page = (handler.HERE / "docs" / "benchmarks.md").read_text()
     assert f"init_configured_memory_mb={api}" in page
     assert f"(one run, template MemorySize {api})" in page
     assert others == {512}

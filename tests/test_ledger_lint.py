@@ -140,7 +140,7 @@ def test_the_excluded_rule_is_kept_by_the_runner(empty_database, tmp_path):
 
 
 def test_the_docs_say_what_the_lint_does(tmp_path):
-    text = (handler.HERE / "docs" / "ledger-lint.md").read_text()
+    text = (handler.HERE / "docs" / "migrations.md").read_text()
     assert f"`{ledger_lint.LAST_APPLIED_IN_PRODUCTION}`" in text
     for rule in ("require-lock-timeout", "require-statement-timeout"):
         assert f"`{rule}`" in text, rule

@@ -1,4 +1,4 @@
-"""What an operator reads off the running service (docs/dashboard-and-alarms.md): the
+"""What an operator reads off the running service (docs/monitoring.md): the
 version in /healthz, `queue-status --json`, and that the deployed API does not serve the
 OpenAPI document (the local server does)."""
 
@@ -30,7 +30,7 @@ from helpers import (
 )
 
 pytestmark = pytest.mark.usefixtures("lambda_container")
-DOCS = handler.HERE / "docs" / "dashboard-and-alarms.md"
+DOCS = handler.HERE / "docs" / "monitoring.md"
 
 
 # --------------------------------------------------------------------------- /healthz
@@ -210,7 +210,7 @@ def test_queue_status_json_has_the_same_keys_whatever_the_queue_holds(database_u
     assert set(shape["top_backlog"][0]) == {"appid", "popularity", "added", "reason"}
 
 
-# The top-level keys docs/dashboard-and-alarms.md lists for `queue-status --json`.
+# The top-level keys docs/monitoring.md lists for `queue-status --json`.
 DOCUMENTED_KEYS = (
     "counts",
     "total",

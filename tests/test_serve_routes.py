@@ -1,5 +1,5 @@
 """Every route keeps `serve` fair: none does database work, or reads a secret, on the event
-loop, where it would hold up every other client (docs/cli-operations.md, "serve is fair").
+loop, where it would hold up every other client (docs/cli.md, "serve is fair").
 
 The walk builds a request for every APIRoute in handler.app's route table from the route
 and its OpenAPI document (its path parameters, its required query parameters, a body of

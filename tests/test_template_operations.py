@@ -2,7 +2,7 @@
 conditions resolved as CloudFormation would): the dashboard, throttling per route, the
 5xx alarm that leaves GET /healthz/analyser out, the latency alarms, the optional
 ActiveAnalysers alarm, the report's asynchronous retries; cfn-lint-serverless's rules;
-and docs/dashboard-and-alarms.md against all of it.
+and docs/monitoring.md against all of it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from test_template_production import FUNCTIONS, deployed
 
 import handler
 
-DOCS = handler.HERE / "docs" / "dashboard-and-alarms.md"
+DOCS = handler.HERE / "docs" / "monitoring.md"
 PUBLIC_ROUTES = {"GET /apps/{appId}", "GET /healthz", "GET /healthz/analyser", "$default"}
 SERVERLESS_RULES = ManualArgs(
     regions=["us-east-1", "eu-west-1"], append_rules=["cfn_lint_serverless.rules"]
