@@ -21,9 +21,9 @@ import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from test_template import LAMBDA_PYTHON, make, sam_dir_checksum
 
 import handler
+from sam_template import LAMBDA_PYTHON, make, sam_dir_checksum
 
 REPO = handler.HERE
 # Markers as the Lambda runtime evaluates them.

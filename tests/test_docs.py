@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 
 import pytest
-from test_template import load_template
 
 import handler
+from sam_template import load_template
 
 ROOT = handler.HERE
 DOCS = ROOT / "docs"

@@ -207,7 +207,7 @@ def test_the_sam_local_page_names_what_make_sam_local_uses():
 def test_the_cold_start_page_states_the_template_memory():
     """docs/benchmarks-cold-start.md's figures are for the MemorySize the template gives
     the API function; the migration and report functions keep 512 MB."""
-    from test_template import translate
+    from sam_template import translate
 
     memory = {
         name: resource["Properties"]["MemorySize"]

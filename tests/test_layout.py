@@ -363,3 +363,34 @@ def test_no_test_file_imports_conftest():
             if "conftest" in names:
                 importing.append(f"{path.name}:{node.lineno}")
     assert importing == []
+
+
+def imported_modules(path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, at any depth (a function's included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_no_test_module_imports_another():
+    """A test file shows its own cases; what several share is in the kit (kit.py,
+    helpers.py and the other modules of tests/ not named test_*), so a test file can be
+    renamed, split or deleted without breaking another, and a reader finds what it uses
+    where shared things live. (bench/ and tools/ import the support modules too.)"""
+    importing = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted(
+            [
+                *(ROOT / "tests").glob("*.py"),
+                *(ROOT / "bench").glob("*.py"),
+                *(ROOT / "tools").glob("*.py"),
+            ]
+        )
+        for line, module in imported_modules(path)
+        if module.split(".")[0].startswith("test_")
+    ]
+    assert importing == []
