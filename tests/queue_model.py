@@ -1,6 +1,6 @@
 """The queue's rules as a small pure-Python model of an app, which the model tests
-(tests/test_model.py, and the mixed fleet's, tests/test_analysers_model.py) predict
-every answer and every row by.
+(tests/test_queue_follows_its_rules.py, and the mixed fleet's,
+tests/test_identity_fences_a_mixed_fleet.py) predict every answer and every row by.
 
 `App` is an app as the model sees it; `candidate` says whether a claim may hand it out
 (docs/queue.md, "Candidates"), `verdict` what a result does to it (the result rules,

@@ -485,7 +485,8 @@ def runs_of(command: tuple[str, ...], parser) -> list[tuple[list[str], object]] 
     if command == ("serve",):
         # Long-running: it answers through its routes, and tests/test_serve_routes.py walks
         # every one of them (each statement runs on the API connection, with
-        # LOCK_TIMEOUT_MS and STATEMENT_TIMEOUT_MS: tests/test_locks.py).
+        # LOCK_TIMEOUT_MS and STATEMENT_TIMEOUT_MS:
+        # tests/test_locks_and_dead_paths_answer_clearly.py).
         return None
     if command == ("invoke",):
         return invocations(parser)

@@ -187,7 +187,7 @@ class FleetModel(RuleBasedStateMachine):
     def refetch(self, data):
         appid = data.draw(st.sampled_from(sorted(self.apps)))
         # --force: this model's operator breaks leases; refetches that wait for a live
-        # lease are tests/test_model.py's.
+        # lease are tests/test_queue_follows_its_rules.py's.
         handler.queue_refetch(
             handler.api_connection(), [appid], False, False, None, True, self.policy, force=True
         )
