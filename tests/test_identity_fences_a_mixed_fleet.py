@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -25,6 +26,8 @@ from kit import ADMIN, ANALYSER, configure_service, time_passes
 import handler
 from helpers import is_candidate
 from queue_model import App, judged
+
+pytestmark = pytest.mark.slow  # a stateful model: minutes
 
 NAMED = ("pi-1", "pi-2", "pi-3")
 SHARED = ("shared-a", "shared-b")  # two hosts on the shared password

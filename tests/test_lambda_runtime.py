@@ -33,7 +33,11 @@ from lambda_emulator import (
 import handler
 from helpers import EVENTS, LambdaContext, ResponseURL, env_json, load_event
 
-pytestmark = [pytest.mark.usefixtures("lambda_container"), pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.usefixtures("lambda_container"),
+    pytest.mark.timeout(900),
+    pytest.mark.slow,
+]
 
 # Each function as template.yaml gives it: name, handler, memory, timeout.
 FUNCTIONS = {

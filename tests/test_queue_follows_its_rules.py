@@ -34,6 +34,7 @@ import dataclasses
 from datetime import datetime, timedelta
 
 import pg8000.native
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -49,6 +50,8 @@ from kit import ADMIN, ANALYSER, configure_service, time_passes
 import handler
 from helpers import lease_expired
 from queue_model import RESULT_STATES, App, candidate, judged, verdict
+
+pytestmark = pytest.mark.slow  # a stateful model: minutes
 
 ANALYSERS = ("pi-1", "pi-2", "pi-3")
 NAMED = ("pi-3",)  # with a credential of its own; the others send the shared password
