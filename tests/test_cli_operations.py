@@ -528,6 +528,7 @@ def timed_cli(url: str, args: list[str]) -> tuple[subprocess.CompletedProcess | 
     return done, time.monotonic() - started
 
 
+@pytest.mark.slow  # 15-27 s
 def test_every_command_answers_within_its_timeouts_behind_locked_tables(database_url):
     """The CLI's whole table (a command added later is run here too, or fails the walk
     for want of a way to run it): each command and entry point, against a database whose
