@@ -95,3 +95,18 @@ SAM_LOCAL_PORT ?= 0
 .PHONY: sam-local
 sam-local:
 	python3 tools/sam_local.py --stand-in --port $(SAM_LOCAL_PORT)
+
+# Developers' targets (docs/testing.md). Neither reads ARTIFACTS_DIR, so neither trips the
+# check at the top. `make test` is the whole suite, as the README runs it; `make test-fast`
+# leaves out the tests marked slow (package builds, the Lambda emulator, the stateful
+# models); `make lint` is what CI lints with.
+PYTHON ?= python3
+.PHONY: test test-fast lint
+test:
+	$(PYTHON) -m pytest
+test-fast:
+	$(PYTHON) -m pytest -m "not slow"
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) tests/ledger_lint.py

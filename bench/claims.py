@@ -246,8 +246,8 @@ class Bench:
         """The plan of a statement as the service runs it, executed with ANALYZE inside a
         rolled-back transaction. The service prepares its statements on its API
         connection, which plans them generically (handler.Runtime sets plan_cache_mode;
-        tests/test_plans.py checks it), except the promoter's, planned with their values.
-        service=False: as a bare connection runs it."""
+        tests/test_claims_scale_without_scans.py checks it), except the promoter's,
+        planned with their values. service=False: as a bare connection runs it."""
         options = "(ANALYZE, BUFFERS) " if analyze else ""
         self.sql.run("BEGIN")
         try:

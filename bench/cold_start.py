@@ -74,7 +74,7 @@ print(json.dumps({"seconds": time.perf_counter() - started, "compiled": len(comp
 
 
 def find_python(explicit: str | None) -> str:
-    from test_template import find_lambda_python
+    from sam_template import find_lambda_python
 
     found = explicit or find_lambda_python()
     if not found:
@@ -120,7 +120,7 @@ SECRET_NAME = "analysis-queue/upload-password"
 
 def template_memory_mb() -> int:
     """The MemorySize template.yaml gives ApiFunction (after Globals), as deployed."""
-    from test_template import translate
+    from sam_template import translate
 
     (function,) = [
         r

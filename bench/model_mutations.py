@@ -1,4 +1,5 @@
-"""Does the queue model (tests/test_model.py) catch each of the edge fixes taken out?
+"""Does the queue model (tests/test_queue_follows_its_rules.py) catch each of the edge
+fixes taken out?
 
 For every mutation below, a copy of the checkout gets handler.py with that one fix undone,
 and the model test runs there (or, for a fix outside the model's reach, the tests named
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # name -> (text in handler.py, its replacement[, the tests to run]): each undoes one fix.
-MODEL = "tests/test_model.py"
+MODEL = "tests/test_queue_follows_its_rules.py"
 MUTATIONS = {
     "refetch breaks a live lease": (
         "REFETCH_LIVE_LEASE = f\"status = 'processing' AND NOT {REFETCH_LEASE_EXPIRED}\"",
@@ -83,7 +84,7 @@ MUTATIONS = {
     "a lease that starts in the future never expires": (
         "     OR processing_started > now() + make_interval(mins => {minutes}))",
         "     OR false)",
-        "tests/test_odd_data.py",
+        "tests/test_odd_rows_never_break_a_reader.py",
     ),
     "a tokenless result under the shared password ends the holder's lease": (
         '        if verdict.lease == "ended" and claim_token is None and analyser is None:\n',
@@ -92,12 +93,12 @@ MUTATIONS = {
     "the back-off's failure is a newer result than a lower version's": (
         "    newer = target.has_result and not target.server_record and target.version",
         "    newer = target.has_result and target.version",
-        "tests/test_edges.py",
+        "tests/test_queue_holds_at_its_edges.py",
     ),
     "the back-off's failure is no claim's result": (
         "        result_claim_token = analysis_claim_token, result_claim_verified = false,\n",
         "        result_claim_token = NULL, result_claim_verified = false,\n",
-        "tests/test_edges.py",
+        "tests/test_queue_holds_at_its_edges.py",
     ),
     "migrate --dry-run waits for a lock without a timeout": (
         '            connection.run("SET LOCAL lock_timeout = "'

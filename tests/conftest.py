@@ -22,26 +22,14 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import Phase  # noqa: E402
 from hypothesis import settings as hypothesis_settings  # noqa: E402
-
-# Besides what the fixtures use, the names test files imported from here before kit.py
-# held them: a branch written before then still runs, and tests/test_layout.py asks its
-# files to import kit instead.
-from kit import (  # noqa: E402, F401
-    ADMIN,
-    ADMIN_TOKEN,
-    ANALYSER,
-    ROOT,
+from kit import (  # noqa: E402
     SHARED_DB,
     TEMPLATE_DB,
-    UPLOAD_PASSWORD,
     Databases,
     SharedDatabase,
-    check_python,
-    configure_function,
     configure_service,
     connect,
     make_template,
-    time_passes,
 )
 
 import handler  # noqa: E402
@@ -160,6 +148,27 @@ def database_url(request, monkeypatch):
         handler.use_runtime(None)
         if shared.restore():
             shared.remade_after.append(request.node.nodeid)
+
+
+@pytest.fixture(scope="module")
+def is_volatile(server_url):
+    """PostgreSQL's own word on a function's volatility, as ledger_rules.violations asks
+    it; an unknown function counts as volatile."""
+    connection = connect(server_url)
+    cache: dict[str, bool] = {}
+
+    def lookup(name: str) -> bool:
+        if name not in cache:
+            ((volatile,),) = connection.run(
+                "SELECT COALESCE(bool_or(provolatile = 'v'), true) FROM pg_proc"
+                " WHERE proname = :name",
+                name=name.lower(),
+            )
+            cache[name] = volatile
+        return cache[name]
+
+    yield lookup
+    connection.close()
 
 
 # --- the service -----------------------------------------------------------------------

@@ -16,7 +16,8 @@ counters as migrated; the next test starts only after checking that no session i
 and every row and sequence is as migrated. A test that changes the schema, grants or the
 database's settings is marked `@pytest.mark.private_database` and gets a copy of its own;
 one that does so unmarked is caught (the catalogs changed) and the shared database is
-made again from the template (tests/test_isolation.py shows each of these at work).
+made again from the template (tests/test_each_test_finds_a_fresh_database.py shows each
+of these at work).
 """
 
 from __future__ import annotations

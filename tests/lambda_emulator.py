@@ -58,7 +58,7 @@ class EmulatorUnavailable(AssertionError):
 
 
 def lambda_python() -> str:
-    from test_template import find_lambda_python
+    from sam_template import find_lambda_python
 
     found = find_lambda_python()
     if not found:

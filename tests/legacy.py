@@ -10,7 +10,8 @@ States a database can be in when this service is pointed at it:
 
 Each state holds legacy rows in every queue state, written by the statements of the
 program that ran then: a queued app, a live lease, an expired lease, an analysis and a
-retryable failure (`LEGACY_APPS`), on top of the production rows of test_ledger.
+retryable failure (`LEGACY_APPS`), on top of the production rows of
+`build_production_database` (the database at 006, which tests/test_ledger.py upgrades).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from pathlib import Path
 
 import handler
 from helpers import connect, migrate, record_in_ledger
-from test_ledger import build_production_database
 
 LEGACY_SQL_DIR = Path(__file__).resolve().parent / "legacy_sql"
 ALL_OUR_FILES = [path.name for path in sorted(handler.SQL_DIR.glob("*.sql"))]
@@ -34,6 +34,8 @@ STATE_MACHINE_FILES = [
     "008_jsonb_timestamptz.sql",
     "009_case_insensitive_appids.sql",
 ]
+# The previous server's ledger: the files production ran before the state-machine change.
+PRODUCTION_FILES = [name for name in ALL_OUR_FILES if name < "007"]
 OLD_STATES = ["old010", "old011", "old012", "old013"]
 STATES = ["006", "009", *OLD_STATES, "head"]
 
@@ -81,6 +83,13 @@ OLD_RECORD_HISTORY = """
 INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, app_version, success)
 SELECT appid, analysis, analysisversion, analysed, analysis->>'version', status = 'analysed'
 FROM apps WHERE appid = :appid
+ON CONFLICT DO NOTHING
+"""
+# The history statement of the release before the state-machine change (tests/
+# test_deploy_window.py runs that release's statements after each ledger file).
+PRE_STATE_MACHINE_RECORD_HISTORY = """
+INSERT INTO app_analyses (appid, analysis, analysisversion, analysed)
+SELECT appid, analysis, analysisversion, analysed FROM apps WHERE appid = :appid
 ON CONFLICT DO NOTHING
 """
 # From its 013 on, history rows carry the storefront listing from the website's cache.
@@ -358,3 +367,159 @@ def _our_files_up_to(last: str) -> Path:
 
 
 _SCRATCH_DIRECTORIES: list[tempfile.TemporaryDirectory] = []
+
+
+# --- the production database at 006 -----------------------------------------------------
+
+
+def build_production_database(url: str, with_rows: bool = False) -> None:
+    """The database as the previous server left it: a ledger without checksums, files
+    000-006 applied. With rows, the legacy apps exist before 001 (which copies their
+    analyses into history) and the legacy history rows before 002, so 002-006 run over
+    them as they did in production."""
+    sql = connect(url)
+    sql.run(
+        "CREATE TABLE schema_migrations (filename text PRIMARY KEY,"
+        " applied_at timestamp without time zone NOT NULL DEFAULT now())"
+    )
+    for name in PRODUCTION_FILES:
+        if with_rows and name.startswith("001"):
+            insert_production_apps(sql)
+        if with_rows and name.startswith("002"):
+            insert_production_history(sql)
+        sql.execute_simple((handler.SQL_DIR / name).read_text())
+        record_in_ledger(sql, name)
+    if with_rows:
+        # Written by the previous server after 006: a log with a NUL byte, as json.
+        nul_log = '{"success": false, "logs": "bad\\u0000byte"}'
+        sql.run(
+            "INSERT INTO apps (appid, details, analysis, analysisversion, analysed)"
+            " VALUES ('app.failed.nul', CAST(:d AS json), CAST(:j AS json), 4, now())",
+            d='{"appId": "app.failed.nul", "note": "\\u0000"}',
+            j=nul_log,
+        )
+        sql.run(
+            "INSERT INTO app_analyses (appid, analysis)"
+            " VALUES ('app.failed.nul', CAST(:j AS json))",
+            j=nul_log,
+        )
+    sql.close()
+
+
+PRODUCTION_APPS = [
+    # appid, analysis (json text or None), analysisversion, analysed, added
+    ("app.queued", None, None, None, "2024-01-01 00:00"),
+    (
+        "app.processing",
+        {
+            "success": False,
+            "logs": "Processing in progress",
+            "timestamp": "2026-11-29T10:00:00.000Z",
+        },
+        None,
+        None,
+        "2024-01-02",
+    ),
+    (
+        "app.processing.badtime",
+        {
+            "success": False,
+            "logs": "Processing in progress",
+            "timestamp": "Sun Nov 29 2026 10:00 GMT",
+        },
+        None,
+        None,
+        "2024-01-03",
+    ),
+    (
+        "app.processing.impossible",
+        {"success": False, "logs": "Processing in progress", "timestamp": "2026-13-45T99:99:99Z"},
+        None,
+        None,
+        "2024-01-03",
+    ),
+    (
+        "app.processing.notime",
+        {"success": False, "logs": "Processing in progress"},
+        None,
+        None,
+        "2024-01-03",
+    ),
+    (
+        "app.failed.final",
+        {"success": False, "logs": "x", "reason": "paid_app", "retryable": False},
+        4,
+        "2026-10-01",
+        "2024-01-04",
+    ),
+    ("app.failed.noflag", {"success": False, "logs": "usb error"}, 4, "2026-10-01", "2024-01-05"),
+    (
+        "app.failed.retry",
+        {"success": False, "logs": "x", "reason": "analysis_failed", "retryable": True},
+        3,
+        "2026-10-01",
+        "2024-01-06",
+    ),
+    (
+        "app.failed.notfound",
+        {"success": False, "logs": "Error: App not found"},
+        4,
+        "2026-10-01",
+        "2024-01-06",
+    ),
+    ("app.analysed", {"success": True, "trackers": {}}, 4, "2026-11-01 12:00", "2024-01-07"),
+    ("app.analysed.nosuccess", {"trackers": {"x": "y"}}, 3, "2025-01-01", "2024-01-08"),
+    ("bad id!", None, None, None, "2024-01-09"),
+    # Case variants: the analysed one is kept, whatever its age.
+    ("com.Example.App", {"success": True}, 4, "2026-06-01", "2024-03-01"),
+    ("com.example.app", None, None, None, "2024-01-01"),
+    ("COM.EXAMPLE.APP", {"success": False, "logs": "x"}, 4, "2026-09-01", "2024-02-01"),
+    # Neither analysed: the most recently analysed one is kept.
+    ("org.Two", {"success": False, "logs": "x"}, 4, "2026-01-01", "2024-01-01"),
+    ("org.two", {"success": False, "logs": "y"}, 4, "2026-05-01", "2024-05-01"),
+    # Nothing analysed: the first added is kept.
+    ("net.Three", None, None, None, "2024-02-01"),
+    ("net.three", None, None, None, "2024-01-01"),
+]
+
+PRODUCTION_HISTORY = [
+    # appid, analysed: some collide with the keeper's, some between losers
+    ("com.Example.App", "2026-06-01"),
+    ("com.Example.App", "2026-01-01"),
+    ("com.example.app", "2026-01-01"),  # collides with the keeper's row: dropped
+    ("com.example.app", "2025-07-01"),  # collides with the next (loser vs loser): kept (lower id)
+    ("COM.EXAMPLE.APP", "2025-07-01"),  # dropped
+    ("COM.EXAMPLE.APP", "2026-09-01"),  # moved
+    ("org.Two", "2026-01-01"),  # moved to org.two
+    ("org.two", "2026-05-01"),
+    ("app.analysed", "2026-11-01 12:00"),
+]
+
+
+def insert_production_apps(sql) -> None:
+    for appid, analysis, version, analysed, added in PRODUCTION_APPS:
+        document = (
+            analysis if isinstance(analysis, str) or analysis is None else json.dumps(analysis)
+        )
+        sql.run(
+            "INSERT INTO apps (appid, details, analysis, analysisversion, analysed, added)"
+            " VALUES (:a, CAST(:d AS json), CAST(:j AS json), :v, CAST(:t AS timestamp),"
+            " CAST(:added AS timestamp))",
+            a=appid,
+            d=json.dumps({"appId": appid, "reviews": "10"}),
+            j=document,
+            v=version,
+            t=analysed,
+            added=added,
+        )
+
+
+def insert_production_history(sql) -> None:
+    for appid, analysed in PRODUCTION_HISTORY:
+        sql.run(
+            "INSERT INTO app_analyses (appid, analysis, analysed)"
+            " VALUES (:a, CAST(:j AS json), CAST(:t AS timestamp))",
+            a=appid,
+            j=json.dumps({"success": True, "at": analysed}),
+            t=analysed,
+        )

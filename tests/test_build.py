@@ -21,9 +21,9 @@ import pytest
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from test_template import LAMBDA_PYTHON, make, sam_dir_checksum
 
 import handler
+from sam_template import LAMBDA_PYTHON, make, sam_dir_checksum
 
 REPO = handler.HERE
 # Markers as the Lambda runtime evaluates them.
@@ -70,6 +70,7 @@ def test_the_lock_pins_requirements_txt_and_hashes_everything():
         assert lock[canonicalize_name(requirement.name)][0] == specifier.version, line
 
 
+@pytest.mark.slow  # the `builds` fixture: the real Makefile and pip
 def test_the_lock_holds_every_transitive_dependency(builds):
     """Each locked package's own requirements (from the metadata of the version the
     layer installed) are locked too."""
@@ -139,6 +140,7 @@ def pyc_header(path) -> tuple[bytes, int]:
     return data[:4], int.from_bytes(data[4:8], "little")
 
 
+@pytest.mark.slow  # the `builds` fixture: the real Makefile and pip
 def test_layer_and_function_ship_unchecked_hash_bytecode_for_3_12(builds):
     layer, function = builds[0]
     magic = subprocess.run(
@@ -161,6 +163,7 @@ def test_layer_and_function_ship_unchecked_hash_bytecode_for_3_12(builds):
     assert not (layer / "python" / "bin").exists()
 
 
+@pytest.mark.slow  # the `builds` fixture: the real Makefile and pip
 def test_the_function_package_is_handler_and_sql_only(builds):
     """The real build of a checkout with README.md and docs/ ships neither: editing the
     documentation never changes the deployed package (nor re-runs migrations)."""
@@ -171,6 +174,7 @@ def test_the_function_package_is_handler_and_sql_only(builds):
     assert not any(name.endswith(".md") for name in shipped)
 
 
+@pytest.mark.slow  # the `builds` fixture: the real Makefile and pip
 def test_two_builds_in_two_places_are_identical(builds):
     (layer1, function1), (layer2, function2) = builds
     assert sam_dir_checksum(layer1) == sam_dir_checksum(layer2)
@@ -198,6 +202,7 @@ print(json.dumps({"compiled": tree, "seconds": elapsed, "boto3": "boto3" in sys.
 """
 
 
+@pytest.mark.slow  # the `builds` fixture: the real Makefile and pip
 def test_importing_the_built_tree_read_only_compiles_nothing(builds):
     layer, function = builds[0]
     before = sorted(str(p) for p in [*layer.rglob("*"), *function.rglob("*")])

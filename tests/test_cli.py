@@ -7,10 +7,10 @@ import os
 import subprocess
 
 import pytest
-from test_entry_report import arrange_every_state, assert_the_status_of_every_state
 
 import handler
 from helpers import app_row, connect, days_ago, history, insert_app, minutes_ago, run_cli
+from queue_status import arrange_every_state, assert_the_status_of_every_state
 
 
 def cli(database_url: str, *args: str, unset=(), **extra: str) -> subprocess.CompletedProcess:

@@ -491,7 +491,8 @@ def runs_of(command: tuple[str, ...], parser) -> list[tuple[list[str], object]] 
     if command == ("serve",):
         # Long-running: it answers through its routes, and tests/test_serve_routes.py walks
         # every one of them (each statement runs on the API connection, with
-        # LOCK_TIMEOUT_MS and STATEMENT_TIMEOUT_MS: tests/test_locks.py).
+        # LOCK_TIMEOUT_MS and STATEMENT_TIMEOUT_MS:
+        # tests/test_locks_and_dead_paths_answer_clearly.py).
         return None
     if command == ("invoke",):
         return invocations(parser)
@@ -533,6 +534,7 @@ def timed_cli(url: str, args: list[str]) -> tuple[subprocess.CompletedProcess | 
     return done, time.monotonic() - started
 
 
+@pytest.mark.slow  # 15-27 s
 def test_every_command_answers_within_its_timeouts_behind_locked_tables(database_url):
     """The CLI's whole table (a command added later is run here too, or fails the walk
     for want of a way to run it): each command and entry point, against a database whose

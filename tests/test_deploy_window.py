@@ -39,11 +39,6 @@ UPDATE apps SET analysis = :analysis, analysisversion = :version, analysed = now
 WHERE appid = :appid
 RETURNING appid, details, analysed
 """
-OLD_RECORD_HISTORY = """
-INSERT INTO app_analyses (appid, analysis, analysisversion, analysed)
-SELECT appid, analysis, analysisversion, analysed FROM apps WHERE appid = :appid
-ON CONFLICT DO NOTHING
-"""
 
 # Every ledger file from the state-machine change to the head, so a new file is tested
 # against the previous release as soon as it exists.
@@ -71,7 +66,7 @@ def old_release_cycle(sql, appid: str) -> list:
     rows = sql.run(
         OLD_UPDATE_ANALYSIS, appid=appid, analysis=json.dumps({"success": True}), version=4
     )
-    sql.run(OLD_RECORD_HISTORY, appid=appid)
+    sql.run(legacy.PRE_STATE_MACHINE_RECORD_HISTORY, appid=appid)
     sql.run("COMMIT")
     return rows
 

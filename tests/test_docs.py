@@ -17,25 +17,16 @@ import re
 from pathlib import Path
 
 import pytest
-from test_template import load_template
 
 import handler
+from markdown_pages import DOCS, FENCE, ROOT, prose, table_column
+from sam_template import load_template
 
-ROOT = handler.HERE
-DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
-FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
-INDENTED_CODE = re.compile(r"^(?: {4}|\t).*$", re.MULTILINE)
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)", re.DOTALL)
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)(?:[ \t]+#+)?[ \t]*$", re.MULTILINE)
-
-
-def prose(markdown: str) -> str:
-    """The text a reader sees as Markdown, without code blocks (fenced or indented),
-    where `#` and `](` mean nothing."""
-    return INDENTED_CODE.sub("", FENCE.sub("", markdown))
 
 
 def github_slug(heading: str) -> str:
@@ -160,14 +151,6 @@ def test_every_docs_page_opens_with_a_title_and_its_reader():
 
 
 # --------------------------------------------------------------------------- claims the code checks
-
-
-def table_column(markdown: str, after: str, column: int = 0) -> list[str]:
-    """One column of the first table after the line `after`, cells without backticks."""
-    section = markdown.split(f"\n{after}\n", 1)[1]
-    rows = re.search(r"^\|.*?(?=\n\n|\Z)", section, re.MULTILINE | re.DOTALL).group(0)
-    cells = [row.strip("|").split(" | ")[column].strip() for row in rows.splitlines()[2:]]
-    return [cell.replace("`", "") for cell in cells]
 
 
 def test_the_settings_table_names_every_variable_handler_reads():

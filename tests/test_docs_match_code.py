@@ -18,10 +18,10 @@ import argparse
 import re
 
 from fastapi.routing import APIRoute
-from test_docs import DOCS, ROOT, prose, table_column
-from test_template import load_template
 
 import handler
+from markdown_pages import DOCS, ROOT, prose, table_column
+from sam_template import load_template
 
 AUTH = ("analyser", "admin", "public")
 

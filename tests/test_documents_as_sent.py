@@ -129,6 +129,7 @@ def number_literals(draw, max_exponent: int = handler.MAX_NUMBER_EXPONENT) -> st
     return sign + integer + fraction + exponent
 
 
+@pytest.mark.slow  # ~30 s
 @settings(deadline=None, max_examples=300)
 @given(literal=number_literals())
 def test_the_written_out_form_of_a_number_is_what_postgresql_writes(server_url, literal):

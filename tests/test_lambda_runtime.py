@@ -33,7 +33,11 @@ from lambda_emulator import (
 import handler
 from helpers import EVENTS, LambdaContext, ResponseURL, env_json, load_event
 
-pytestmark = [pytest.mark.usefixtures("lambda_container"), pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.usefixtures("lambda_container"),
+    pytest.mark.timeout(900),
+    pytest.mark.slow,
+]
 
 # Each function as template.yaml gives it: name, handler, memory, timeout.
 FUNCTIONS = {
@@ -207,7 +211,7 @@ def test_the_sam_local_page_names_what_make_sam_local_uses():
 def test_the_cold_start_page_states_the_template_memory():
     """docs/benchmarks.md's figures are for the MemorySize the template gives
     the API function; the migration and report functions keep 512 MB."""
-    from test_template import translate
+    from sam_template import translate
 
     memory = {
         name: resource["Properties"]["MemorySize"]

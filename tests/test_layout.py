@@ -10,6 +10,8 @@ import re
 
 from kit import ROOT
 
+from handler_sql import sql_statements, string_constants
+
 SOURCE = (ROOT / "handler.py").read_text()
 BANNER = re.compile(r"^# == (.+?) =+$")
 MODULE = ast.parse(SOURCE)
@@ -189,54 +191,12 @@ def late():
 
 # The chapter of the fragments several operations' statements share.
 SHARED_SQL = "SQL: the queue's rule"
-SQL_STATEMENT = re.compile(
-    r"\s*(SELECT|WITH|INSERT|UPDATE|DELETE|CREATE|ALTER|DROP|VACUUM|SET)\b", re.IGNORECASE
-)
-UPPER_CASE = re.compile(r"[A-Z][A-Z0-9_]*")
-
-
-def _opening_text(value: ast.expr, texts: dict[str, str]) -> str | None:
-    """How a constant's string begins, read from its code: a literal, an f-string's
-    literal head, or `TEMPLATE.format(...)` of another such constant; None: no string."""
-    if isinstance(value, ast.Constant):
-        return value.value if isinstance(value.value, str) else None
-    if isinstance(value, ast.JoinedStr):
-        head = value.values[0] if value.values else None
-        return head.value if isinstance(head, ast.Constant) else ""
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
-        template = value.func.value
-        if value.func.attr == "format" and isinstance(template, ast.Name):
-            return texts.get(template.id)
-    return None
-
-
-def _string_constants(source: str) -> tuple[dict[str, ast.Assign], dict[str, str]]:
-    """The module's UPPER_CASE string constants, and how each one's string begins."""
-    texts: dict[str, str] = {}
-    strings: dict[str, ast.Assign] = {}
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-            if isinstance(target, ast.Name) and UPPER_CASE.fullmatch(target.id):
-                text = _opening_text(node.value, texts)
-                if text is not None:
-                    texts[target.id] = text
-                    strings[target.id] = node
-    return strings, texts
-
-
-def sql_statements(source: str = SOURCE) -> dict[str, ast.Assign]:
-    """The module's SQL statements: an UPPER_CASE name assigned a string, an f-string or a
-    `.format()` of one, that begins with a statement's keyword (SELECT, WITH, INSERT,
-    UPDATE, DELETE, CREATE, ALTER, DROP, VACUUM, SET)."""
-    strings, texts = _string_constants(source)
-    return {name: node for name, node in strings.items() if SQL_STATEMENT.match(texts[name])}
 
 
 def sql_constants(source: str = SOURCE) -> dict[str, ast.Assign]:
     """The module's SQL constants: the statements (sql_statements), and the fragments
     they are composed of (UPPER_CASE string constants their values name), transitively."""
-    strings, _ = _string_constants(source)
+    strings, _ = string_constants(source)
     found = sql_statements(source)
     pending = list(found.values())
     while pending:
@@ -374,4 +334,35 @@ def test_no_test_file_imports_conftest():
                 continue
             if "conftest" in names:
                 importing.append(f"{path.name}:{node.lineno}")
+    assert importing == []
+
+
+def imported_modules(path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, at any depth (a function's included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_no_test_module_imports_another():
+    """A test file shows its own cases; what several share is in the kit (kit.py,
+    helpers.py and the other modules of tests/ not named test_*), so a test file can be
+    renamed, split or deleted without breaking another, and a reader finds what it uses
+    where shared things live. (bench/ and tools/ import the support modules too.)"""
+    importing = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted(
+            [
+                *(ROOT / "tests").glob("*.py"),
+                *(ROOT / "bench").glob("*.py"),
+                *(ROOT / "tools").glob("*.py"),
+            ]
+        )
+        for line, module in imported_modules(path)
+        if module.split(".")[0].startswith("test_")
+    ]
     assert importing == []

@@ -1,6 +1,6 @@
 """squawk, the field's migration linter, over the ledger files production has not run
 (tests/ledger_lint.py, .squawk.toml): the new files pass it; it catches on sample SQL the
-hazards the pglast rules of test_zero_downtime.py do not look for; every file after the
+hazards the pglast rules (tests/ledger_rules.py) do not look for; every file after the
 production cutoff is linted, as the runner runs it; every ignore says why."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import ledger_lint
 import pytest
-from test_zero_downtime import is_volatile, violations  # noqa: F401 - is_volatile: fixture
 
 import handler
 from helpers import connect, migrate
+from ledger_rules import violations
 
 # Each hazard (in a file that runs in a transaction, as the runner runs one) and the rule
 # squawk names it by. The pglast rules find nothing wrong with any of them.
@@ -56,7 +56,7 @@ def test_the_new_ledger_files_pass_squawk():
 
 
 @pytest.mark.parametrize("hazard", MISSED_BY_PGLAST)
-def test_squawk_catches_what_the_pglast_rules_miss(hazard, tmp_path, is_volatile):  # noqa: F811
+def test_squawk_catches_what_the_pglast_rules_miss(hazard, tmp_path, is_volatile):
     text, rule = MISSED_BY_PGLAST[hazard]
     assert violations(text, is_volatile) == []
     assert lint_text(tmp_path, "020_sample.sql", text) == {rule}

@@ -89,6 +89,7 @@ def waiting_for_a_lock(sql) -> int:
     return count
 
 
+@pytest.mark.slow  # ~20 s
 def test_queue_is_answered_while_large_uploads_are_in_flight(database_url, sql):
     """The test holds the uploads' rows locked, so each upload stays in flight (its body
     parsed, its UPDATE waiting) until the test lets go: /queue must be answered before

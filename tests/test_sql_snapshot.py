@@ -1,8 +1,9 @@
 """Every statement the service runs, in one place for review: tests/sql_snapshot/ holds one
 file per SQL statement of handler.py (NAME.sql, its text exactly as sent to PostgreSQL:
 the f-strings as evaluated at import, fragments spliced in). Which constants are
-statements is tests/test_layout.py's rule (sql_statements); the fragments they are made
-of are in their statements, not files of their own. A few statements are templates their
+statements is tests/handler_sql.py's rule (sql_statements, which tests/test_layout.py
+uses too); the fragments they are made of are in their statements, not files of their
+own. A few statements are templates their
 caller completes with `.format()` (REFETCH_WALK, REFETCH_LOCK, LEDGER_DROP_INDEX): their
 files keep the placeholders.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from kit import ROOT
 
 import handler
-from test_layout import sql_statements
+from handler_sql import sql_statements
 
 SNAPSHOT = ROOT / "tests" / "sql_snapshot"
 

@@ -13,36 +13,36 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from urllib.parse import parse_qsl
 
-import boto3
 import pytest
 from cfnlint.api import ManualArgs, lint, lint_file
-from cfnlint.decode import decode
-from samtranslator.parser import parser as sam_parser
-from samtranslator.translator.translator import Translator
 
 import handler
 from helpers import load_event
+from sam_template import (
+    ANALYSER_ROUTES,
+    FUNCTIONS,
+    LAMBDA_PYTHON,
+    MAKEFILE,
+    REPO,
+    REQUIRED_PARAMETERS,
+    TEMPLATE,
+    load_template,
+    make,
+    resources_of_type,
+    sam_dir_checksum,
+    translate,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-TEMPLATE = REPO / "template.yaml"
-MAKEFILE = REPO / "Makefile"
 EVENTS = REPO / "events"
 
 RUNTIME = "python3.12"
-FUNCTIONS = {
-    "ApiFunction": "handler.api",
-    "MigrationFunction": "handler.migrate",
-    "ReportFunction": "handler.report",
-}
 ROUTES = {
     ("GET", "/ping"),
     ("GET", "/queue"),
@@ -56,12 +56,6 @@ ROUTES = {
     ("GET", "/analysers"),
     ("DELETE", "/analysers/{name}"),
     ("POST", "/analysers/{name}/rotate"),
-}
-ANALYSER_ROUTES = {
-    "GET /ping",
-    "GET /queue",
-    "POST /uploadAnalysis",
-    "POST /reportAnalysisFailure",
 }
 API_EVENTS = {
     "ping.json": "GET /ping",
@@ -79,94 +73,9 @@ CFN_EVENTS = {
     "cfn-update.json": "Update",
     "cfn-delete.json": "Delete",
 }
-REQUIRED_PARAMETERS = {
-    "DbHost": "x.example.internal",
-    "DbName": "analysis",
-    "DbSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:db-AbCdEf",
-    "SubnetIds": "subnet-0123456789abcdef0",
-    "SecurityGroupIds": "sg-0123456789abcdef0",
-    "UploadPasswordSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:up-AbCdEf",
-    "AdminTokenParameterName": "/analysis-queue/admin-token",
-}
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def load_template() -> dict:
-    template, matches = decode(str(TEMPLATE))
-    assert not matches, [str(m) for m in matches]
-    return json.loads(json.dumps(template))  # plain dicts, no cfn-lint node types
-
-
-def translate(
-    code_uri: str = "s3://bucket/0123456789abcdef", parameters: dict | None = None
-) -> dict:
-    """Run the SAM transform offline, with CodeUri as `sam package` would rewrite it."""
-    template = load_template()
-    template["Globals"]["Function"]["CodeUri"] = code_uri
-    for resource in template["Resources"].values():
-        if resource["Type"] == "AWS::Serverless::Function":
-            resource["Properties"].pop("CodeUri", None)
-        if resource["Type"] == "AWS::Serverless::LayerVersion":
-            resource["Properties"]["ContentUri"] = "s3://bucket/layer-0123456789abcdef"
-    translator = Translator(
-        managed_policy_map={},
-        sam_parser=sam_parser.Parser(),
-        boto_session=boto3.session.Session(region_name="us-east-1"),
-    )
-    return translator.translate(sam_template=template, parameter_values=dict(parameters or {}))
-
-
-def resources_of_type(template: dict, resource_type: str) -> dict:
-    return {k: v for k, v in template["Resources"].items() if v["Type"] == resource_type}
-
-
-def sam_dir_checksum(directory: Path) -> str:
-    """The hash `sam deploy` names a directory's zip by (samcli.lib.utils.hash.dir_checksum):
-    md5 over the sorted relative paths and each file's md5. File times and modes do not count."""
-    digest = hashlib.md5(usedforsecurity=False)
-    files = sorted(str(p) for p in directory.rglob("*") if p.is_file())
-    for name in files:
-        digest.update(os.path.relpath(name, directory).encode())
-        digest.update(
-            hashlib.md5(Path(name).read_bytes(), usedforsecurity=False).hexdigest().encode()
-        )
-    return digest.hexdigest()
-
-
-def find_lambda_python() -> str | None:
-    """A Python 3.12 (the Lambda runtime's version) on this machine, if there is one."""
-    candidates = [shutil.which("python3.12"), "/usr/bin/python3.12", "/usr/local/bin/python3.12"]
-    candidates += sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))
-    for candidate in candidates:
-        if candidate and Path(candidate).exists():
-            probe = subprocess.run(
-                [candidate, "-c", "import sys; sys.exit(sys.version_info[:2] != (3, 12))"],
-                capture_output=True,
-                check=False,
-            )
-            if probe.returncode == 0:
-                return candidate
-    return None
-
-
-LAMBDA_PYTHON = find_lambda_python()
-
-
-def make(target: str, cwd: Path, artifacts: Path, **variables: str) -> subprocess.CompletedProcess:
-    """Run a Makefile target the way SAM's CustomMakeBuilder does: in a copy of the source,
-    with the repository's Makefile and ARTIFACTS_DIR in the environment. The bytecode is
-    compiled by this machine's Python 3.12 (none: the package ships without it, and
-    tests/test_bytecode.py fails saying so)."""
-    if LAMBDA_PYTHON:
-        variables.setdefault("LAMBDA_PYTHON", LAMBDA_PYTHON)
-    else:
-        variables.setdefault("ALLOW_NO_BYTECODE", "1")
-    env = {**os.environ, "ARTIFACTS_DIR": str(artifacts)}
-    args = ["make", "--no-print-directory", "--makefile", str(MAKEFILE), target]
-    args += [f"{k}={v}" for k, v in variables.items()]
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
 
 
 @pytest.fixture(scope="module")

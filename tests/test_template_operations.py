@@ -14,17 +14,18 @@ import pytest
 from cfnlint.api import ManualArgs, lint, lint_file
 from hypothesis import given
 from hypothesis import strategies as st
-from test_template import (
+
+import handler
+from sam_template import (
     ANALYSER_ROUTES,
+    FUNCTIONS,
     REQUIRED_PARAMETERS,
     TEMPLATE,
+    deployed,
     load_template,
     resources_of_type,
     translate,
 )
-from test_template_production import FUNCTIONS, deployed
-
-import handler
 
 DOCS = handler.HERE / "docs" / "monitoring.md"
 PUBLIC_ROUTES = {"GET /apps/{appId}", "GET /healthz", "GET /healthz/analyser", "$default"}

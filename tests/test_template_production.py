@@ -1,10 +1,11 @@
 """The stack's production settings, on the template as SAM translates it.
 
-Conditions are evaluated here for given parameter values (CloudFormation does it on
-deploy; neither the SAM translator nor cfn-lint does), so each optional piece is checked
-both ways: reserved concurrency, the alarm topic and its e-mail subscription, the S3
-endpoint, the migration secret, SnapStart. The alarm topic, subscription and alarms are
-then created in moto's SNS and CloudWatch from the resolved properties.
+Conditions are evaluated (sam_template.deployed) for given parameter values
+(CloudFormation does it on deploy; neither the SAM translator nor cfn-lint does), so each
+optional piece is checked both ways: reserved concurrency, the alarm topic and its e-mail
+subscription, the S3 endpoint, the migration secret, SnapStart. The alarm topic,
+subscription and alarms are then created in moto's SNS and CloudWatch from the resolved
+properties.
 """
 
 from __future__ import annotations
@@ -13,70 +14,17 @@ import json
 import re
 
 import pytest
-from test_template import REQUIRED_PARAMETERS, load_template, resources_of_type, translate
 
 import handler
 from helpers import LambdaContext, json_lines, load_event
-
-FUNCTIONS = ("ApiFunction", "MigrationFunction", "ReportFunction")
-NO_VALUE = object()
-
-
-def resolve(template: dict, overrides: dict | None = None) -> dict:
-    """The translated template's resources with parameters and conditions applied the
-    way CloudFormation applies them (Ref to a parameter, Fn::If, Fn::Equals, Fn::Not,
-    Fn::And, Fn::Or, Fn::Join; resources whose Condition is false are dropped)."""
-    params = {}
-    for name, spec in template["Parameters"].items():
-        raw = {**REQUIRED_PARAMETERS, **(overrides or {})}.get(name, spec.get("Default"))
-        if spec["Type"] in ("CommaDelimitedList", "List<AWS::EC2::Subnet::Id>") or spec[
-            "Type"
-        ].startswith("List<"):
-            raw = [] if raw in (None, "") else str(raw).split(",")
-        params[name] = raw
-    conditions: dict[str, bool] = {}
-
-    def condition(name: str) -> bool:
-        if name not in conditions:
-            conditions[name] = bool(value(template["Conditions"][name]))
-        return conditions[name]
-
-    def value(node):
-        if isinstance(node, dict) and len(node) == 1:
-            ((key, arg),) = node.items()
-            if key == "Ref":
-                if arg == "AWS::NoValue":
-                    return NO_VALUE
-                return params.get(arg, node)
-            if key == "Fn::If":
-                name, yes, no = arg
-                return value(yes if condition(name) else no)
-            if key == "Fn::Equals":
-                return value(arg[0]) == value(arg[1])
-            if key == "Fn::Not":
-                return not value(arg[0])
-            if key == "Fn::And":
-                return all(value(a) for a in arg)
-            if key == "Fn::Or":
-                return any(value(a) for a in arg)
-            if key == "Condition":
-                return condition(arg)
-            if key == "Fn::Join":
-                items = value(arg[1])
-                return arg[0].join(items if items != [] else [""])
-        if isinstance(node, dict):
-            out = {k: value(v) for k, v in node.items()}
-            return {k: v for k, v in out.items() if v is not NO_VALUE}
-        if isinstance(node, list):
-            return [v for v in (value(x) for x in node) if v is not NO_VALUE]
-        return node
-
-    resources = {
-        name: value(resource)
-        for name, resource in template["Resources"].items()
-        if "Condition" not in resource or condition(resource["Condition"])
-    }
-    return {"Resources": resources, "Outputs": value(template.get("Outputs", {}))}
+from sam_template import (
+    FUNCTIONS,
+    REQUIRED_PARAMETERS,
+    deployed,
+    load_template,
+    resources_of_type,
+    translate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +35,6 @@ def transformed() -> dict:
 @pytest.fixture(scope="module")
 def source() -> dict:
     return load_template()
-
-
-def deployed(transformed: dict, **overrides: str) -> dict:
-    return resolve(transformed, overrides)["Resources"]
 
 
 # --------------------------------------------------------------------------- capacity

@@ -15,7 +15,6 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit import ADMIN, ANALYSER, ROOT, configure_service
-from test_deploy_window import OLD_RECORD_HISTORY as PRE_STATE_MACHINE_RECORD_HISTORY
 
 import handler
 import legacy
@@ -320,7 +319,7 @@ def test_an_adopted_database_says_legacy_and_adds_under_the_listings_casing(
     sql.run("UPDATE apps SET analysed = now() - interval '1 day' WHERE appid = 'old.done'")
     sql.run(legacy.OLD_RECORD_HISTORY, appid="old.done")
     sql.run("UPDATE apps SET analysed = now() - interval '2 days' WHERE appid = 'old.done'")
-    sql.run(PRE_STATE_MACHINE_RECORD_HISTORY, appid="old.done")
+    sql.run(legacy.PRE_STATE_MACHINE_RECORD_HISTORY, appid="old.done")
     assert sources_of(sql, "old.done")[-2:] == ["legacy", "legacy"]
 
     configure_service(monkeypatch, url)

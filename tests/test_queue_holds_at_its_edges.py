@@ -4,7 +4,7 @@ a refetch waited, a waiting refetch and back-off, out-of-range settings, a clien
 disconnects mid-upload; and where the result rules meet the other features: a stored
 analysis of a version above the current one under older analysers and back-off, a result
 that queued its app for a refetch sent again. Each on real PostgreSQL; the wide ones with
-generated cases (and tests/test_model.py for every interleaving)."""
+generated cases (and tests/test_queue_follows_its_rules.py for every interleaving)."""
 
 from __future__ import annotations
 

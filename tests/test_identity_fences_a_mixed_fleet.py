@@ -8,9 +8,9 @@ its result, and a claim token works for every credential."""
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import datetime, timedelta
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,47 +22,16 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from kit import ADMIN, ANALYSER, configure_service, time_passes
-from test_model import judged
 
 import handler
 from helpers import is_candidate, refetch_apps
+from queue_model import App, judged
+
+pytestmark = pytest.mark.slow  # a stateful model: minutes
 
 NAMED = ("pi-1", "pi-2", "pi-3")
 SHARED = ("shared-a", "shared-b")  # two hosts on the shared password
 HOSTS = NAMED + SHARED
-
-
-@dataclasses.dataclass
-class App:
-    appid: str
-    reviews: int
-    added: datetime
-    status: str = "queued"
-    version: int | None = None
-    analysed: datetime | None = None
-    started: datetime | None = None
-    reason: str | None = None
-    retryable: bool | None = None
-    token: str | None = None
-    holder: str | None = None  # the named analyser whose claim the lease is
-    analysed_by: str | None = None
-    # What the queue's result rules read (tests/test_model.py's verdict).
-    result: tuple | None = None
-    result_claim: str | None = None
-    result_verified: bool = False
-    refetch_requested: bool = False  # this model's operator breaks leases (--force)
-    attempts: int = 0
-
-    def row(self) -> dict:
-        """As helpers.is_candidate reads a row."""
-        return {
-            "status": self.status,
-            "processing_started": self.started,
-            "failure_retryable": self.retryable,
-            "analysisversion": self.version,
-            "analysed": self.analysed,
-            "lease_attempts": self.attempts,
-        }
 
 
 class FleetModel(RuleBasedStateMachine):
@@ -143,7 +112,7 @@ class FleetModel(RuleBasedStateMachine):
                 app.analysed, _ = self.times(app.appid)
 
     def send(self, host: str, appid: str, token: str | None, success: bool) -> None:
-        """The queue's result rules, then identity (test_model.judged): a claim token
+        """The queue's result rules, then identity (queue_model.judged): a claim token
         decides when sent; without one, a named host's result needs its own claim, a
         shared-password one needs no named claim."""
         app = self.apps[appid]
@@ -221,7 +190,7 @@ class FleetModel(RuleBasedStateMachine):
     def refetch(self, data):
         appid = data.draw(st.sampled_from(sorted(self.apps)))
         # --force: this model's operator breaks leases; refetches that wait for a live
-        # lease are tests/test_model.py's.
+        # lease are tests/test_queue_follows_its_rules.py's.
         refetch_apps(handler.api_connection(), [appid], True, self.policy, force=True)
         app = self.apps[appid]
         app.status, app.started, app.reason, app.retryable = "queued", None, None, None

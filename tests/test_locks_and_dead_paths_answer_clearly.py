@@ -21,11 +21,11 @@ import time
 import pg8000.converters
 import pytest
 from kit import ANALYSER, configure_service
-from test_template import load_template
 
 import handler
 from helpers import app_row, connect, days_ago, insert_app, minutes_ago, oracle_order
 from live import TcpProxy
+from sam_template import load_template
 
 
 def claim(client) -> str:

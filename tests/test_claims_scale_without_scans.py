@@ -8,11 +8,12 @@ queued, live and expired leases (one without a start time), fresh and stale anal
 old, current and newer analysis versions, retryable and final failures.
 
 What else the benchmark checks is tested elsewhere: claims against the oracle on random
-small states and while promotion is partial (test_claims.py: test_oracle_on_random_states,
-test_claims_follow_the_oracle_while_promotion_is_partial), 32 claimers on a plain
-connection (test_claims.py: test_32_concurrent_claimers_never_share_an_app), queue
-positions (test_claims.py: test_queue_positions_match_the_oracle), the first claim after
-upgrading a previous release's database (test_adoption.py), and no boto3 on the API path
+small states and while promotion is partial (test_claims_follow_the_oracle.py:
+test_oracle_on_random_states, test_claims_follow_the_oracle_while_promotion_is_partial),
+32 claimers on a plain connection (test_claims_follow_the_oracle.py:
+test_32_concurrent_claimers_never_share_an_app), queue positions
+(test_claims_follow_the_oracle.py: test_queue_positions_match_the_oracle), the first
+claim after upgrading a previous release's database (test_adoption.py), and no boto3 on the API path
 (test_entry_secrets.py: test_boto3_is_imported_only_when_a_secret_is_read). Its timings and
 targets are measurements, not tests.
 """

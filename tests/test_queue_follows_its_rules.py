@@ -34,6 +34,7 @@ import dataclasses
 from datetime import datetime, timedelta
 
 import pg8000.native
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -48,6 +49,9 @@ from kit import ADMIN, ANALYSER, configure_service, time_passes
 
 import handler
 from helpers import lease_expired, refetch_apps
+from queue_model import RESULT_STATES, App, candidate, judged, verdict
+
+pytestmark = pytest.mark.slow  # a stateful model: minutes
 
 ANALYSERS = ("pi-1", "pi-2", "pi-3")
 NAMED = ("pi-3",)  # with a credential of its own; the others send the shared password
@@ -59,37 +63,6 @@ ROW = (
     " CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token"
     " THEN claimed_by END, analysed_by FROM apps ORDER BY appid"
 )
-# The status columns each kind of stored result says.
-RESULT_STATES = {
-    "success": ("analysed", None, None),
-    "retry": ("failed", "analysis_failed", True),
-    "final": ("failed", "app_not_found", False),
-    "server": ("failed", "lease_expired", True),
-}
-
-
-@dataclasses.dataclass
-class App:
-    appid: str
-    reviews: int
-    added: datetime
-    status: str = "queued"
-    version: int | None = None
-    analysed: datetime | None = None
-    started: datetime | None = None
-    reason: str | None = None
-    retryable: bool | None = None
-    token: str | None = None  # the open claim's
-    result: tuple | None = None  # the stored result: (kind, marker)
-    result_claim: str | None = None
-    result_verified: bool = False
-    attempts: int = 0
-    refetch_requested: bool = False
-    holder: str | None = None  # the named analyser whose claim the lease is
-    analysed_by: str | None = None  # the named analyser that stored the result
-    epoch: int = 0  # claims and refetches so far
-    handouts_since_time: int = 0
-    handouts_since_result: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,89 +73,6 @@ class Ack:
     epoch: int
     success: bool
     verified: bool
-
-
-def candidate(app: App, policy: handler.QueuePolicy, now: datetime) -> bool:
-    lease_ago = now - timedelta(minutes=policy.processing_timeout_minutes)
-    if app.status == "queued":
-        return True
-    if app.status == "processing":
-        expired = lease_expired(app.started, policy.processing_timeout_minutes, now)
-        return expired and app.attempts < policy.max_lease_attempts
-    if app.status == "failed" and not app.retryable:
-        return False
-    version = app.version or 0
-    outdated = version < policy.analysis_version and app.analysed < lease_ago
-    # A newer version than the current one is never stale: only a refusal could answer it.
-    stale = version <= policy.analysis_version and app.analysed < now - timedelta(
-        days=policy.stale_days
-    )
-    return outdated or stale
-
-
-def verdict(app: App, key: tuple, version: int, token: str | None, current: int) -> tuple:
-    """The model's statement of the result rules: ("store", claim, verified), ("stored",),
-    ("refuse",), or ("refuse", lease) for the open claim's holder's result refused as older
-    than the stored one: the lease is "answered" (lease attempts back to 0; it runs out as
-    leases do), or "ended" at once when the stored version is above the current one."""
-    success = key[0] == "success"
-    finished = app.status in ("analysed", "failed")
-    # The states a result's first delivery leaves: finished, or queued again for the
-    # refetch that waited for it (refetch_requested stays set until the next claim).
-    left_by_a_result = finished or (app.status == "queued" and app.refetch_requested)
-    same = app.result == key and app.version == version
-    if same and left_by_a_result:
-        return ("stored",)
-    # The back-off's lease_expired failure is no analysis: never newer than a result.
-    newer = app.result is not None and app.result[0] != "server" and app.version is not None
-    newer = newer and app.version > version
-    held = app.status == "processing"
-    holders_refusal = ("refuse", "ended" if newer and app.version > current else "answered")
-    if token is not None:
-        if held and token == app.token:
-            return holders_refusal if newer else ("store", app.token, True)
-        if token == app.result_claim:
-            if same:
-                return ("stored",)
-            stored_success = app.result is not None and app.result[0] == "success"
-            replaceable = app.status != "processing" and not app.result_verified
-            if replaceable and (success or not stored_success):
-                return ("refuse",) if newer else ("store", app.result_claim, True)
-        return ("refuse",)
-    if newer:
-        return holders_refusal if held else ("refuse",)
-    if held:
-        return ("store", app.token, False)
-    # Queued by its result for the refetch that waited: as the finished app it was.
-    queued_by_its_result = app.status == "queued" and app.refetch_requested
-    if app.status == "queued" and not queued_by_its_result:
-        return ("store", None, False)
-    stored_failure = app.result is not None and app.result[0] != "success"
-    if success and (app.status == "failed" or (queued_by_its_result and stored_failure)):
-        return ("store", app.result_claim, False)
-    return ("refuse",)
-
-
-def judged(
-    app, key: tuple, version: int, token: str | None, sender: str | None, current: int
-) -> tuple:
-    """verdict, then identity (docs/analysers.md): without a token, a named analyser's
-    result (`sender`: its name; None for the shared password) counts only on its own
-    claim, a shared-password one only while no named analyser holds the app. A result
-    identity refuses changes nothing, a lease included."""
-    judgement = verdict(app, key, version, token, current)
-    if token is not None or judgement[0] == "stored" or judgement == ("refuse",):
-        return judgement
-    if judgement == ("refuse", "ended") and sender is None:
-        # A tokenless shared-password result cannot show it is the holder's, so it does
-        # not end the lease (the holder's token keeps working): nothing changes.
-        return ("refuse",)
-    leased = app.status == "processing"
-    if sender is not None:
-        allowed = leased and app.holder == sender
-    else:
-        allowed = not (leased and app.holder is not None)
-    return judgement if allowed else ("refuse",)
 
 
 class CommitReplyLost:
