@@ -36,7 +36,7 @@ it:
 
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
-schedule). CLI: `python handler.py serve|migrate|queue-status|priority-report|queue-refetch|
+schedule). CLI: `python3 handler.py serve|migrate|queue-status|priority-report|queue-refetch|
 analysers|invoke`.
 """
 
@@ -4758,7 +4758,7 @@ def claim_readiness(db: SharedConnection, ledger_files: tuple[str, ...]) -> Read
             where = f"its ledger is at {at}" if at else "it has no ledger (no schema_migrations)"
             return Readiness(
                 f"the database is not migrated: {where}; this code needs {ledger_files[-1]}"
-                f" ({len(missing)} file(s) to apply: run python handler.py migrate)",
+                f" ({len(missing)} file(s) to apply: run python3 handler.py migrate)",
                 NOT_MIGRATED,
                 at,
             )
@@ -5330,7 +5330,7 @@ if LAMBDA_FUNCTION_NAME:
 
 
 # == CLI: serve and invoke ==============================================================
-# python handler.py serve | migrate | queue-status | priority-report | queue-refetch |
+# python3 handler.py serve | migrate | queue-status | priority-report | queue-refetch |
 # analysers | invoke: a developer's and an operator's commands. Here the local database
 # and the developer's commands; the operators' follow.
 
@@ -5466,7 +5466,7 @@ def _local_defaults() -> None:
     if not config.shared_password_accepted:
         print(
             "ACCEPT_SHARED_UPLOAD_PASSWORD is false: the shared password is refused;"
-            " analysers need a token of their own (python handler.py analysers add NAME)",
+            " analysers need a token of their own (python3 handler.py analysers add NAME)",
             file=sys.stderr,
         )
 
@@ -5903,7 +5903,7 @@ def cli_error_line(error: BaseException) -> str:
     elif state in UNMIGRATED_SQLSTATES:
         text = (
             f"the database is not at the head of the ledger ({_error_text(error)});"
-            " run `python handler.py migrate` first"
+            " run `python3 handler.py migrate` first"
         )
     elif state == "57014":
         text = (

@@ -460,7 +460,7 @@ def run_python(code: str, *args: str, env: dict[str, str]) -> subprocess.Complet
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`python handler.py ARGS` in its own process with env, as an operator runs it."""
+    """`python3 handler.py ARGS` in its own process with env, as an operator runs it."""
     return subprocess.run(
         [sys.executable, str(handler.HERE / "handler.py"), *args],
         env=env,

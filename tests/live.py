@@ -43,7 +43,7 @@ class LiveServer:
 
 @contextmanager
 def serving(app, clock: Callable[[], float] | None = None) -> Iterator[LiveServer]:
-    """`app` served as `python handler.py serve` serves handler.app (_cli_serve): the
+    """`app` served as `python3 handler.py serve` serves handler.app (_cli_serve): the
     process's Runtime, built from the environment (with `clock`, if given), has
     SERVE_WORKER_THREADS worker threads (each with a connection of its own), and uvicorn
     runs the app on loopback in a thread of this process (`server.thread` runs the event

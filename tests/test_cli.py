@@ -239,7 +239,7 @@ def test_a_command_on_an_unmigrated_database_says_to_migrate(empty_database):
     for args in (("queue-status",), ("priority-report",)):
         out = cli(empty_database, *args)
         assert out.returncode == 1, out.stderr
-        assert "run `python handler.py migrate` first" in out.stderr
+        assert "run `python3 handler.py migrate` first" in out.stderr
         assert "Traceback" not in out.stderr
 
 

@@ -1,4 +1,4 @@
-"""The local server as a developer runs it: `python handler.py serve` with nothing set."""
+"""The local server as a developer runs it: `python3 handler.py serve` with nothing set."""
 
 from __future__ import annotations
 
