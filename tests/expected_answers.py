@@ -90,6 +90,25 @@ EVENT_RUN = [
         "get-app.json",
         {"statusCode": 200, "body": Json(status="analysed", analysisVersion=4)},
     ),
+    # The operator's /analysers routes: pi-01 added, its token rotated, listed, revoked.
+    Step(
+        "ApiFunction",
+        "analysers-add.json",
+        {"statusCode": 201, "body": Json(name="pi-01", token=PRESENT)},
+    ),
+    Step(
+        "ApiFunction",
+        "analysers-rotate.json",
+        {"statusCode": 200, "body": Json(name="pi-01", token=PRESENT)},
+    ),
+    Step(
+        "ApiFunction", "analysers-list.json", {"statusCode": 200, "body": Json(analysers=PRESENT)}
+    ),
+    Step(
+        "ApiFunction",
+        "analysers-revoke.json",
+        {"statusCode": 200, "body": Json(name="pi-01", revoked=PRESENT)},
+    ),
     Step("ReportFunction", "schedule.json", {"total": 1, "counts": {"analysed": 1}}),
 ]
 

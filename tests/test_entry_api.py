@@ -35,6 +35,10 @@ pytestmark = pytest.mark.usefixtures("lambda_container")
 
 # Every file in events/ and the test (module.name) that invokes it through its entry point.
 EVENT_TESTS = {
+    "analysers-add.json": "test_entry_api.test_event_analysers_add",
+    "analysers-list.json": "test_entry_api.test_event_analysers_list",
+    "analysers-revoke.json": "test_entry_api.test_event_analysers_revoke",
+    "analysers-rotate.json": "test_entry_api.test_event_analysers_rotate",
     "add-app.json": "test_entry_api.test_event_add_app",
     "cfn-create.json": "test_entry_migrate.test_custom_resource_create_applies_the_ledger",
     "cfn-delete.json": "test_entry_migrate.test_custom_resource_delete_touches_no_database",
@@ -286,3 +290,59 @@ def test_event_healthz_analyser(api):
         "minutesSinceLastPing": 0.0,
         "analysersLastHour": 1,
     }
+
+
+# The four /analysers events, in the order an operator uses them: add pi-01, rotate its
+# token (the old one working for the event's hour), list, revoke.
+
+
+def test_event_analysers_add(api, sql):
+    created = api("analysers-add.json")
+    assert created["statusCode"] == 201
+    body = json_answer(created)
+    assert set(body) == {"name", "created", "token"} and body["name"] == "pi-01"
+    assert api("ping.json", {"authorization": f"Bearer {body['token']}"})["statusCode"] == 200
+
+    before = table_digest(sql)
+    again = api("analysers-add.json")
+    assert again["statusCode"] == 409
+    assert json_answer(again) == {"detail": "an analyser named pi-01 exists"}
+    upload_password = api("analysers-add.json", {"authorization": "Bearer local-upload-password"})
+    assert upload_password["statusCode"] == 401
+    assert table_digest(sql) == before
+
+
+def test_event_analysers_rotate(api):
+    assert api("analysers-rotate.json")["statusCode"] == 404
+    old = json_answer(api("analysers-add.json"))["token"]
+    rotated = api("analysers-rotate.json")
+    assert rotated["statusCode"] == 200
+    body = json_answer(rotated)
+    assert body["name"] == "pi-01" and body["token"] != old
+    valid_until = datetime.fromisoformat(body["previousTokenValidUntil"])
+    rotated_at = datetime.fromisoformat(body["rotated"])
+    assert (valid_until - rotated_at).total_seconds() == 3600  # the event's {"overlap": "1h"}
+    for token in (old, body["token"]):
+        assert api("ping.json", {"authorization": f"Bearer {token}"})["statusCode"] == 200
+
+
+def test_event_analysers_list(api):
+    assert json_answer(api("analysers-list.json")) == {"analysers": []}
+    token = json_answer(api("analysers-add.json"))["token"]
+    api("ping.json", {"authorization": f"Bearer {token}"})
+    listed = api("analysers-list.json")
+    assert listed["statusCode"] == 200
+    (analyser,) = json_answer(listed)["analysers"]
+    assert analyser["name"] == "pi-01" and analyser["online"] is True
+    assert analyser["revoked"] is None and "token" not in analyser
+    assert token not in listed["body"]
+
+
+def test_event_analysers_revoke(api):
+    assert api("analysers-revoke.json")["statusCode"] == 404
+    token = json_answer(api("analysers-add.json"))["token"]
+    revoked = api("analysers-revoke.json")
+    assert revoked["statusCode"] == 200
+    assert json_answer(revoked)["name"] == "pi-01"
+    assert api("ping.json", {"authorization": f"Bearer {token}"})["statusCode"] == 401
+    assert api("analysers-rotate.json")["statusCode"] == 409
