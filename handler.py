@@ -29,6 +29,10 @@ it:
   Refetch                           queue-refetch, in committed batches
   The ledger                        the sorted SQL ledger in sql/ and its runner
   Health                            /healthz and /healthz/analyser
+  Web view: sessions and guards     sign-in, the session cookie, operator actions, the guard
+  Web view: what it reads           the overview, apps by filter, one app's story and why
+  Web view: the page                the one static page, its stylesheet and its script
+  Web view: routes                  every /admin address, behind ADMIN_WEB
   HTTP error answers                the exception handlers: {"detail": ...} and a status
   Lambda entry points               api, migrate, report
   CLI: serve and invoke             the local database; serve, invoke
@@ -242,6 +246,7 @@ class Settings:
     promotion_budget_ms: int
     migration_lock_timeout: str
     migration_wait_seconds: int
+    admin_web: str = "off"
 
     def __post_init__(self) -> None:
         _check_settings(self)
@@ -335,10 +340,14 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         promotion_budget_ms=_int_setting(env, "PROMOTION_BUDGET_MS", 200, minimum=1),
         migration_lock_timeout=env.get("MIGRATION_LOCK_TIMEOUT") or "10s",
         migration_wait_seconds=_int_setting(env, "MIGRATION_WAIT_SECONDS", 300),
+        # The operators' web view under /admin (docs/web-view.md): off (every /admin path
+        # answers 404), read-only (no action) or full.
+        admin_web=(env.get("ADMIN_WEB") or "off").strip().lower(),
     )
 
 
 SSL_MODES = ("disable", "require", "verify-ca", "verify-full")
+ADMIN_WEB_MODES = ("off", "read-only", "full")
 
 
 def _check_settings(config: Settings) -> None:
@@ -348,6 +357,8 @@ def _check_settings(config: Settings) -> None:
         "postgresql",
     ):
         raise ConfigError("DATABASE_URL must start with postgresql://")
+    if config.admin_web not in ADMIN_WEB_MODES:
+        raise ConfigError(f"ADMIN_WEB must be one of {', '.join(ADMIN_WEB_MODES)}")
     if config.db_sslmode not in SSL_MODES:
         raise ConfigError(f"DB_SSLMODE must be one of {', '.join(SSL_MODES)}")
     if not re.fullmatch(r"\d+\s*(us|ms|s|min|h|d)?", config.migration_lock_timeout):
@@ -4242,12 +4253,15 @@ def refetch_in_batches(
     batch_size: int = REFETCH_BATCH,
     clock: Callable[[], float] = time.monotonic,
     policy: QueuePolicy | None = None,
+    record: Callable[[Session, list[dict[str, str]]], None] | None = None,
 ) -> RefetchProgress:
     """Select the apps `request` asks for and, if it applies, refetch them, batch by batch.
     After each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
     "status", "outcome"}: the status before, and what happened, or in a dry run what
     --apply would do now, by the same rule). Past `deadline` (on `clock`, checked before
-    each batch but the first) it stops, with progress.complete False."""
+    each batch but the first) it stops, with progress.complete False. `record(session,
+    rows)`: called in each applied batch's transaction, so what it writes (the web view's
+    record of the action) commits with the change it records."""
     progress = RefetchProgress()
     policy = policy or QueuePolicy()
     app_ids, failed, limit = request.app_ids, request.failed, request.limit
@@ -4262,7 +4276,10 @@ def refetch_in_batches(
         lock, selection = REFETCH_LOCK_ANALYSED, {}
 
     def refetch(session: Session, rows: list[dict[str, str]]) -> list[dict[str, str]]:
-        return refetch_apps(session, rows, lock, policy, force, **selection)
+        done = refetch_apps(session, rows, lock, policy, force, **selection)
+        if record is not None:
+            record(session, done)
+        return done
 
     def out_of_time() -> bool:
         return deadline is not None and progress.batches > 0 and clock() >= deadline
@@ -4800,6 +4817,990 @@ async def healthz_analyser() -> JSONResponse:
         "analysersLastHour": last_hour,
     }
     return JSONResponse(body, status_code=200 if online else 503)
+
+
+# == Web view: sessions and guards =======================================================
+# The operators' web view (ADMIN_WEB, docs/web-view.md), first its door: sign-in with the
+# admin token, a signed session cookie, the record of every operator action, and the
+# guard each /admin route passes. The pages and their JSON follow in the next chapters.
+
+
+# -- SQL
+
+# A session's id is 256 random bits; the table keeps its SHA-256 only.
+ADMIN_SESSIONS_INSERT = """
+INSERT INTO admin_sessions (id_hash, expires, source)
+VALUES (:id_hash, now() + make_interval(hours => :hours), :source)
+"""
+ADMIN_SESSIONS_SELECT_LIVE = """
+SELECT 1 FROM admin_sessions WHERE id_hash = :id_hash AND ended IS NULL AND expires > now()
+"""
+ADMIN_SESSIONS_END = "UPDATE admin_sessions SET ended = now() WHERE id_hash = :id_hash"
+# One row per app (or one row, app_id NULL, for an action on no app): the arrays are
+# zipped by unnest.
+OPERATOR_ACTIONS_INSERT = """
+INSERT INTO operator_actions (actor, source, action, app_id, analyser, outcome)
+SELECT :actor, :source, :action, a.app_id, :analyser, a.outcome
+FROM unnest(CAST(:app_ids AS text[]), CAST(:outcomes AS text[])) AS a(app_id, outcome)
+"""
+OPERATOR_ACTIONS_REFUSED_SIGN_INS = """
+SELECT count(*) FROM operator_actions
+WHERE action = 'sign-in refused' AND source = :source
+  AND at > now() - make_interval(mins => :minutes)
+"""
+
+
+# -- sessions
+
+ADMIN_SESSION_COOKIE = "analysis_queue_admin"
+ADMIN_SESSION_HOURS = 8
+# Refused sign-ins one source may make in the window before every sign-in from it is
+# answered 429, the right token's included (so the limit says nothing about the token).
+SIGN_IN_WINDOW_MINUTES = 15
+SIGN_IN_REFUSALS_ALLOWED = 10
+BEARER_ACTOR = "bearer token"
+# Every /admin answer, errors included (the error answers add them by path): no other
+# site may frame, embed, script or read these pages, and nothing is cached.
+ADMIN_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; frame-ancestors 'none';"
+    " base-uri 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _admin_token_now() -> str:
+    """The admin token's current value, from the environment or its secret (cached)."""
+    config = settings()
+    if config.admin_token:
+        return config.admin_token
+    value = _configured_secret(config.admin_token_secret) if config.admin_token_secret else None
+    if value is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    return value
+
+
+def _session_signature(session_id: str) -> str:
+    """The cookie's signature: an HMAC of the session id, keyed by the admin token's
+    current value, so a rotated token ends every session at once."""
+    key = hmac.new(_admin_token_now().encode(), b"admin web session", hashlib.sha256).digest()
+    return hmac.new(key, session_id.encode(), hashlib.sha256).hexdigest()
+
+
+def _session_hash(session_id: str) -> bytes:
+    return hashlib.sha256(session_id.encode()).digest()
+
+
+def session_actor(id_hash: bytes) -> str:
+    """How an action's record names a session: a prefix of its id's hash, never the id."""
+    return f"session {id_hash.hex()[:12]}"
+
+
+def start_session(db: SharedConnection, source: str) -> str:
+    """A new session (a new id at every sign-in: a fixated cookie is never adopted); the
+    cookie's value: the id and its signature."""
+    import secrets  # at the first sign-in, not at a cold start
+
+    session_id = secrets.token_urlsafe(32)
+    db.run(
+        ADMIN_SESSIONS_INSERT,
+        id_hash=_session_hash(session_id),
+        hours=ADMIN_SESSION_HOURS,
+        source=source,
+    )
+    return f"{session_id}.{_session_signature(session_id)}"
+
+
+def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
+    """The hash of the session this cookie carries, if its signature holds under the
+    current admin token and it has neither ended nor expired; else None."""
+    session_id, _, signature = (cookie or "").partition(".")
+    if not session_id or len(cookie or "") > 200:
+        return None
+    if not hmac.compare_digest(signature.encode(), _session_signature(session_id).encode()):
+        return None
+    id_hash = _session_hash(session_id)
+    return id_hash if db.run(ADMIN_SESSIONS_SELECT_LIVE, id_hash=id_hash) else None
+
+
+def end_session(db: SharedConnection, id_hash: bytes) -> None:
+    db.run(ADMIN_SESSIONS_END, id_hash=id_hash)
+
+
+def session_cookie(value: str, secure: bool, max_age: int) -> str:
+    """The Set-Cookie value: HttpOnly (no script reads it), SameSite=Strict, only for
+    /admin, Secure over https (API Gateway); max_age 0 clears it."""
+    flags = f"; HttpOnly; SameSite=Strict; Path=/admin; Max-Age={max_age}"
+    return f"{ADMIN_SESSION_COOKIE}={value}{flags}{'; Secure' if secure else ''}"
+
+
+# -- the record of operator actions
+
+
+@dataclasses.dataclass(frozen=True)
+class Operator:
+    """Who sent an /admin request: a signed-in session or the bearer token, and from
+    which address. `by_cookie`: its writes must prove they come from the web view's own
+    pages (admin_guard)."""
+
+    actor: str
+    source: str
+    by_cookie: bool
+    session: bytes | None = None
+
+
+def record_actions(
+    db: SharedConnection | Session,
+    operator: Operator,
+    action: str,
+    outcomes: Sequence[tuple[str | None, str | None]] = ((None, None),),
+    analyser: str | None = None,
+) -> None:
+    """Record an operator action: one row per (app, outcome), in the log too."""
+    db.run(
+        OPERATOR_ACTIONS_INSERT,
+        actor=operator.actor,
+        source=operator.source,
+        action=action,
+        app_ids=[app for app, _ in outcomes],
+        outcomes=[outcome for _, outcome in outcomes],
+        analyser=analyser,
+    )
+    logger.info(
+        "operator action",
+        extra={
+            "actor": operator.actor,
+            "source": operator.source,
+            "action": action,
+            "analyser": analyser,
+            "apps": [app for app, _ in outcomes if app is not None][:20],
+            "app_count": sum(app is not None for app, _ in outcomes),
+        },
+    )
+
+
+# -- signing in
+
+
+def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
+    """The cookie for a new session if `token` is the admin token; None if not. Either
+    way one attempt is recorded. Refused from a source past SIGN_IN_REFUSALS_ALLOWED in
+    the window: 429, before the token is looked at."""
+    (refused,) = db.run(
+        OPERATOR_ACTIONS_REFUSED_SIGN_INS, source=source, minutes=SIGN_IN_WINDOW_MINUTES
+    )[0]
+    if refused >= SIGN_IN_REFUSALS_ALLOWED:
+        raise HTTPException(
+            429,
+            f"too many refused sign-ins from this address; try again within"
+            f" {SIGN_IN_WINDOW_MINUTES} minutes",
+            headers={"Retry-After": str(SIGN_IN_WINDOW_MINUTES * 60)},
+        )
+    anonymous = Operator(actor="sign-in", source=source, by_cookie=False)
+    try:  # the bearer check: constant-time, either version of a rotating secret
+        _check_admin(HTTPAuthorizationCredentials(scheme="Bearer", credentials=token))
+    except HTTPException as refusal:
+        if refusal.status_code != 401:
+            raise
+        record_actions(db, anonymous, "sign-in refused")
+        return None
+    cookie = start_session(db, source)
+    session = _session_hash(cookie.partition(".")[0])
+    record_actions(db, dataclasses.replace(anonymous, actor=session_actor(session)), "sign-in")
+    return cookie
+
+
+# -- the guard
+
+
+def request_source(request: Request) -> str:
+    """The client's address as the request's own transport gives it (API Gateway's
+    sourceIp under Lambda), not a header a client could set."""
+    source = request.client.host if request.client else "unknown"
+    return source if len(source) <= 100 and PRINTABLE_ASCII.fullmatch(source) else "unknown"
+
+
+def admin_guard(request: Request, write: bool) -> Operator:
+    """Who may do this: the bearer token (Authorization: Bearer ADMIN_TOKEN, as curl
+    sends it), else a live session's cookie. A write by cookie must come from the web
+    view's own pages: Sec-Fetch-Site: same-origin (a browser always sends it; a missing
+    one is refused, SameSite alone does not stop another port of the same host) and a
+    JSON body (which no plain form can send)."""
+    source = request_source(request)
+    if request.headers.get("authorization") is not None:
+        scheme, _, token = request.headers["authorization"].partition(" ")
+        if scheme.lower() != "bearer":
+            raise _unauthorized()
+        _check_admin(HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip()))
+        operator = Operator(actor=BEARER_ACTOR, source=source, by_cookie=False)
+    else:
+        session = live_session(api_connection(), request.cookies.get(ADMIN_SESSION_COOKIE))
+        if session is None:
+            raise HTTPException(401, "sign in at /admin/login")
+        operator = Operator(session_actor(session), source, by_cookie=True, session=session)
+    if write and operator.by_cookie:
+        if request.headers.get("sec-fetch-site") != "same-origin":
+            raise HTTPException(403, "a write must come from the web view's own page")
+        _require_content_type(request, ("application/json",))
+    return operator
+
+
+def require_actions() -> None:
+    """Operator actions need ADMIN_WEB=full: with read-only, every one answers 403."""
+    if settings().admin_web != "full":
+        raise HTTPException(403, "the web view is read-only here (ADMIN_WEB=read-only)")
+
+
+# == Web view: what it reads =============================================================
+# The overview (the queue-status document, counted at most once a minute), apps by
+# state, failure reason and bundle-ID prefix (paged by keyset), and one app's story: its
+# state, lease, history, the actions on it, and why it is or is not handed out.
+
+
+# -- SQL
+
+# Apps in bundle-ID order, byte by byte and in any letter case (apps_bundle_id_order,
+# sql/027; failures of one reason: apps_failed_by_reason, sql/028). A page starts after
+# the last bundle ID of the one before (never OFFSET, which reads every row it skips); a
+# prefix is the range [prefix, prefix + "~"), since "~" sorts after every character a
+# bundle ID may hold.
+APPS_PAGE = f"""
+SELECT appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason,
+       failure_retryable, analysisversion, analysed, processing_started,
+       {CLAIM_HOLDER} AS claim_holder, app_popularity(details) AS popularity, added
+FROM apps
+WHERE lower(appid) COLLATE "C" > :after
+  AND lower(appid) COLLATE "C" >= :prefix AND lower(appid) COLLATE "C" < :prefix_end
+  AND (CAST(:state AS text) IS NULL OR status = :state)
+  AND (CAST(:reason AS text) IS NULL OR status = 'failed' AND failure_reason = :reason)
+ORDER BY lower(appid) COLLATE "C"
+LIMIT :limit
+"""
+# One app and each part of the rule (the queue's CANDIDATE) that decides whether it is
+# handed out: the rule itself, and the times at which its parts change.
+APP_RULE = f"""
+SELECT {CANDIDATE} AS candidate,
+       status = 'processing' AND {LEASE_EXPIRED} AS lease_over,
+       lease_attempts, refetch_requested, COALESCE(analysisversion, 0) AS version,
+       processing_started + make_interval(mins => :timeout_minutes) AS lease_ends,
+       COALESCE(analysed, '-infinity') + make_interval(mins => :timeout_minutes)
+           AS outdated_due,
+       COALESCE(analysed, '-infinity') + make_interval(days => :stale_days) AS stale_due
+FROM apps WHERE lower(appid) = lower(:appid)
+"""
+APP_HISTORY = """
+SELECT analysed, analysisversion, analysis_source, success, analyser, app_version,
+       CASE WHEN NOT success AND octet_length(analysis::text) <= :document_limit
+            THEN analysis::text END AS failure_log
+FROM app_analyses WHERE lower(appid) = lower(:appid)
+ORDER BY analysed DESC
+LIMIT :limit
+"""
+APP_ACTIONS = """
+SELECT at, actor, source, action, outcome FROM operator_actions
+WHERE app_id = :appid ORDER BY at DESC LIMIT :limit
+"""
+
+
+# -- the overview
+
+STATUS_MAX_AGE_SECONDS = 60
+_status_cache: dict[QueuePolicy, tuple[float, dict[str, Any]]] = {}
+_status_lock = threading.Lock()
+
+
+def overview(db: SharedConnection, policy: QueuePolicy) -> dict[str, Any]:
+    """The queue-status document (what `queue-status --json` prints) and when it was
+    counted: counting a million apps takes seconds, so a process counts at most once a
+    STATUS_MAX_AGE_SECONDS and the page says how old its figures are."""
+    with _status_lock:
+        cached = _status_cache.get(policy)
+        if cached is None or time.monotonic() - cached[0] > STATUS_MAX_AGE_SECONDS:
+            counted = {
+                "status": queue_status(db, policy).document(),
+                "counted": datetime.now(UTC).isoformat(),
+            }
+            cached = _status_cache[policy] = (time.monotonic(), counted)
+    return cached[1]
+
+
+# -- apps by filter
+
+APPS_PAGE_SIZE = 50
+# The bulk refetch acts on at most this many apps per click (the CLI's batch size).
+BULK_REFETCH_LIMIT = REFETCH_BATCH
+APP_FAILURE_REASON = re.compile(r"[a-z_]{1,40}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AppFilter:
+    """A list's filters, as the page's query string gives them: a state, a failure
+    reason (failed apps only), a bundle-ID prefix (any letter case)."""
+
+    state: str | None = None
+    reason: str | None = None
+    prefix: str = ""
+
+    @classmethod
+    def from_query(cls, query: dict[str, str]) -> AppFilter:
+        state, reason = query.get("state") or None, query.get("reason") or None
+        prefix = (query.get("q") or "").strip().lower()
+        if state is not None and state not in APP_STATES:
+            raise BadInput(f"state must be one of {', '.join(APP_STATES)}")
+        if reason is not None and not APP_FAILURE_REASON.fullmatch(reason):
+            raise BadInput("reason must be a failure reason such as app_not_found")
+        if prefix and not (len(prefix) <= 155 and re.fullmatch(r"[a-z0-9.-]+", prefix)):
+            raise BadInput("q must be the start of a bundle ID: letters, digits, . and -")
+        return cls(state=state, reason=reason, prefix=prefix)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "prefix": self.prefix,
+            "prefix_end": self.prefix + "~",
+        }
+
+
+def apps_page(
+    db: SharedConnection, where: AppFilter, after: str = "", limit: int = APPS_PAGE_SIZE
+) -> dict[str, Any]:
+    """One page of apps matching `where`, after the bundle ID `after` (lower case), and
+    the cursor of the next page (None: this is the last)."""
+    rows = db.records(APPS_PAGE, after=after, limit=limit + 1, **where.params())
+    apps = [
+        {
+            "appId": row["appid"],
+            "status": row["status"],
+            "failure": row["failure_reason"],
+            "retryable": row["failure_retryable"],
+            "analysisVersion": row["analysisversion"],
+            "analysed": _plain(row["analysed"]),
+            "processingStarted": _plain(row["processing_started"]),
+            "claimedBy": row["claim_holder"],
+            "popularity": _plain(row["popularity"]),
+            "added": _plain(row["added"]),
+        }
+        for row in rows[:limit]
+    ]
+    more = len(rows) > limit
+    return {"apps": apps, "next": rows[limit - 1]["sort_key"] if more else None}
+
+
+# -- one app, and why
+
+
+def why_handed_out(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolicy) -> dict:
+    """Whether the app is a candidate now (the queue's rule, read by APP_RULE) and, if
+    not, which part of the rule holds it back (`held`) and from when it will be one
+    (`from`; None: not by time alone), in words (`why`)."""
+    status, version, attempts = row["status"], rule["version"], rule["lease_attempts"]
+    current = policy.analysis_version
+    if rule["candidate"]:
+        why = {
+            "queued": "queued: it is handed out in claim order",
+            "processing": f"its lease ended without a result ({attempts} of"
+            f" {policy.max_lease_attempts} leases): it is handed out again",
+            "failed": "a retryable failure old enough to try again",
+            "analysed": f"its analysis (version {version}) is due again: older than"
+            f" {policy.stale_days} days, or of a version below {current}",
+        }[status]
+        return {"candidate": True, "held": None, "from": None, "why": why}
+    held, when = None, None
+    if status == "processing" and not rule["lease_over"]:
+        holder = row["claim_holder"] or "a host on the shared password"
+        held, when = "lease", rule["lease_ends"]
+        why = f"leased to {holder}; handed out again when the lease ends without a result"
+        if rule["refetch_requested"]:
+            why += "; a refetch waits for this lease, then queues it"
+    elif status == "processing":
+        held = "backed_off"
+        why = (
+            f"backed off: {attempts} leases ended without a result; the next promotion"
+            " records it failed (lease_expired), to be tried again later"
+        )
+    elif status == "failed" and not row["failure_retryable"]:
+        held = "non_retryable"
+        why = (
+            f"a failure that retrying cannot mend ({row['failure_reason']}): never handed"
+            " out again by the rule; a refetch queues it"
+        )
+    elif version > current:
+        held = "newer_version"
+        why = (
+            f"analysed at version {version}, above the current {current}: it waits for"
+            " CURRENT_ANALYSIS_VERSION to reach it, or for a refetch"
+        )
+    elif version < current:
+        held, when = "settling", rule["outdated_due"]
+        why = f"its version {version} is below {current}: handed out once its result settles"
+    else:
+        held, when = "fresh", rule["stale_due"]
+        why = f"a fresh analysis: handed out again once it is {policy.stale_days} days old"
+    return {"candidate": False, "held": held, "from": _plain(when), "why": why}
+
+
+def app_story(db: SharedConnection, app_id: str, policy: QueuePolicy) -> dict[str, Any] | None:
+    """Everything the app's page shows, read in one transaction (None: no such app)."""
+
+    def work(session: Session) -> dict[str, Any] | None:
+        limit = LAMBDA_PAYLOAD_LIMIT_BYTES // 4
+        rows = session.records(FIND_APP, appid=app_id, document_limit=limit)
+        if not rows:
+            return None
+        (row,) = rows
+        (rule,) = session.records(APP_RULE, appid=app_id, **policy.sql_params())
+        history = session.records(APP_HISTORY, appid=app_id, document_limit=limit, limit=50)
+        actions = session.records(APP_ACTIONS, appid=row["appid"], limit=100)
+        return {
+            "app": _app_view(row, admin=True, identities=True),
+            "failureReason": row["failure_reason"],
+            "leaseAttempts": rule["lease_attempts"],
+            "why": why_handed_out(rule, row, policy),
+            "history": [
+                {**_plain_row(entry), "failure_log": RawJSON.of(entry["failure_log"])}
+                for entry in history
+            ],
+            "actions": [_plain_row(action) for action in actions],
+        }
+
+    return db.transaction(work)
+
+
+# == Web view: the page ==================================================================
+# One small static page for every /admin address and one script that draws it from the
+# JSON endpoints: no template engine at import, and no markup built from data. The
+# script puts everything an analyser, the website or an operator wrote into the page as
+# text (textContent), never as HTML, and it is the only script (CSP: script-src 'self').
+
+ADMIN_SHELL = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Analysis queue</title>
+<link rel="stylesheet" href="/admin/static/admin.css">
+<script src="/admin/static/admin.js" defer></script>
+</head><body data-mode="{mode}">
+<nav><a href="/admin">Overview</a> <a href="/admin/apps">Apps</a>
+<a href="/admin/apps?state=failed">Failures</a> <a href="/admin/analysers">Analysers</a>
+<button id="sign-out" type="button">Sign out</button></nav>
+<main id="main"><p>Loading…</p></main>
+</body></html>
+"""
+ADMIN_SIGN_IN = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Sign in: analysis queue</title>
+<link rel="stylesheet" href="/admin/static/admin.css">
+</head><body>
+<main><h1>Analysis queue</h1>{message}
+<form method="post" action="/admin/login">
+<label>Admin token <input name="token" type="password" autocomplete="current-password"
+required autofocus></label> <button type="submit">Sign in</button>
+</form></main>
+</body></html>
+"""
+SIGN_IN_REFUSED = '<p class="error">That is not the admin token.</p>'
+ADMIN_CSS = """body{font:15px/1.4 system-ui,sans-serif;margin:0;color:#222}
+nav{background:#234;padding:.6em 1em}nav a{color:#fff;margin-right:1em}
+nav button{float:right}main{padding:1em 1.5em;max-width:80em}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;
+padding:.25em .6em;text-align:left;vertical-align:top}th{background:#eee}
+pre{background:#f6f6f6;padding:.6em;white-space:pre-wrap;word-break:break-all;max-height:30em;
+overflow:auto}.why{border-left:.4em solid #c80;padding:.4em .8em;background:#fff8e8}
+.why.candidate{border-color:#080;background:#eefbe8}.error{color:#b00}
+.token{font-family:monospace;background:#ffe;padding:.4em;border:1px solid #cc8}
+form.filters label{margin-right:1em}.note{color:#666}
+"""
+ADMIN_JS = r"""'use strict';
+// The web view: each page is drawn from /admin/api/*. Data only ever becomes text.
+const main = document.getElementById('main');
+const full = document.body.dataset.mode === 'full';
+
+function el(tag, props, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props || {})) {
+    if (key === 'onclick') node.addEventListener('click', value);
+    else if (key === 'className') node.className = value;
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+function show(...nodes) { main.replaceChildren(...nodes); }
+function table(headers, rows) {
+  return el('table', {}, el('tr', {}, ...headers.map((h) => el('th', {}, h))),
+    ...rows.map((row) => el('tr', {}, ...row.map((cell) => el('td', {}, cell)))));
+}
+function appLink(id) { return el('a', {href: '/admin/apps/' + encodeURIComponent(id)}, id); }
+function when(value) { return value === null || value === undefined ? '-' : String(value); }
+
+async function api(path, body) {
+  const init = {credentials: 'same-origin', headers: {}};
+  if (body !== undefined) {
+    init.method = 'POST';
+    init.headers['Content-Type'] = 'application/json';
+    init.body = JSON.stringify(body);
+  }
+  const answer = await fetch(path, init);
+  if (answer.status === 401) { location.assign('/admin/login'); throw new Error('signed out'); }
+  const data = await answer.json();
+  if (!answer.ok) throw new Error(data.detail || ('HTTP ' + answer.status));
+  return data;
+}
+function failed(error) { show(el('p', {className: 'error'}, error.message)); }
+
+// An action: asks once, says what it did.
+async function act(question, path, body, done) {
+  if (!confirm(question)) return;
+  const out = document.getElementById('outcome');
+  try { done(await api(path, body)); } catch (error) {
+    out.replaceChildren(el('p', {className: 'error'}, error.message));
+  }
+}
+function said(text) { document.getElementById('outcome').replaceChildren(el('p', {}, text)); }
+function refetched(result) {
+  const o = result.outcomes;
+  return `${result.selected} selected: ${o.queued} queued now, ${o.waiting} waiting for` +
+    ` a lease to end, ${o.lease_broken} with the lease broken, ${o.skipped} left as they were.`;
+}
+
+async function overview() {
+  const data = await api('/admin/api/status');
+  const s = data.status;
+  const age = Math.round((Date.now() - Date.parse(data.counted)) / 1000);
+  show(el('h1', {}, 'Overview'),
+    el('p', {className: 'note', id: 'counted'}, `Counted ${age} s ago (${data.counted}).`),
+    el('h2', {}, 'Apps by state'),
+    table(['state', 'apps'], Object.entries(s.counts).map(([k, v]) =>
+      [el('a', {href: '/admin/apps?state=' + k}, k), v])),
+    el('h2', {}, 'Failures by reason'),
+    table(['reason', 'apps'], s.failed_by_reason.map((r) =>
+      [el('a', {href: '/admin/apps?state=failed&reason=' + encodeURIComponent(r.reason)},
+        r.reason), r.apps])),
+    el('h2', {}, 'Backlog'),
+    table(['backlog', 'ETA (hours)', 'analysers in the last hour'],
+      [[s.backlog_total, when(s.eta_hours), s.analysers_last_hour]]),
+    el('h2', {}, 'Held back'),
+    table(Object.keys(s.held_back), [Object.values(s.held_back)]),
+    el('h2', {}, 'Policy in force'),
+    table(Object.keys(s.policy), [Object.values(s.policy)]));
+}
+
+async function apps() {
+  const query = new URLSearchParams(location.search);
+  const data = await api('/admin/api/apps?' + query);
+  const field = (name, label) => el('label', {}, label + ' ',
+    el('input', {name, value: query.get(name) || '', size: 24}));
+  const state = el('select', {name: 'state'}, el('option', {value: ''}, 'any state'),
+    ...['queued', 'processing', 'analysed', 'failed'].map((s) => {
+      const option = el('option', {value: s}, s);
+      if (query.get('state') === s) option.setAttribute('selected', '');
+      return option;
+    }));
+  const filters = el('form', {className: 'filters', method: 'get', action: '/admin/apps'},
+    el('label', {}, 'State ', state), field('reason', 'Failure reason'),
+    field('q', 'Bundle ID starts with'), el('button', {type: 'submit'}, 'Filter'));
+  const rows = data.apps.map((a) => [appLink(a.appId), a.status, when(a.failure),
+    when(a.analysisVersion), when(a.analysed), when(a.claimedBy)]);
+  const next = new URLSearchParams(query);
+  next.set('after', data.next || '');
+  const bulk = [];
+  if (full && query.get('state') === 'failed' && data.apps.length) {
+    const where = {state: 'failed', reason: query.get('reason') || null, q: query.get('q') || ''};
+    for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
+      bulk.push(el('button', {type: 'button', onclick: () => act(
+        `${label} every failed app this filter matches, up to ${data.bulkLimit}?`,
+        '/admin/api/refetch', {filter: where, force}, (r) => said(refetched(r)))},
+      `${label} all matching (up to ${data.bulkLimit})`), ' ');
+    }
+  }
+  show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk,
+    table(['bundle ID', 'state', 'failure', 'version', 'analysed', 'leased to'], rows),
+    data.next ? el('a', {href: '/admin/apps?' + next, id: 'next'}, 'Next page') : null);
+}
+
+async function app(id) {
+  const data = await api('/admin/api/apps/' + encodeURIComponent(id));
+  const a = data.app;
+  const why = el('div', {className: 'why' + (data.why.candidate ? ' candidate' : ''), id: 'why'},
+    el('strong', {}, data.why.candidate ? 'Handed out now. ' : 'Not handed out now. '),
+    data.why.why, data.why.from ? ` From ${data.why.from}.` : '');
+  const buttons = [];
+  if (full) {
+    for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
+      buttons.push(el('button', {type: 'button', onclick: () => act(`${label} ${a.appId}?`,
+        '/admin/api/refetch', {appIds: [a.appId], force}, (r) => {
+          said(refetched(r)); setTimeout(() => route(), 0);
+        })}, label), ' ');
+    }
+  }
+  const log = data.history.filter((h) => h.failure_log !== null);
+  show(el('h1', {}, a.appId), why, el('div', {id: 'outcome'}), ...buttons,
+    table(['state', 'failure', 'version', 'analysed', 'added', 'leased to', 'since',
+      'lease attempts', 'analysed by'],
+      [[a.status, when(data.failureReason), when(a.analysisVersion), when(a.analysed),
+        when(a.added), when(a.claimedBy), when(a.processingStarted), data.leaseAttempts,
+        when(a.analysedBy)]]),
+    el('h2', {}, 'Details'), el('pre', {}, JSON.stringify(a.details, null, 2)),
+    el('h2', {}, 'Current result'),
+    el('pre', {id: 'analysis'}, JSON.stringify(a.analysis, null, 2)),
+    el('h2', {}, 'History, newest first'),
+    table(['analysed', 'version', 'source', 'success', 'analyser'], data.history.map((h) =>
+      [when(h.analysed), when(h.analysisversion), when(h.analysis_source), String(h.success),
+        when(h.analyser)])),
+    log.length ? el('h2', {}, 'Last failure log') : null,
+    log.length ? el('pre', {}, JSON.stringify(log[0].failure_log, null, 2)) : null,
+    el('h2', {}, 'Operator actions'),
+    table(['when', 'who', 'from', 'what', 'outcome'], data.actions.map((x) =>
+      [x.at, x.actor, x.source, x.action, when(x.outcome)])));
+}
+
+async function analysers() {
+  const data = await api('/admin/api/analysers');
+  const rows = data.analysers.map((a) => {
+    const cells = [a.name, when(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
+      when(a.results24h), when(a.failures24h), when(a.revoked)];
+    if (full && !a.revoked) {
+      cells.push(el('span', {},
+        el('button', {type: 'button', onclick: () => act(`Rotate the token of ${a.name}? The` +
+          ' old one keeps working for 24 hours.', '/admin/api/analysers/' +
+          encodeURIComponent(a.name) + '/rotate', {overlap: '24h'}, newToken)}, 'Rotate'), ' ',
+        el('button', {type: 'button', onclick: () => act(`Revoke ${a.name}? Its tokens stop` +
+          ' working at once.', '/admin/api/analysers/' + encodeURIComponent(a.name) + '/revoke',
+          {}, () => route())}, 'Revoke')));
+    }
+    return cells;
+  });
+  const name = el('input', {name: 'name', required: '', pattern: '[A-Za-z0-9._:@-]{1,64}'});
+  const add = el('form', {id: 'add-analyser'}, el('label', {}, 'Name ', name), ' ',
+    el('button', {type: 'submit'}, 'Add analyser'));
+  add.addEventListener('submit', (event) => {
+    event.preventDefault();
+    act(`Add the analyser ${name.value}?`, '/admin/api/analysers', {name: name.value}, newToken);
+  });
+  const headers = ['name', 'last seen', 'online', 'holds', 'results 24 h', 'failures 24 h',
+    'revoked'];
+  show(el('h1', {}, 'Analysers'), full ? add : null, el('div', {id: 'outcome'}),
+    table(full ? [...headers, ''] : headers, rows));
+}
+// A new token, shown once: here, in this answer, never again.
+function newToken(result) {
+  analysers().then(() => document.getElementById('outcome').replaceChildren(
+    el('p', {}, `The token of ${result.name}, shown this once:`),
+    el('p', {className: 'token', id: 'new-token'}, result.token)));
+}
+
+let refresh = null;
+function route() {
+  clearInterval(refresh);
+  const path = location.pathname;
+  if (path === '/admin') {
+    refresh = setInterval(() => {
+      if (document.visibilityState === 'visible') overview().catch(failed);
+    }, 30000);
+    return overview().catch(failed);
+  }
+  if (path === '/admin/apps') return apps().catch(failed);
+  if (path === '/admin/analysers') return analysers().catch(failed);
+  if (path.startsWith('/admin/apps/')) {
+    return app(decodeURIComponent(path.slice('/admin/apps/'.length))).catch(failed);
+  }
+}
+document.getElementById('sign-out').addEventListener('click', async () => {
+  await fetch('/admin/logout', {method: 'POST', credentials: 'same-origin',
+    headers: {'Content-Type': 'application/json'}, body: '{}'});
+  location.assign('/admin/login');
+});
+document.addEventListener('visibilitychange', () => {
+  if (document.visibilityState === 'visible' && location.pathname === '/admin') {
+    overview().catch(failed);
+  }
+});
+route();
+"""
+ADMIN_ASSETS = {
+    "/admin/static/admin.css": ("text/css; charset=utf-8", ADMIN_CSS),
+    "/admin/static/admin.js": ("text/javascript; charset=utf-8", ADMIN_JS),
+}
+
+
+# == Web view: routes ====================================================================
+# Every /admin address: the sign-in, the pages, their assets and the JSON endpoints
+# (docs/api.md lists them; docs/web-view.md says what each page is for). With
+# ADMIN_WEB=off, the default, every one of them answers 404 as an unknown path does.
+
+
+# -- the pages
+
+
+def _admin_page(request: Request, operator: Operator, **_: str) -> Response:
+    return Response(
+        ADMIN_SHELL.format(mode=settings().admin_web), media_type="text/html; charset=utf-8"
+    )
+
+
+def _admin_asset(request: Request, operator: Operator | None, **_: str) -> Response:
+    media_type, text = ADMIN_ASSETS[request.url.path]
+    return Response(text, media_type=media_type)
+
+
+def _sign_in_page(message: str = "", status_code: int = 200) -> Response:
+    return Response(
+        ADMIN_SIGN_IN.format(message=message),
+        status_code=status_code,
+        media_type="text/html; charset=utf-8",
+    )
+
+
+def _sign_in(request: Request, body: bytes) -> Response:
+    """POST /admin/login: the form's one field, `token`. It must come from the sign-in
+    page itself (Sec-Fetch-Site: same-origin), so no other site can sign a browser in."""
+    if request.headers.get("sec-fetch-site") != "same-origin":
+        raise HTTPException(403, "sign in from this site's own sign-in page")
+    _require_content_type(request, ("application/x-www-form-urlencoded",))
+    try:
+        fields = parse_qs(body.decode("ascii"), strict_parsing=True, max_num_fields=4)
+    except (UnicodeDecodeError, ValueError):
+        fields = {}
+    if list(fields) != ["token"] or len(fields["token"]) != 1:
+        raise HTTPException(400, "the form has one field, token")
+    cookie = sign_in(api_connection(), fields["token"][0], request_source(request))
+    if cookie is None:
+        return _sign_in_page(SIGN_IN_REFUSED, status_code=401)
+    secure = request.url.scheme == "https"
+    return Response(
+        status_code=303,
+        headers={
+            "Location": "/admin",
+            "Set-Cookie": session_cookie(cookie, secure, ADMIN_SESSION_HOURS * 3600),
+        },
+    )
+
+
+def _sign_out(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
+    if operator.session is not None:
+        end_session(api_connection(), operator.session)
+        record_actions(api_connection(), operator, "sign-out")
+    secure = request.url.scheme == "https"
+    return JSONResponse({"signedOut": True}, headers={"Set-Cookie": session_cookie("", secure, 0)})
+
+
+# -- JSON: reading
+
+
+def _api_status(request: Request, operator: Operator, **_: str) -> Response:
+    return JSONResponse(overview(api_connection(), settings().policy))
+
+
+def _api_apps(request: Request, operator: Operator, **_: str) -> Response:
+    query = dict(request.query_params)
+    after = query.get("after") or ""
+    if after and not is_valid_bundle_id(after):
+        raise BadInput("after must be a bundle ID (the `next` of the page before)")
+    page = apps_page(api_connection(), AppFilter.from_query(query), after=after.lower())
+    return JSONResponse({**page, "bulkLimit": BULK_REFETCH_LIMIT})
+
+
+def _api_app(request: Request, operator: Operator, appId: str) -> Response:
+    if not is_valid_bundle_id(appId):
+        raise BadInput(f"invalid bundle ID {appId[:200]!r}")
+    story = app_story(api_connection(), appId, settings().policy)
+    if story is None:
+        raise HTTPException(404, f"unknown app {appId}")
+    return Response(json_text(story), media_type="application/json")
+
+
+def _api_analysers(request: Request, operator: Operator, **_: str) -> Response:
+    return JSONResponse({"analysers": list_analysers(api_connection(), settings().policy)})
+
+
+# -- JSON: actions
+
+
+def _json_object(body: bytes, allowed: set[str]) -> dict[str, Any]:
+    parsed = _parse_json(body, "the body") if body else {}
+    if not isinstance(parsed, dict) or not set(parsed) <= allowed:
+        raise BadInput(f"the body must be a JSON object with only {', '.join(sorted(allowed))}")
+    return parsed
+
+
+def _api_refetch(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
+    """{"appIds": [...]} or {"filter": {"state": "failed", "reason", "q"}}, and "force":
+    the named apps, or the failed apps the filter matches (at most BULK_REFETCH_LIMIT),
+    refetched as `queue-refetch --apply` does, recorded with each batch it commits."""
+    require_actions()
+    asked = _json_object(body, {"appIds", "filter", "force"})
+    force = asked.get("force", False)
+    if ("appIds" in asked) == ("filter" in asked) or not isinstance(force, bool):
+        raise BadInput('give "appIds" or "filter" (one of them), and "force" true or false')
+    db = api_connection()
+    if "filter" in asked:
+        where = asked["filter"]
+        if not isinstance(where, dict) or where.get("state") != "failed":
+            raise BadInput('a bulk refetch takes a filter of failed apps: {"state": "failed"}')
+        matched = apps_page(
+            db,
+            AppFilter.from_query({k: v for k, v in where.items() if isinstance(v, str)}),
+            limit=BULK_REFETCH_LIMIT,
+        )
+        app_ids = [app["appId"] for app in matched["apps"]]
+    else:
+        app_ids = asked["appIds"]
+    request_ = RefetchRequest.checked(REFETCH_EVENT_NAMES, app_ids=app_ids, apply=True, force=force)
+    action = "force refetch" if force else "refetch"
+
+    def record(session: Session, rows: list[dict[str, str]]) -> None:
+        record_actions(session, operator, action, [(r["appid"], r["outcome"]) for r in rows])
+
+    progress, done = RefetchProgress(), []
+    if request_.app_ids:
+        progress = refetch_in_batches(
+            db,
+            request_,
+            lambda rows, so_far: done.extend(rows),
+            policy=settings().policy,
+            record=record,
+        )
+    return JSONResponse(
+        {
+            "selected": progress.selected,
+            "outcomes": progress.outcomes,
+            "unknown": unknown_app_ids(request_.app_ids, done),
+            "more": "filter" in asked and matched["next"] is not None,
+        }
+    )
+
+
+def _api_add_analyser(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
+    require_actions()
+    name = checked_analyser_name(_json_object(body, {"name"}).get("name"))
+    try:
+        created = add_analyser(api_connection(), name)
+    except AnalyserExists:
+        raise HTTPException(409, f"an analyser named {name} exists") from None
+    record_actions(api_connection(), operator, "add analyser", analyser=name)
+    return JSONResponse(created, status_code=201)
+
+
+def _api_rotate(request: Request, operator: Operator, body: bytes, name: str) -> Response:
+    require_actions()
+    name = checked_analyser_name(name)
+    overlap = _json_object(body, {"overlap"}).get("overlap", DEFAULT_ROTATION_OVERLAP)
+    if not isinstance(overlap, str):
+        raise BadInput('overlap is a duration such as "30m" or "7d"')
+    try:
+        rotated = rotate_analyser(api_connection(), name, overlap_seconds(overlap))
+    except UnknownAnalyser:
+        raise HTTPException(404, f"no analyser named {name}") from None
+    except AnalyserRevoked:
+        raise HTTPException(409, f"the analyser {name} is revoked") from None
+    record_actions(api_connection(), operator, "rotate analyser", analyser=name)
+    return JSONResponse(rotated)
+
+
+def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) -> Response:
+    require_actions()
+    name = checked_analyser_name(name)
+    _json_object(body, set())
+    try:
+        revoked = revoke_analyser(api_connection(), name)
+    except UnknownAnalyser:
+        raise HTTPException(404, f"no analyser named {name}") from None
+    record_actions(api_connection(), operator, "revoke analyser", analyser=name)
+    return JSONResponse(revoked)
+
+
+# -- the route table
+
+# (method, path, handler, who): "page" (a session, else to the sign-in page), "asset"
+# (anyone: static text), "read" and "write" (a session or the bearer token; a write by
+# session must come from the page itself: admin_guard). Path parameters are {name}.
+ADMIN_ROUTES = (
+    ("GET", "/admin", _admin_page, "page"),
+    ("GET", "/admin/apps", _admin_page, "page"),
+    ("GET", "/admin/apps/{appId}", _admin_page, "page"),
+    ("GET", "/admin/analysers", _admin_page, "page"),
+    ("GET", "/admin/static/admin.css", _admin_asset, "asset"),
+    ("GET", "/admin/static/admin.js", _admin_asset, "asset"),
+    ("POST", "/admin/logout", _sign_out, "write"),
+    ("GET", "/admin/api/status", _api_status, "read"),
+    ("GET", "/admin/api/apps", _api_apps, "read"),
+    ("GET", "/admin/api/apps/{appId}", _api_app, "read"),
+    ("POST", "/admin/api/refetch", _api_refetch, "write"),
+    ("GET", "/admin/api/analysers", _api_analysers, "read"),
+    ("POST", "/admin/api/analysers", _api_add_analyser, "write"),
+    ("POST", "/admin/api/analysers/{name}/rotate", _api_rotate, "write"),
+    ("POST", "/admin/api/analysers/{name}/revoke", _api_revoke, "write"),
+)
+_ADMIN_PATTERNS = tuple(
+    (method, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path) + r"\Z"), work, who)
+    for method, path, work, who in ADMIN_ROUTES
+)
+
+
+def _admin_work(request: Request, body: bytes) -> Response:
+    """The blocking part of an /admin request: who sent it, then its route's work."""
+    path, method = request.url.path, request.method
+    if path == "/admin/login":
+        if method == "POST":
+            return _sign_in(request, body)
+        if method == "GET":
+            return _sign_in_page()
+    for route_method, pattern, work, who in _ADMIN_PATTERNS:
+        found = pattern.match(path)
+        if found is None or route_method != method:
+            continue
+        if who == "asset":
+            return work(request, None)
+        if who == "page":
+            try:
+                operator = admin_guard(request, write=False)
+            except HTTPException as refusal:
+                if refusal.status_code != 401:
+                    raise
+                return Response(status_code=303, headers={"Location": "/admin/login"})
+            return work(request, operator, **found.groupdict())
+        operator = admin_guard(request, write=who == "write")
+        extra = {"body": body} if who == "write" else {}
+        return work(request, operator, **extra, **found.groupdict())
+    known = any(pattern.match(path) for _, pattern, _, _ in _ADMIN_PATTERNS)
+    if known or path == "/admin/login":
+        raise HTTPException(405, "Method Not Allowed")
+    raise HTTPException(404, "Not Found")
+
+
+async def _admin_error(request: Request, error: Exception) -> Response:
+    """An /admin error, answered by the exception handler registered for its class (the
+    HTTP error answers, registered with the app by the time a request runs)."""
+    for kind in type(error).__mro__:
+        handler = app.exception_handlers.get(kind)
+        if handler is not None:
+            return await handler(request, error)
+    raise error
+
+
+ADMIN_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+@app.api_route("/admin", methods=ADMIN_METHODS, include_in_schema=False)
+@app.api_route("/admin/{rest:path}", methods=ADMIN_METHODS, include_in_schema=False)
+async def admin(request: Request) -> Response:
+    """Every /admin request: 404 unless ADMIN_WEB is on; every answer, errors included,
+    with ADMIN_HEADERS."""
+    try:
+        if settings().admin_web == "off":
+            raise HTTPException(404, "Not Found")
+        body = await _read_body(request) if request.method == "POST" else b""
+        response = await blocking(_admin_work, request, body)
+    except Exception as error:  # noqa: BLE001 - answered as every route's, with the headers
+        response = await _admin_error(request, error)
+    response.headers.update(ADMIN_HEADERS)
+    return response
 
 
 # == HTTP error answers =================================================================
