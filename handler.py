@@ -887,6 +887,9 @@ class Runtime:
         self._previous_secrets: dict[str, tuple[float, str | None]] = {}
         self._secret_refreshed: dict[str, float] = {}  # when each was last read afresh
         self._secret_locks: dict[str, threading.Lock] = {}
+        # What a later chapter keeps for a while in this process, by key: (when, by this
+        # Runtime's clock, what) (the web view's overview).
+        self.cached: dict[str, tuple[float, Any]] = {}
 
     def _secret_lock(self, reference: str) -> threading.Lock:
         """One reader of a secret at a time: threads that need it meanwhile wait for the
@@ -4819,7 +4822,7 @@ async def healthz_analyser() -> JSONResponse:
     return JSONResponse(body, status_code=200 if online else 503)
 
 
-# == Web view: sessions and guards =======================================================
+# == Web view: sessions and guards ======================================================
 # The operators' web view (ADMIN_WEB, docs/web-view.md), first its door: sign-in with the
 # admin token, a signed session cookie, the record of every operator action, and the
 # guard each /admin route passes. The pages and their JSON follow in the next chapters.
@@ -5053,7 +5056,7 @@ def require_actions() -> None:
         raise HTTPException(403, "the web view is read-only here (ADMIN_WEB=read-only)")
 
 
-# == Web view: what it reads =============================================================
+# == Web view: what it reads ============================================================
 # The overview (the queue-status document, counted at most once a minute), apps by
 # state, failure reason and bundle-ID prefix (paged by keyset), and one app's story: its
 # state, lease, history, the actions on it, and why it is or is not handed out.
@@ -5107,22 +5110,22 @@ WHERE app_id = :appid ORDER BY at DESC LIMIT :limit
 # -- the overview
 
 STATUS_MAX_AGE_SECONDS = 60
-_status_cache: dict[QueuePolicy, tuple[float, dict[str, Any]]] = {}
-_status_lock = threading.Lock()
+_overview_lock = threading.Lock()
 
 
 def overview(db: SharedConnection, policy: QueuePolicy) -> dict[str, Any]:
     """The queue-status document (what `queue-status --json` prints) and when it was
     counted: counting a million apps takes seconds, so a process counts at most once a
-    STATUS_MAX_AGE_SECONDS and the page says how old its figures are."""
-    with _status_lock:
-        cached = _status_cache.get(policy)
-        if cached is None or time.monotonic() - cached[0] > STATUS_MAX_AGE_SECONDS:
+    STATUS_MAX_AGE_SECONDS (Runtime.cached) and the page says how old its figures are."""
+    process, key = runtime(), f"overview {policy}"
+    with _overview_lock:
+        cached = process.cached.get(key)
+        if cached is None or process.clock() - cached[0] > STATUS_MAX_AGE_SECONDS:
             counted = {
                 "status": queue_status(db, policy).document(),
                 "counted": datetime.now(UTC).isoformat(),
             }
-            cached = _status_cache[policy] = (time.monotonic(), counted)
+            cached = process.cached[key] = (process.clock(), counted)
     return cached[1]
 
 
@@ -5269,7 +5272,7 @@ def app_story(db: SharedConnection, app_id: str, policy: QueuePolicy) -> dict[st
     return db.transaction(work)
 
 
-# == Web view: the page ==================================================================
+# == Web view: the page =================================================================
 # One small static page for every /admin address and one script that draws it from the
 # JSON endpoints: no template engine at import, and no markup built from data. The
 # script puts everything an analyser, the website or an operator wrote into the page as
@@ -5529,7 +5532,7 @@ ADMIN_ASSETS = {
 }
 
 
-# == Web view: routes ====================================================================
+# == Web view: routes ===================================================================
 # Every /admin address: the sign-in, the pages, their assets and the JSON endpoints
 # (docs/api.md lists them; docs/web-view.md says what each page is for). With
 # ADMIN_WEB=off, the default, every one of them answers 404 as an unknown path does.
@@ -5538,13 +5541,17 @@ ADMIN_ASSETS = {
 # -- the pages
 
 
-def _admin_page(request: Request, operator: Operator, **_: str) -> Response:
+# Each route's work: work(request, operator, body, **path parameters); operator None for
+# the routes anyone may reach.
+
+
+def _admin_page(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
     return Response(
         ADMIN_SHELL.format(mode=settings().admin_web), media_type="text/html; charset=utf-8"
     )
 
 
-def _admin_asset(request: Request, operator: Operator | None, **_: str) -> Response:
+def _admin_asset(request: Request, operator: None, body: bytes) -> Response:
     media_type, text = ADMIN_ASSETS[request.url.path]
     return Response(text, media_type=media_type)
 
@@ -5557,7 +5564,11 @@ def _sign_in_page(message: str = "", status_code: int = 200) -> Response:
     )
 
 
-def _sign_in(request: Request, body: bytes) -> Response:
+def _sign_in_form(request: Request, operator: None, body: bytes) -> Response:
+    return _sign_in_page()
+
+
+def _sign_in(request: Request, operator: None, body: bytes) -> Response:
     """POST /admin/login: the form's one field, `token`. It must come from the sign-in
     page itself (Sec-Fetch-Site: same-origin), so no other site can sign a browser in."""
     if request.headers.get("sec-fetch-site") != "same-origin":
@@ -5569,7 +5580,8 @@ def _sign_in(request: Request, body: bytes) -> Response:
         fields = {}
     if list(fields) != ["token"] or len(fields["token"]) != 1:
         raise HTTPException(400, "the form has one field, token")
-    cookie = sign_in(api_connection(), fields["token"][0], request_source(request))
+    (token,) = fields["token"]
+    cookie = sign_in(api_connection(), token, request_source(request))
     if cookie is None:
         return _sign_in_page(SIGN_IN_REFUSED, status_code=401)
     secure = request.url.scheme == "https"
@@ -5582,7 +5594,7 @@ def _sign_in(request: Request, body: bytes) -> Response:
     )
 
 
-def _sign_out(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
+def _sign_out(request: Request, operator: Operator, body: bytes) -> Response:
     if operator.session is not None:
         end_session(api_connection(), operator.session)
         record_actions(api_connection(), operator, "sign-out")
@@ -5593,11 +5605,11 @@ def _sign_out(request: Request, operator: Operator, body: bytes, **_: str) -> Re
 # -- JSON: reading
 
 
-def _api_status(request: Request, operator: Operator, **_: str) -> Response:
+def _api_status(request: Request, operator: Operator, body: bytes) -> Response:
     return JSONResponse(overview(api_connection(), settings().policy))
 
 
-def _api_apps(request: Request, operator: Operator, **_: str) -> Response:
+def _api_apps(request: Request, operator: Operator, body: bytes) -> Response:
     query = dict(request.query_params)
     after = query.get("after") or ""
     if after and not is_valid_bundle_id(after):
@@ -5606,7 +5618,7 @@ def _api_apps(request: Request, operator: Operator, **_: str) -> Response:
     return JSONResponse({**page, "bulkLimit": BULK_REFETCH_LIMIT})
 
 
-def _api_app(request: Request, operator: Operator, appId: str) -> Response:
+def _api_app(request: Request, operator: Operator, body: bytes, appId: str) -> Response:
     if not is_valid_bundle_id(appId):
         raise BadInput(f"invalid bundle ID {appId[:200]!r}")
     story = app_story(api_connection(), appId, settings().policy)
@@ -5615,7 +5627,7 @@ def _api_app(request: Request, operator: Operator, appId: str) -> Response:
     return Response(json_text(story), media_type="application/json")
 
 
-def _api_analysers(request: Request, operator: Operator, **_: str) -> Response:
+def _api_analysers(request: Request, operator: Operator, body: bytes) -> Response:
     return JSONResponse({"analysers": list_analysers(api_connection(), settings().policy)})
 
 
@@ -5629,7 +5641,7 @@ def _json_object(body: bytes, allowed: set[str]) -> dict[str, Any]:
     return parsed
 
 
-def _api_refetch(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
+def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
     """{"appIds": [...]} or {"filter": {"state": "failed", "reason", "q"}}, and "force":
     the named apps, or the failed apps the filter matches (at most BULK_REFETCH_LIMIT),
     refetched as `queue-refetch --apply` does, recorded with each batch it commits."""
@@ -5676,7 +5688,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes, **_: str) ->
     )
 
 
-def _api_add_analyser(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
+def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Response:
     require_actions()
     name = checked_analyser_name(_json_object(body, {"name"}).get("name"))
     try:
@@ -5717,16 +5729,18 @@ def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) ->
 
 # -- the route table
 
-# (method, path, handler, who): "page" (a session, else to the sign-in page), "asset"
-# (anyone: static text), "read" and "write" (a session or the bearer token; a write by
-# session must come from the page itself: admin_guard). Path parameters are {name}.
+# (method, path, work, who): "anyone" (the sign-in and static text), "page" (a session,
+# else to the sign-in page), "read" and "write" (a session or the bearer token; a write
+# by session must come from the page itself: admin_guard). Path parameters are {name}.
 ADMIN_ROUTES = (
+    ("GET", "/admin/login", _sign_in_form, "anyone"),
+    ("POST", "/admin/login", _sign_in, "anyone"),
     ("GET", "/admin", _admin_page, "page"),
     ("GET", "/admin/apps", _admin_page, "page"),
     ("GET", "/admin/apps/{appId}", _admin_page, "page"),
     ("GET", "/admin/analysers", _admin_page, "page"),
-    ("GET", "/admin/static/admin.css", _admin_asset, "asset"),
-    ("GET", "/admin/static/admin.js", _admin_asset, "asset"),
+    ("GET", "/admin/static/admin.css", _admin_asset, "anyone"),
+    ("GET", "/admin/static/admin.js", _admin_asset, "anyone"),
     ("POST", "/admin/logout", _sign_out, "write"),
     ("GET", "/admin/api/status", _api_status, "read"),
     ("GET", "/admin/api/apps", _api_apps, "read"),
@@ -5744,32 +5758,25 @@ _ADMIN_PATTERNS = tuple(
 
 
 def _admin_work(request: Request, body: bytes) -> Response:
-    """The blocking part of an /admin request: who sent it, then its route's work."""
-    path, method = request.url.path, request.method
-    if path == "/admin/login":
-        if method == "POST":
-            return _sign_in(request, body)
-        if method == "GET":
-            return _sign_in_page()
+    """The blocking part of an /admin request: its route, who sent it, then its work."""
+    path, method, allowed = request.url.path, request.method, False
     for route_method, pattern, work, who in _ADMIN_PATTERNS:
         found = pattern.match(path)
-        if found is None or route_method != method:
+        if found is None:
             continue
-        if who == "asset":
-            return work(request, None)
-        if who == "page":
-            try:
-                operator = admin_guard(request, write=False)
-            except HTTPException as refusal:
-                if refusal.status_code != 401:
-                    raise
-                return Response(status_code=303, headers={"Location": "/admin/login"})
-            return work(request, operator, **found.groupdict())
-        operator = admin_guard(request, write=who == "write")
-        extra = {"body": body} if who == "write" else {}
-        return work(request, operator, **extra, **found.groupdict())
-    known = any(pattern.match(path) for _, pattern, _, _ in _ADMIN_PATTERNS)
-    if known or path == "/admin/login":
+        if route_method != method:
+            allowed = True
+            continue
+        if who == "anyone":
+            return work(request, None, body)
+        try:
+            operator = admin_guard(request, write=who == "write")
+        except HTTPException as refusal:
+            if who != "page" or refusal.status_code != 401:
+                raise
+            return Response(status_code=303, headers={"Location": "/admin/login"})
+        return work(request, operator, body, **found.groupdict())
+    if allowed:
         raise HTTPException(405, "Method Not Allowed")
     raise HTTPException(404, "Not Found")
 

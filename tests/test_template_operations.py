@@ -29,6 +29,7 @@ from sam_template import (
 
 DOCS = handler.HERE / "docs" / "monitoring.md"
 PUBLIC_ROUTES = {"GET /apps/{appId}", "GET /healthz", "GET /healthz/analyser", "$default"}
+WEB_VIEW_ROUTES = {"ANY /admin", "ANY /admin/{proxy+}"}
 SERVERLESS_RULES = ManualArgs(
     regions=["us-east-1", "eu-west-1"], append_rules=["cfn_lint_serverless.rules"]
 )
@@ -210,6 +211,8 @@ def route_keys(transformed: dict) -> set[str]:
         for method in methods:
             if method == "x-amazon-apigateway-any-method" and path == "/$default":
                 keys.add("$default")
+            elif method == "x-amazon-apigateway-any-method":
+                keys.add(f"ANY {path}")
             else:
                 keys.add(f"{method.upper()} {path}")
     return keys
@@ -218,10 +221,14 @@ def route_keys(transformed: dict) -> set[str]:
 def test_public_routes_have_their_own_lower_limits(transformed, source):
     settings = stage(transformed, PublicThrottlingBurstLimit="7", PublicThrottlingRateLimit="3")
     routes = settings["RouteSettings"]
-    assert set(routes) == PUBLIC_ROUTES
+    assert set(routes) == PUBLIC_ROUTES | WEB_VIEW_ROUTES
     assert set(routes) <= route_keys(transformed)  # a key no route has fails the deploy
     for key in PUBLIC_ROUTES:
         assert routes[key] == {"ThrottlingBurstLimit": "7", "ThrottlingRateLimit": "3"}, key
+    # The web view's bucket is its own, smaller than the analysers' (its sign-in is also
+    # limited per address by the app).
+    for key in WEB_VIEW_ROUTES:
+        assert routes[key] == {"ThrottlingBurstLimit": 10, "ThrottlingRateLimit": 5}, key
     # The authenticated routes keep the stage's default limits.
     assert not (ANALYSER_ROUTES | {"POST /apps"}) & set(routes)
     assert settings["DefaultRouteSettings"] == {
