@@ -19,6 +19,7 @@ import threading
 import uuid
 from urllib.parse import urlsplit
 
+import kit
 import pg8000.native
 import pytest
 from kit import ADMIN, ANALYSER, Databases, configure_service
@@ -331,6 +332,28 @@ def test_named_analysers_work_as_the_queue_role(queue_role, sql):
         assert client.get("/healthz/analyser").status_code == 503
     status = handler.report(load_event("schedule.json"), LambdaContext())
     assert [row["name"] for row in status["analysers"]] == ["pi-role"]
+
+
+@pytest.mark.private_database  # queue_role grants on its schema and tables
+def test_the_web_view_works_as_the_queue_role(queue_role, sql, monkeypatch):
+    """Sign-in, a session, an action and its record, sign-out, as queue_app with only the
+    documented grants."""
+    from fastapi.testclient import TestClient
+
+    configure_service(monkeypatch, queue_role["url"], ADMIN_WEB="full")
+    sql.run("INSERT INTO apps (appid, details) VALUES ('role.app', '{}')")
+    page = {"Sec-Fetch-Site": "same-origin"}
+    with TestClient(handler.app, raise_server_exceptions=False) as client:
+        signed_in = client.post(
+            "/admin/login", data={"token": kit.ADMIN_TOKEN}, headers=page, follow_redirects=False
+        )
+        assert signed_in.status_code == 303, signed_in.text
+        refetch = client.post("/admin/api/refetch", json={"appIds": ["role.app"]}, headers=page)
+        assert refetch.status_code == 200, refetch.text
+        story = client.get("/admin/api/apps/role.app").json()
+        assert [action["action"] for action in story["actions"]] == ["refetch"]
+        assert client.post("/admin/logout", json={}, headers=page).status_code == 200
+        assert client.get("/admin/api/status").status_code == 401
 
 
 @pytest.mark.private_database  # queue_role grants on its schema and tables
