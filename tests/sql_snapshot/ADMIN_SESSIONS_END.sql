@@ -1,0 +1,1 @@
+UPDATE admin_sessions SET ended = now() WHERE id_hash = :id_hash
