@@ -5217,6 +5217,12 @@ def why_handed_out(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolic
         holder = row["claim_holder"] or "a host on the shared password"
         held, when = "lease", rule["lease_ends"]
         why = f"leased to {holder}; handed out again when the lease ends without a result"
+        if attempts >= policy.max_lease_attempts:  # this lease is its last: it backs off
+            when = None
+            why = (
+                f"leased to {holder}, the last of {policy.max_lease_attempts} leases: if it"
+                " ends without a result, the app backs off (a lease_expired failure)"
+            )
         if rule["refetch_requested"]:
             why += "; a refetch waits for this lease, then queues it"
     elif status == "processing":
@@ -5620,8 +5626,9 @@ def _api_apps(request: Request, operator: Operator, body: bytes) -> Response:
 
 
 def _api_app(request: Request, operator: Operator, body: bytes, appId: str) -> Response:
-    if not is_valid_bundle_id(appId):
-        raise BadInput(f"invalid bundle ID {appId[:200]!r}")
+    # Any bundle ID a row may hold, invalid ones from before sql/003 included.
+    if len(appId) > 255 or not PRINTABLE_ASCII.fullmatch(appId):
+        raise BadInput("an app's bundle ID is at most 255 printable ASCII characters")
     story = app_story(api_connection(), appId, settings().policy)
     if story is None:
         raise HTTPException(404, f"unknown app {appId}")
@@ -5652,16 +5659,25 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
     if ("appIds" in asked) == ("filter" in asked) or not isinstance(force, bool):
         raise BadInput('give "appIds" or "filter" (one of them), and "force" true or false')
     db = api_connection()
+    invalid: list[str] = []
     if "filter" in asked:
         where = asked["filter"]
-        if not isinstance(where, dict) or where.get("state") != "failed":
-            raise BadInput('a bulk refetch takes a filter of failed apps: {"state": "failed"}')
-        matched = apps_page(
-            db,
-            AppFilter.from_query({k: v for k, v in where.items() if isinstance(v, str)}),
-            limit=BULK_REFETCH_LIMIT,
-        )
+        # A filter it cannot read is refused, never widened (a reason of 5 is no reason).
+        if (
+            not isinstance(where, dict)
+            or not set(where) <= {"state", "reason", "q"}
+            or not all(value is None or isinstance(value, str) for value in where.values())
+            or where.get("state") != "failed"
+        ):
+            raise BadInput(
+                'a bulk refetch takes a filter of failed apps: {"state": "failed",'
+                ' "reason": text or null, "q": text}'
+            )
+        matched = apps_page(db, AppFilter.from_query(where), limit=BULK_REFETCH_LIMIT)
+        # An invalid bundle ID (a row older than sql/003) is never valid again: left.
         app_ids = [app["appId"] for app in matched["apps"]]
+        invalid = [app_id for app_id in app_ids if not is_valid_bundle_id(app_id)]
+        app_ids = [app_id for app_id in app_ids if is_valid_bundle_id(app_id)]
     else:
         app_ids = asked["appIds"]
     request_ = RefetchRequest.checked(REFETCH_EVENT_NAMES, app_ids=app_ids, apply=True, force=force)
@@ -5684,6 +5700,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
             "selected": progress.selected,
             "outcomes": progress.outcomes,
             "unknown": unknown_app_ids(request_.app_ids, done),
+            "invalid": invalid,
             "more": "filter" in asked and matched["next"] is not None,
         }
     )
