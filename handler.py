@@ -4831,9 +4831,16 @@ async def healthz_analyser() -> JSONResponse:
 # -- SQL
 
 # A session's id is 256 random bits; the table keeps its SHA-256 only.
-ADMIN_SESSIONS_INSERT = """
-INSERT INTO admin_sessions (id_hash, expires, source)
-VALUES (:id_hash, now() + make_interval(hours => :hours), :source)
+# A sign-in's one write, right token or wrong: the attempt's record and, for the right
+# one, its session. One statement either way, so both are answered after the same work.
+SIGN_IN_RECORD = """
+WITH started AS (
+    INSERT INTO admin_sessions (id_hash, expires, source)
+    SELECT :id_hash, now() + make_interval(hours => :hours), :source WHERE :accepted
+    RETURNING 1
+)
+INSERT INTO operator_actions (actor, source, action)
+VALUES (:actor, :source, CASE WHEN :accepted THEN 'sign-in' ELSE 'sign-in refused' END)
 """
 ADMIN_SESSIONS_SELECT_LIVE = """
 SELECT 1 FROM admin_sessions WHERE id_hash = :id_hash AND ended IS NULL AND expires > now()
@@ -4899,21 +4906,6 @@ def _session_hash(session_id: str) -> bytes:
 def session_actor(id_hash: bytes) -> str:
     """How an action's record names a session: a prefix of its id's hash, never the id."""
     return f"session {id_hash.hex()[:12]}"
-
-
-def start_session(db: SharedConnection, source: str) -> str:
-    """A new session (a new id at every sign-in: a fixated cookie is never adopted); the
-    cookie's value: the id and its signature."""
-    import secrets  # at the first sign-in, not at a cold start
-
-    session_id = secrets.token_urlsafe(32)
-    db.run(
-        ADMIN_SESSIONS_INSERT,
-        id_hash=_session_hash(session_id),
-        hours=ADMIN_SESSION_HOURS,
-        source=source,
-    )
-    return f"{session_id}.{_session_signature(session_id)}"
 
 
 def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
@@ -4989,8 +4981,8 @@ def record_actions(
 
 def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
     """The cookie for a new session if `token` is the admin token; None if not. Either
-    way one attempt is recorded. Refused from a source past SIGN_IN_REFUSALS_ALLOWED in
-    the window: 429, before the token is looked at."""
+    way the attempt is recorded (SIGN_IN_RECORD). Refused from a source past
+    SIGN_IN_REFUSALS_ALLOWED in the window: 429, before the token is looked at."""
     (refused,) = db.run(
         OPERATOR_ACTIONS_REFUSED_SIGN_INS, source=source, minutes=SIGN_IN_WINDOW_MINUTES
     )[0]
@@ -5001,18 +4993,32 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
             f" {SIGN_IN_WINDOW_MINUTES} minutes",
             headers={"Retry-After": str(SIGN_IN_WINDOW_MINUTES * 60)},
         )
-    anonymous = Operator(actor="sign-in", source=source, by_cookie=False)
+    import secrets  # at the first sign-in, not at a cold start
+
     try:  # the bearer check: constant-time, either version of a rotating secret
         _check_admin(HTTPAuthorizationCredentials(scheme="Bearer", credentials=token))
+        accepted = True
     except HTTPException as refusal:
         if refusal.status_code != 401:
             raise
-        record_actions(db, anonymous, "sign-in refused")
-        return None
-    cookie = start_session(db, source)
-    session = _session_hash(cookie.partition(".")[0])
-    record_actions(db, dataclasses.replace(anonymous, actor=session_actor(session)), "sign-in")
-    return cookie
+        accepted = False
+    # A new session id at every sign-in (a cookie set before it is never adopted); made,
+    # signed and written alike whether the token was right or not.
+    session_id = secrets.token_urlsafe(32)
+    cookie = f"{session_id}.{_session_signature(session_id)}"
+    id_hash = _session_hash(session_id)
+    actor = session_actor(id_hash) if accepted else "sign-in"
+    db.run(
+        SIGN_IN_RECORD,
+        accepted=accepted,
+        id_hash=id_hash,
+        hours=ADMIN_SESSION_HOURS,
+        source=source,
+        actor=actor,
+    )
+    action = "sign-in" if accepted else "sign-in refused"
+    logger.info("operator action", extra={"actor": actor, "source": source, "action": action})
+    return cookie if accepted else None
 
 
 # -- the guard
