@@ -5347,7 +5347,8 @@ function el(tag, props, ...children) {
   }
   return node;
 }
-function show(...nodes) { main.replaceChildren(...nodes); }
+// A part a page leaves out is null: left out here too (replaceChildren would write "null").
+function show(...nodes) { main.replaceChildren(...nodes.filter((node) => node !== null)); }
 function table(headers, rows) {
   return el('table', {}, el('tr', {}, ...headers.map((h) => el('th', {}, h))),
     ...rows.map((row) => el('tr', {}, ...row.map((cell) => el('td', {}, cell)))));
@@ -5378,7 +5379,10 @@ async function act(question, path, body, done) {
     out.replaceChildren(el('p', {className: 'error'}, error.message));
   }
 }
-function said(text) { document.getElementById('outcome').replaceChildren(el('p', {}, text)); }
+function said(text) {
+  const out = document.getElementById('outcome');  // gone if the page was drawn as an error
+  if (out) out.replaceChildren(el('p', {}, text));
+}
 function refetched(result) {
   const o = result.outcomes;
   return `${result.selected} selected: ${o.queued} queued now, ${o.waiting} waiting for` +
@@ -5451,7 +5455,8 @@ async function app(id) {
     for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
       buttons.push(el('button', {type: 'button', onclick: () => act(`${label} ${a.appId}?`,
         '/admin/api/refetch', {appIds: [a.appId], force}, (r) => {
-          said(refetched(r)); setTimeout(() => route(), 0);
+          const text = refetched(r);
+          route().then(() => said(text));  // the page drawn again, then what was done
         })}, label), ' ');
     }
   }
@@ -5492,7 +5497,8 @@ async function analysers() {
     }
     return cells;
   });
-  const name = el('input', {name: 'name', required: '', pattern: '[A-Za-z0-9._:@-]{1,64}'});
+  // A pattern is compiled with the v flag, where a literal - in a class must be escaped.
+  const name = el('input', {name: 'name', required: '', pattern: '[A-Za-z0-9._:@\\-]{1,64}'});
   const add = el('form', {id: 'add-analyser'}, el('label', {}, 'Name ', name), ' ',
     el('button', {type: 'submit'}, 'Add analyser'));
   add.addEventListener('submit', (event) => {

@@ -1,0 +1,800 @@
+"""The operators' web view (ADMIN_WEB, docs/web-view.md) as an operator's browser meets it:
+headless Chromium, driven by Playwright, against `python3 handler.py serve` on loopback.
+
+Each test starts the service in a process of its own, as an operator runs it (a process
+counts the overview at most once a minute, so a server shared by the tests would show one
+test's figures to the next). The browser is Debian's Chromium at /usr/bin/chromium; the
+tests never download one (`playwright install` is not used), and they fail, saying how to
+install it, when it is missing. Nothing is waited for by the clock: Playwright waits for
+what a page shows, and the service is ready when uvicorn says it listens.
+
+With WEB_VIEW_SCREENSHOTS set to a directory (relative to the repository, e.g.
+`WEB_VIEW_SCREENSHOTS=docs/web-view`), the tour also writes its screenshots there; they
+always go to the test's tmp_path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD
+
+import handler
+from helpers import app_row, insert_app, minutes_ago, run_cli
+from live import free_port
+from queue_status import arrange_every_state
+
+try:
+    from playwright.sync_api import Page, expect, sync_playwright
+except ImportError:  # the `chromium` fixture fails each test, saying how to install it
+    Page = expect = sync_playwright = None
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+COOKIE = "analysis_queue_admin"
+SCREENSHOTS = "WEB_VIEW_SCREENSHOTS"
+NO_PLAYWRIGHT = "Playwright is not installed: python3 -m pip install -r tests/requirements.txt"
+NO_CHROMIUM = (
+    f"Chromium is missing ({CHROMIUM}): install Debian's package, as .ci/run does:"
+    " apt-get install chromium (never `playwright install`: these tests use the system's"
+    " browser)"
+)
+
+
+# --------------------------------------------------------------------------- the browser
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """Debian's Chromium under Playwright; a test fails (never skips) without it."""
+    if sync_playwright is None:
+        pytest.fail(NO_PLAYWRIGHT, pytrace=False)
+    if not CHROMIUM.exists():
+        pytest.fail(NO_CHROMIUM, pytrace=False)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM),
+            # Only loopback: any other host is resolved to nothing.
+            args=["--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"],
+        )
+        yield browser
+        browser.close()
+
+
+@dataclasses.dataclass
+class Tab:
+    """A page of a browser of its own (cookies included), and what it did unasked: the
+    dialogs it opened (accepted only while `accepting`) and the errors its scripts threw."""
+
+    page: Page
+    accepting: bool = False
+    dialogs: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def answer(self, dialog) -> None:
+        self.dialogs.append(f"{dialog.type}: {dialog.message}")
+        if self.accepting:
+            dialog.accept()
+        else:
+            dialog.dismiss()
+
+    def session_cookies(self) -> list[dict]:
+        return [c for c in self.page.context.cookies() if c["name"] == COOKIE]
+
+
+@pytest.fixture
+def tab(chromium) -> Iterator[Tab]:
+    context = chromium.new_context(viewport={"width": 1280, "height": 860})
+    opened = Tab(context.new_page())
+    opened.page.on("dialog", opened.answer)
+    opened.page.on("pageerror", lambda error: opened.errors.append(str(error)))
+    yield opened
+    context.close()
+
+
+def sign_in(tab: Tab, base: str, token: str = ADMIN_TOKEN) -> None:
+    page = tab.page
+    page.goto(f"{base}/admin/login")
+    page.get_by_label("Admin token").fill(token)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_load_state()
+
+
+def posted(url: str) -> Callable:
+    """expect_response's test for the answer to a POST to url."""
+    return lambda response: response.url == url and response.request.method == "POST"
+
+
+def screenshot(page: Page, tmp_path: Path, name: str) -> None:
+    """The page as shown, into tmp_path; also into $WEB_VIEW_SCREENSHOTS when it is set."""
+    image = page.screenshot(full_page=True)
+    (tmp_path / f"{name}.png").write_bytes(image)
+    if os.environ.get(SCREENSHOTS):
+        folder = handler.HERE / os.environ[SCREENSHOTS]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.png").write_bytes(image)
+
+
+def cells(page: Page, heading: str) -> list[list[str]]:
+    """The rows (header first) of the table after the `heading` h2 of the page."""
+    table = page.locator(f"h2:text-is('{heading}') + table")
+    return table.evaluate(
+        "t => [...t.rows].map(r => [...r.cells].map(c => c.textContent))",
+    )
+
+
+def column(page: Page, number: int = 0) -> list[str]:
+    """One column of the page's first table, header left out."""
+    rows = page.locator("main table").first.evaluate(
+        "t => [...t.rows].slice(1).map(r => [...r.cells].map(c => c.textContent))"
+    )
+    return [row[number] for row in rows]
+
+
+# --------------------------------------------------------------------------- the service
+
+
+@pytest.fixture
+def serve(database_url) -> Iterator[Callable[..., str]]:
+    """start(mode, **env): `python3 handler.py serve` with ADMIN_WEB=mode on a free
+    loopback port, configured as database_url configured this process (and `env`); its
+    base URL. Each is stopped, by its pid, when the test ends."""
+    started: list[subprocess.Popen] = []
+
+    def start(mode: str | None = "full", **env: str) -> str:
+        port = free_port()
+        environment = {**os.environ, **env}
+        environment.pop("ADMIN_WEB", None)
+        if mode is not None:
+            environment["ADMIN_WEB"] = mode
+        process = subprocess.Popen(
+            [sys.executable, "handler.py", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=handler.HERE,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        started.append(process)
+        output: list[str] = []
+        listening = threading.Event()
+
+        def read() -> None:  # drained to the end, so the server never blocks on its pipe
+            for line in process.stdout:
+                output.append(line)
+                if "Uvicorn running on" in line:
+                    listening.set()
+            listening.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        listening.wait(timeout=60)
+        assert process.poll() is None and listening.is_set(), "".join(output)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for process in started:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class Service:
+    """The service's own API, as the website and the analysers call it (arranging data
+    the way it arrives in production)."""
+
+    def __init__(self, base: str):
+        self.http = httpx.Client(base_url=base, timeout=30)
+
+    def add(self, app_id: str, **details) -> None:
+        answer = self.http.post("/apps", headers=ADMIN, json={"appId": app_id, "details": details})
+        assert answer.status_code == 201, answer.text
+
+    def add_analyser(self, name: str) -> str:
+        answer = self.http.post("/analysers", headers=ADMIN, json={"name": name})
+        assert answer.status_code == 201, answer.text
+        return answer.json()["token"]
+
+    def claim(self, app_id: str, token: str = UPLOAD_PASSWORD) -> str:
+        auth = {"Authorization": f"Bearer {token}"}
+        answer = self.http.get("/queue", params={"appId": app_id}, headers=auth)
+        assert (answer.status_code, answer.text) == (200, app_id)
+        return answer.headers["X-Analysis-Claim-Token"]
+
+    def fail(self, app_id: str, log: str, token: str = UPLOAD_PASSWORD) -> None:
+        claim = self.claim(app_id, token)
+        answer = self.http.post(
+            "/reportAnalysisFailure",
+            params={"appId": app_id, "analysisVersion": 4},
+            headers={
+                "Authorization": f"Bearer {token}",
+                "X-Analysis-Claim-Token": claim,
+                "Content-Type": "text/plain",
+            },
+            content=log.encode(),
+        )
+        assert answer.status_code == 200, answer.text
+
+    def analyse(self, app_id: str, analysis: dict, token: str = UPLOAD_PASSWORD) -> None:
+        claim = self.claim(app_id, token)
+        answer = self.http.post(
+            "/uploadAnalysis",
+            params={"appId": app_id, "analysisVersion": 4},
+            headers={"Authorization": f"Bearer {token}", "X-Analysis-Claim-Token": claim},
+            json=analysis,
+        )
+        assert answer.status_code == 200, answer.text
+
+    def as_analyser(self, token: str) -> int:
+        """The status GET /ping answers this token with."""
+        return self.http.get("/ping", headers={"Authorization": f"Bearer {token}"}).status_code
+
+
+def operator_actions(sql) -> list[tuple[str, str | None]]:
+    return [
+        tuple(row) for row in sql.run("SELECT action, app_id FROM operator_actions ORDER BY id")
+    ]
+
+
+# --------------------------------------------------------------------------- another site
+
+
+@contextlib.contextmanager
+def another_site(html: str) -> Iterator[str]:
+    """A page served by another loopback port: another origin, though the same site (a
+    cookie's SameSite does not tell ports apart, so the operator's cookie goes along)."""
+
+    class Page_(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = html.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Page_)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+# --------------------------------------------------------------------------- sign-in
+
+
+def test_the_browser_is_the_systems_chromium():
+    """Without it this test fails saying how to install it (and every other one errors at
+    its setup, saying the same): never a skip."""
+    assert sync_playwright is not None, NO_PLAYWRIGHT
+    assert CHROMIUM.exists(), NO_CHROMIUM
+
+
+def test_sign_in_takes_the_admin_token_and_refuses_another(serve, tab, sql):
+    base = serve()
+    page = tab.page
+    page.goto(f"{base}/admin")
+    expect(page).to_have_url(f"{base}/admin/login")  # not signed in: to the sign-in page
+
+    sign_in(tab, base, token="not-the-admin-token")
+    expect(page).to_have_url(f"{base}/admin/login")
+    expect(page.locator(".error")).to_have_text("That is not the admin token.")
+    assert tab.session_cookies() == []
+
+    sign_in(tab, base)
+    expect(page).to_have_url(f"{base}/admin")
+    expect(page.locator("h1")).to_have_text("Overview")
+    (first,) = tab.session_cookies()
+    # The token is in no URL, and nowhere in the page the browser holds.
+    assert ADMIN_TOKEN not in page.url and ADMIN_TOKEN not in page.content()
+
+    # Each sign-in makes a new session, whatever cookie the browser brought (one planted
+    # before is never adopted).
+    sign_in(tab, base)
+    expect(page.locator("h1")).to_have_text("Overview")
+    (second,) = tab.session_cookies()
+    assert second["value"] != first["value"]
+    assert [action for action, _ in operator_actions(sql)] == [
+        "sign-in refused",
+        "sign-in",
+        "sign-in",
+    ]
+
+    # Signing out ends the session on the server: its cookie, brought back, opens nothing.
+    page.get_by_role("button", name="Sign out").click()
+    expect(page).to_have_url(f"{base}/admin/login")
+    assert tab.session_cookies() == []
+    page.context.add_cookies([{**second, "expires": -1}])
+    page.goto(f"{base}/admin")
+    expect(page).to_have_url(f"{base}/admin/login")
+    assert tab.errors == []
+
+
+def test_ten_refused_sign_ins_close_the_door_to_that_address(serve, tab):
+    base = serve()
+    page = tab.page
+    for _ in range(handler.SIGN_IN_REFUSALS_ALLOWED):
+        with page.expect_response(posted(f"{base}/admin/login")) as answer:
+            sign_in(tab, base, token="a-guess")
+        assert answer.value.status == 401
+    # The eleventh is refused before the token is looked at: the right one too.
+    with page.expect_response(posted(f"{base}/admin/login")) as answer:
+        sign_in(tab, base)
+    assert answer.value.status == 429
+    assert answer.value.headers["retry-after"] == "900"
+    assert "too many refused sign-ins" in page.content()
+    assert tab.session_cookies() == []
+
+
+def test_the_session_cookie_is_httponly_strict_and_out_of_scripts_reach(serve, tab):
+    base = serve()
+    sign_in(tab, base)
+    expect(tab.page.locator("h1")).to_have_text("Overview")
+    (cookie,) = tab.session_cookies()
+    assert (cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == (True, "Strict", "/admin")
+    hours = (cookie["expires"] - datetime.now(UTC).timestamp()) / 3600
+    assert handler.ADMIN_SESSION_HOURS - 0.1 < hours <= handler.ADMIN_SESSION_HOURS
+    assert COOKIE not in tab.page.evaluate("document.cookie")
+
+
+def test_a_new_admin_token_ends_every_session(serve, tab):
+    """The cookie is signed with the admin token: a service given a new one (a rotation)
+    knows no session of before; one given the same token knows it still. (A cookie is
+    the host's, whatever the port: each service here gets the same one.)"""
+    signed_in = serve()
+    sign_in(tab, signed_in)
+    expect(tab.page.locator("h1")).to_have_text("Overview")
+
+    same_token = serve()
+    tab.page.goto(f"{same_token}/admin")
+    expect(tab.page.locator("h1")).to_have_text("Overview")
+
+    rotated = serve(ADMIN_TOKEN="the-next-admin-token")
+    tab.page.goto(f"{rotated}/admin")
+    expect(tab.page).to_have_url(f"{rotated}/admin/login")
+
+
+# --------------------------------------------------------------------------- the pages
+
+
+def test_the_overview_shows_what_queue_status_counts(serve, tab, sql):
+    arrange_every_state(sql)
+    base = serve()
+    sign_in(tab, base)
+    page = tab.page
+    expect(page.locator("#counted")).to_contain_text("Counted")
+    shown = {
+        heading: cells(page, heading)
+        for heading in ("Apps by state", "Failures by reason", "Backlog", "Held back")
+    }
+    shown["Policy in force"] = cells(page, "Policy in force")
+
+    listed = run_cli("queue-status", "--json", env=dict(os.environ))
+    assert listed.returncode == 0, listed.stderr
+    status = json.loads(listed.stdout)
+    assert shown["Apps by state"][0] == ["state", "apps"]
+    assert dict(shown["Apps by state"][1:]) == {k: str(v) for k, v in status["counts"].items()}
+    assert shown["Failures by reason"] == [
+        ["reason", "apps"],
+        *([row["reason"], str(row["apps"])] for row in status["failed_by_reason"]),
+    ]
+    assert shown["Backlog"] == [
+        ["backlog", "ETA (hours)", "analysers in the last hour"],
+        [
+            str(status["backlog_total"]),
+            str(status["eta_hours"]),
+            str(status["analysers_last_hour"]),
+        ],
+    ]
+    for heading, part in (("Held back", "held_back"), ("Policy in force", "policy")):
+        assert dict(zip(*shown[heading], strict=True)) == {
+            key: str(value) for key, value in status[part].items()
+        }
+    # The figures are this queue's (tests/queue_status.py arranges one in every state).
+    assert status["counts"] == {"queued": 4, "processing": 2, "analysed": 3, "failed": 5}
+
+    # A state and a failure reason each lead to their apps.
+    page.get_by_role("link", name="app_not_found").click()
+    expect(page).to_have_url(f"{base}/admin/apps?state=failed&reason=app_not_found")
+    expect(page.locator("main table").first.locator("td >> nth=0")).to_have_text("app.failed.final")
+    assert tab.errors == []
+
+
+def test_the_apps_list_filters_by_its_address_and_back_keeps_the_filters(serve, tab, sql):
+    for app_id in ("com.example.gone", "com.example.gone2", "org.example.gone"):
+        insert_app(sql, app_id, status="failed", retryable=False, reason="app_not_found", version=4)
+    insert_app(sql, "com.example.big", status="failed", retryable=False, reason="ipa_too_large")
+    insert_app(sql, "com.example.queued")
+    base = serve()
+    sign_in(tab, base)
+    page = tab.page
+    page.goto(f"{base}/admin/apps")
+    expect(page.locator("main table").first.locator("tr")).to_have_count(6)
+
+    page.get_by_label("State").select_option("failed")
+    page.get_by_label("Failure reason").fill("app_not_found")
+    page.get_by_label("Bundle ID starts with").fill("COM.example")
+    page.get_by_role("button", name="Filter").click()
+    filtered = f"{base}/admin/apps?state=failed&reason=app_not_found&q=COM.example"
+    expect(page).to_have_url(filtered)
+    expect(page.get_by_role("link", name="com.example.gone2")).to_be_visible()
+    assert column(page) == ["com.example.gone", "com.example.gone2"]
+
+    page.get_by_role("link", name="com.example.gone2").click()
+    expect(page.locator("h1")).to_have_text("com.example.gone2")
+    page.go_back()
+    expect(page).to_have_url(filtered)
+    expect(page.get_by_role("link", name="com.example.gone2")).to_be_visible()
+    assert column(page) == ["com.example.gone", "com.example.gone2"]
+    expect(page.get_by_label("State")).to_have_value("failed")
+    expect(page.get_by_label("Failure reason")).to_have_value("app_not_found")
+    expect(page.get_by_label("Bundle ID starts with")).to_have_value("COM.example")
+    assert tab.errors == []
+
+
+def test_the_apps_list_pages_in_bundle_id_order(serve, tab, sql):
+    names = [f"app.page.{number:03}" for number in range(handler.APPS_PAGE_SIZE + 2)]
+    for name in reversed(names):
+        insert_app(sql, name)
+    base = serve()
+    sign_in(tab, base)
+    page = tab.page
+    page.goto(f"{base}/admin/apps?q=app.page")
+    expect(page.locator("#next")).to_be_visible()
+    assert column(page) == names[: handler.APPS_PAGE_SIZE]
+    page.locator("#next").click()
+    expect(page.get_by_role("link", name=names[-1])).to_be_visible()
+    assert column(page) == names[handler.APPS_PAGE_SIZE :]
+    expect(page.locator("#next")).to_have_count(0)
+    expect(page.locator("main")).not_to_contain_text("null")
+
+
+def test_an_apps_page_says_why_it_is_or_is_not_handed_out(serve, tab, sql):
+    base = serve()
+    service = Service(base)
+    pi = service.add_analyser("pi-kitchen")
+    for app_id in ("com.example.waiting", "com.example.leased", "com.example.gone"):
+        service.add(app_id, title=app_id)
+    service.claim("com.example.leased", pi)
+    service.fail("com.example.gone", "ERROR: app not found in the store")
+    insert_app(sql, "com.example.fresh", status="analysed", version=4, analysed=minutes_ago(60))
+    sign_in(tab, base)
+    page = tab.page
+    for app_id, verdict, why in (
+        ("com.example.waiting", "Handed out now.", "queued: it is handed out in claim order"),
+        ("com.example.leased", "Not handed out now.", "leased to pi-kitchen; handed out again"),
+        ("com.example.gone", "Not handed out now.", "a failure that retrying cannot mend"),
+        ("com.example.fresh", "Not handed out now.", "a fresh analysis: handed out again once"),
+    ):
+        page.goto(f"{base}/admin/apps/{app_id}")
+        expect(page.locator("#why strong")).to_have_text(verdict.replace(".", ". "))
+        expect(page.locator("#why")).to_contain_text(why)
+    # A lease and a fresh analysis say when they end.
+    page.goto(f"{base}/admin/apps/com.example.leased")
+    expect(page.locator("#why")).to_contain_text(re.compile(r"From \d{4}-\d\d-\d\dT"))
+    assert tab.errors == []
+
+
+def test_refetch_asks_once_then_queues_the_app_and_records_it(serve, tab, sql):
+    base = serve()
+    Service(base).add("com.example.gone", title="Gone")
+    Service(base).fail("com.example.gone", "ERROR: app not found in the store")
+    sign_in(tab, base)
+    page = tab.page
+    page.goto(f"{base}/admin/apps/com.example.gone")
+    expect(page.locator("#why")).to_contain_text("a failure that retrying cannot mend")
+    tab.accepting = True
+    page.get_by_role("button", name="Refetch", exact=True).click()
+    # The page is drawn again with the app's new state, and says what was done.
+    expect(page.locator("#why")).to_contain_text("Handed out now. queued")
+    expect(page.locator("#outcome")).to_have_text(
+        "1 selected: 1 queued now, 0 waiting for a lease to end, 0 with the lease broken,"
+        " 0 left as they were."
+    )
+    assert tab.dialogs == ["confirm: Refetch com.example.gone?"]
+    assert page.locator("main table").first.locator("td").first.text_content() == "queued"
+    actions = cells(page, "Operator actions")
+    assert [row[3:] for row in actions[1:]] == [["refetch", "queued"]]
+    assert actions[1][1].startswith("session ") and actions[1][2] == "127.0.0.1"
+    assert app_row(sql, "com.example.gone")["status"] == "queued"
+    assert tab.errors == []
+
+
+def test_an_analyser_is_added_rotated_and_revoked_its_token_shown_once(serve, tab, sql):
+    base = serve()
+    service = Service(base)
+    sign_in(tab, base)
+    page = tab.page
+    tab.accepting = True
+    page.goto(f"{base}/admin/analysers")
+
+    page.get_by_label("Name").fill("pi kitchen")  # not a name: the form says so, sends nothing
+    page.get_by_role("button", name="Add analyser").click()
+    assert page.get_by_label("Name").evaluate("input => input.validity.patternMismatch")
+    assert tab.dialogs == []
+
+    page.get_by_label("Name").fill("pi-kitchen")
+    page.get_by_role("button", name="Add analyser").click()
+    expect(page.locator("#new-token")).to_have_text(re.compile(r"^aqa_\S+$"))
+    added = page.locator("#new-token").text_content()
+    assert service.as_analyser(added) == 200
+    expect(page.get_by_role("cell", name="pi-kitchen", exact=True)).to_be_visible()
+
+    page.reload()
+    expect(page.get_by_role("cell", name="pi-kitchen", exact=True)).to_be_visible()
+    expect(page.locator("#new-token")).to_have_count(0)
+    assert added not in page.content()
+
+    page.get_by_role("button", name="Rotate").click()
+    expect(page.locator("#new-token")).not_to_have_text(added)
+    expect(page.locator("#new-token")).to_have_text(re.compile(r"^aqa_\S+$"))
+    rotated = page.locator("#new-token").text_content()
+    assert (service.as_analyser(rotated), service.as_analyser(added)) == (200, 200)  # overlap
+
+    page.get_by_role("button", name="Revoke").click()
+    expect(page.get_by_role("button", name="Revoke")).to_have_count(0)
+    expect(page.get_by_role("button", name="Rotate")).to_have_count(0)
+    revoked_at = page.locator("main table tr").nth(1).locator("td").nth(6)
+    expect(revoked_at).to_have_text(re.compile(r"^\d{4}-"))
+    assert (service.as_analyser(rotated), service.as_analyser(added)) == (401, 401)
+
+    assert tab.dialogs == [
+        "confirm: Add the analyser pi-kitchen?",
+        "confirm: Rotate the token of pi-kitchen? The old one keeps working for 24 hours.",
+        "confirm: Revoke pi-kitchen? Its tokens stop working at once.",
+    ]
+    assert [row for row in operator_actions(sql) if row[0] != "sign-in"] == [
+        ("add analyser", None),
+        ("rotate analyser", None),
+        ("revoke analyser", None),
+    ]
+    assert tab.errors == []
+
+
+# --------------------------------------------------------------------------- what it defends
+
+
+HOSTILE = '<img src=x onerror="window.__pwned=1;alert(1)"><script>window.__pwned=2</script>'
+
+
+def test_what_others_wrote_is_shown_as_text_and_never_run(serve, tab):
+    base = serve()
+    service = Service(base)
+    service.add("com.example.hostile", title=HOSTILE, description="</pre>" + HOSTILE)
+    service.fail("com.example.hostile", f"Traceback: {HOSTILE}\n<svg onload=alert(2)>")
+    sign_in(tab, base)
+    page = tab.page
+    page.goto(f"{base}/admin/apps/com.example.hostile")
+    expect(page.locator("h2", has_text="Last failure log")).to_be_visible()
+    details = json.loads(page.locator("h2:text-is('Details') + pre").text_content())
+    assert details == {"title": HOSTILE, "description": "</pre>" + HOSTILE}
+    for shown in ("h2:text-is('Current result') + pre", "h2:text-is('Last failure log') + pre"):
+        failure = json.loads(page.locator(shown).text_content())
+        assert failure["logs"] == f"Traceback: {HOSTILE}\n<svg onload=alert(2)>"
+    assert page.locator("main img, main script, main svg").count() == 0
+
+    # A hostile bundle ID in the address comes back in an error, as text too.
+    page.goto(f"{base}/admin/apps/<img src=x onerror=alert(3)>")
+    expect(page.locator("main .error")).to_contain_text("invalid bundle ID")
+    expect(page.locator("main .error")).to_contain_text("<img src=x")
+    assert page.locator("main img, main script").count() == 0
+
+    for path in ("/admin", "/admin/apps?q=com.example", "/admin/analysers"):
+        page.goto(base + path)
+        expect(page.locator("h1")).to_be_visible()
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert tab.dialogs == [] and tab.errors == []
+
+
+ATTACKS = {
+    # A plain form can send a body that reads as JSON (enctype text/plain), not its type.
+    "a form": """<form id="f" method="post" enctype="text/plain" action="{base}/admin/api/refetch">
+<input name='{{"appIds": ["com.example.gone"], "force": true, "x": "' value='"}}'></form>
+<script>document.getElementById('f').submit()</script>""",
+    # A script's request the browser sends without asking (no-cors), cookie and all.
+    "a no-cors fetch": """<script>fetch('{base}/admin/api/analysers', {{method: 'POST',
+mode: 'no-cors', credentials: 'include', headers: {{'Content-Type': 'text/plain'}},
+body: JSON.stringify({{name: 'pi-intruder'}})}})</script>""",
+    "a sign-out": """<script>fetch('{base}/admin/logout', {{method: 'POST', mode: 'no-cors',
+credentials: 'include', body: '{{}}'}})</script>""",
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_another_origin_cannot_act_with_the_operators_cookie(serve, tab, sql, attack):
+    """A page on another loopback port: the browser sends the SameSite=Strict cookie
+    along (the same site), and the service refuses the request for its Sec-Fetch-Site
+    (and, from a form, its type); nothing changes and the operator stays signed in."""
+    base = serve()
+    Service(base).add("com.example.gone", title="Gone")
+    Service(base).fail("com.example.gone", "ERROR: app not found in the store")
+    sign_in(tab, base)
+    before = operator_actions(sql)
+    page = tab.page
+    path = re.search(r"\{base\}(/admin/\S+?)['\"]", ATTACKS[attack]).group(1)
+    with another_site(ATTACKS[attack].format(base=base)) as site:
+        with page.expect_response(f"{base}{path}") as answer:
+            page.goto(site)
+    # 403, not 401: the service found the live session the cookie carries, and refused
+    # the request for where it came from.
+    assert answer.value.status == 403
+
+    assert operator_actions(sql) == before
+    assert app_row(sql, "com.example.gone")["status"] == "failed"
+    assert sql.run("SELECT count(*) FROM analysers") == [[0]]
+    page.goto(f"{base}/admin")  # and the operator is still signed in
+    expect(page.locator("h1")).to_have_text("Overview")
+
+
+def test_no_other_page_can_frame_the_web_view(serve, tab):
+    base = serve()
+    sign_in(tab, base)
+    page = tab.page
+    with another_site(f'<iframe id="frame" src="{base}/admin"></iframe>') as site:
+        with page.expect_response(f"{base}/admin") as answer:
+            page.goto(site)
+    assert answer.value.headers["x-frame-options"] == "DENY"
+    assert "frame-ancestors 'none'" in answer.value.headers["content-security-policy"]
+    # The browser shows its own error page in the frame: no part of the web view's.
+    (frame,) = page.main_frame.child_frames
+    frame.wait_for_load_state()
+    assert not frame.url.startswith(base)
+    assert frame.locator("#main, nav").count() == 0
+
+
+# --------------------------------------------------------------------------- the modes
+
+
+def test_read_only_shows_no_actions_and_refuses_every_write(serve, tab, sql):
+    base = serve("read-only")
+    service = Service(base)
+    service.add("com.example.gone", title="Gone")
+    service.fail("com.example.gone", "ERROR: app not found in the store")
+    service.add_analyser("pi-kitchen")
+    sign_in(tab, base)
+    page = tab.page
+    page.goto(f"{base}/admin/apps/com.example.gone")
+    expect(page.locator("#why")).to_be_visible()
+    expect(page.locator("main button")).to_have_count(0)
+    page.goto(f"{base}/admin/apps?state=failed")
+    expect(page.get_by_role("link", name="com.example.gone")).to_be_visible()
+    assert page.locator("main button").all_text_contents() == ["Filter"]
+    page.goto(f"{base}/admin/analysers")
+    expect(page.get_by_role("cell", name="pi-kitchen", exact=True)).to_be_visible()
+    expect(page.locator("main button, main form")).to_have_count(0)
+    expect(page.locator("main")).not_to_contain_text("null")
+    before = operator_actions(sql)
+
+    # The page's own requests (same origin, JSON), and the bearer token's: 403 each.
+    writes = [
+        ("/admin/api/refetch", {"appIds": ["com.example.gone"], "force": True}),
+        ("/admin/api/analysers", {"name": "pi-attic"}),
+        ("/admin/api/analysers/pi-kitchen/rotate", {}),
+        ("/admin/api/analysers/pi-kitchen/revoke", {}),
+    ]
+    for path, body in writes:
+        status = page.evaluate(
+            """([path, body]) => fetch(path, {method: 'POST', body: JSON.stringify(body),
+                 headers: {'Content-Type': 'application/json'}}).then((r) => r.status)""",
+            [path, body],
+        )
+        assert status == 403, path
+        assert service.http.post(path, headers=ADMIN, json=body).status_code == 403, path
+    assert operator_actions(sql) == before
+    assert app_row(sql, "com.example.gone")["status"] == "failed"
+    assert sql.run("SELECT name, revoked IS NULL FROM analysers") == [["pi-kitchen", True]]
+    assert tab.errors == []
+
+
+def test_off_answers_404_under_admin(serve, tab):
+    base = serve(None)  # ADMIN_WEB unset: off
+    page = tab.page
+    for path in ("/admin", "/admin/login", "/admin/apps", "/admin/static/admin.js"):
+        assert page.goto(base + path).status == 404, path
+    with httpx.Client(base_url=base) as http:
+        assert http.get("/admin/api/status", headers=ADMIN).status_code == 404
+        assert http.post("/admin/login", data={"token": ADMIN_TOKEN}).status_code == 404
+        assert http.get("/ping", headers=ANALYSER).status_code == 200  # the service runs
+
+
+# --------------------------------------------------------------------------- the tour
+
+
+def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, tmp_path):
+    """A queue in several states, from the service's own routes: the screenshots of
+    docs/web-view.md (WEB_VIEW_SCREENSHOTS=docs/web-view)."""
+    base = serve()
+    service = Service(base)
+    kitchen = service.add_analyser("pi-kitchen")
+    attic = service.add_analyser("pi-attic")
+    service.add_analyser("pi-old")
+    assert service.http.delete("/analysers/pi-old", headers=ADMIN).status_code == 200
+    for app_id, title, reviews in (
+        ("com.example.weather", "Weather Now", "48210"),
+        ("com.example.notes", "Notes & Lists", "9120"),
+        ("org.example.chess", "Chess Club", "3050"),
+        ("com.example.podcasts", "Pod Player", "22800"),
+        ("net.example.maps", "Trail Maps", "1540"),
+        ("io.example.budget", "Budget Book", "870"),
+        ("de.example.fahrplan", "Fahrplan", "12400"),
+        ("com.example.photos", "Photo Frame", "660"),
+    ):
+        service.add(app_id, title=title, reviews=reviews, price="free")
+    trackers = {"trackers": {"analytics.example.com": 3, "ads.example.net": 1}}
+    service.analyse("com.example.weather", {"success": True, **trackers}, kitchen)
+    service.analyse("io.example.budget", {"success": True, "trackers": {}}, attic)
+    service.fail(
+        "org.example.chess",
+        "2026-12-03 06:12:09 install: ERROR: App not found in the App Store (country us)\n"
+        "giving up after 1 attempt",
+        kitchen,
+    )
+    service.fail("net.example.maps", "device timeout: no response from iPhone in 300 s", attic)
+    service.claim("com.example.podcasts", kitchen)
+    assert (service.as_analyser(kitchen), service.as_analyser(attic)) == (200, 200)  # pings
+
+    page = tab.page
+    page.goto(f"{base}/admin/login")
+    expect(page.get_by_label("Admin token")).to_be_visible()
+    screenshot(page, tmp_path, "sign-in")
+
+    sign_in(tab, base)
+    expect(page.locator("#counted")).to_be_visible()
+    assert cells(page, "Apps by state")[1:] == [
+        ["queued", "3"],
+        ["processing", "1"],
+        ["analysed", "2"],
+        ["failed", "2"],
+    ]
+    screenshot(page, tmp_path, "overview")
+
+    page.goto(f"{base}/admin/apps")
+    expect(page.get_by_role("link", name="com.example.weather")).to_be_visible()
+    assert list(zip(column(page, 0), column(page, 1), strict=True)) == [
+        ("com.example.notes", "queued"),
+        ("com.example.photos", "queued"),
+        ("com.example.podcasts", "processing"),
+        ("com.example.weather", "analysed"),
+        ("de.example.fahrplan", "queued"),
+        ("io.example.budget", "analysed"),
+        ("net.example.maps", "failed"),
+        ("org.example.chess", "failed"),
+    ]
+    screenshot(page, tmp_path, "apps")
+
+    page.goto(f"{base}/admin/apps/org.example.chess")
+    expect(page.locator("#why")).to_contain_text("app_not_found")
+    expect(page.locator("h2", has_text="Last failure log")).to_be_visible()
+    screenshot(page, tmp_path, "app")
+
+    page.goto(f"{base}/admin/analysers")
+    kitchen_row = page.locator("main table tr", has_text="pi-kitchen")
+    expect(kitchen_row.locator("td").nth(3)).to_have_text("com.example.podcasts")
+    expect(kitchen_row.locator("td").nth(2)).to_have_text("true")  # online: it pinged
+    screenshot(page, tmp_path, "analysers")
+    for name in ("sign-in", "overview", "apps", "app", "analysers"):
+        assert (tmp_path / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+    assert tab.errors == []
