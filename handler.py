@@ -5255,6 +5255,11 @@ def why_handed_out(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolic
     else:
         held, when = "fresh", rule["stale_due"]
         why = f"a fresh analysis: handed out again once it is {policy.stale_days} days old"
+        if status == "failed":
+            why = (
+                f"a retryable failure at version {version}: tried again once it is"
+                f" {policy.stale_days} days old"
+            )
     return {"candidate": False, "held": held, "from": _plain(when), "why": why}
 
 
@@ -5790,6 +5795,8 @@ _ADMIN_PATTERNS = tuple(
 def _admin_work(request: Request, body: bytes) -> Response:
     """The blocking part of an /admin request: its route, who sent it, then its work."""
     path, method, allowed = request.url.path, request.method, False
+    if method == "HEAD":  # a GET without its body (the server drops the body)
+        method = "GET"
     for route_method, pattern, work, who in _ADMIN_PATTERNS:
         found = pattern.match(path)
         if found is None:

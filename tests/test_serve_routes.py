@@ -46,6 +46,47 @@ class Call:
     headers: dict[str, str]
     body: bytes | None
     documented: set[str]  # the statuses the route's OpenAPI document lists
+    static: bool = False  # an answer of fixed text: no database work to look for
+
+
+def admin_calls(values: Values) -> list[Call]:
+    """A request for every route of the web view's table (handler.ADMIN_ROUTES: one
+    dispatcher, outside the OpenAPI document): pages and reads with a signed-in session's
+    cookie (its lookup is database work), writes with the bearer admin token, the
+    sign-in with its form, as the page posts it."""
+    cookie = handler.sign_in(handler.api_connection(), ADMIN_TOKEN, "203.0.113.1")
+    session = {"Cookie": f"{handler.ADMIN_SESSION_COOKIE}={cookie}"}
+    bodies = {
+        "/admin/api/refetch": {"appIds": [APP_ID]},
+        "/admin/api/analysers": {"name": f"{NAMED}-web"},
+        "/admin/api/analysers/{name}/rotate": {"overlap": "1h"},
+    }
+    calls = []
+    for method, path_format, _, who in handler.ADMIN_ROUTES:
+        path = path_format.replace("{appId}", APP_ID)
+        if "{name}" in path:
+            path = path.replace("{name}", values.path("name"))
+        headers: dict[str, str] = dict(ADMIN if who == "write" else session)
+        body = None
+        if path == "/admin/logout":  # a session of its own to end, from the page itself
+            ending = handler.sign_in(handler.api_connection(), ADMIN_TOKEN, "203.0.113.1")
+            headers = {
+                "Cookie": f"{handler.ADMIN_SESSION_COOKIE}={ending}",
+                "Sec-Fetch-Site": "same-origin",
+            }
+        if path == "/admin/login" and method == "POST":
+            headers = {
+                "Content-Type": "application/x-www-form-urlencoded",
+                "Sec-Fetch-Site": "same-origin",
+            }
+            body = f"token={ADMIN_TOKEN}".encode()
+        elif method == "POST":
+            headers["Content-Type"] = "application/json"
+            body = json.dumps(bodies.get(path_format, {})).encode()
+        static = who == "anyone" and method == "GET"
+        label = f"{method} {path_format} ({'anyone' if who == 'anyone' else 'admin'})"
+        calls.append(Call(label, method, path, {}, headers, body, {"200", "201", "303"}, static))
+    return calls
 
 
 class Values:
@@ -142,6 +183,10 @@ def calls_for(app: FastAPI, values: Values) -> list[Call]:
     for route in app.routes:
         if not isinstance(route, APIRoute):
             continue
+        if route.endpoint is handler.admin:  # the web view: its own table
+            if route.path_format == "/admin":
+                calls += admin_calls(values)
+            continue
         for method in sorted(route.methods):
             where = f"{method} {route.path_format}"
             operation = spec["paths"].get(route.path_format, {}).get(method.lower())
@@ -237,7 +282,7 @@ def walk(app: FastAPI, values: Values, monkeypatch) -> list[str]:
             status = answer.status_code
             if status >= 500 or status == 401 or str(status) not in call.documented:
                 problems.append(f"{call.label}: answered {status} {answer.text[:200]}")
-            if not any(what.startswith("SharedConnection") for what, _ in seen):
+            if not call.static and not any(what.startswith("SharedConnection") for what, _ in seen):
                 problems.append(f"{call.label}: did no database work")
             on_loop = sorted({what for what, thread in seen if thread == loop_thread})
             if on_loop:
@@ -260,7 +305,10 @@ def walkable(request, database_url, sql, monkeypatch) -> Values:
             ADMIN_TOKEN="",
             UPLOAD_PASSWORD_SECRET="secretsmanager:walk/upload",
             ADMIN_TOKEN_SECRET="ssm:/walk/admin",
+            ADMIN_WEB="full",
         )
+    else:
+        configure_service(monkeypatch, database_url, ADMIN_WEB="full")
     insert_app(sql, APP_ID)
     return Values(sql)
 
@@ -271,9 +319,9 @@ def test_no_route_does_database_work_on_the_event_loop(walkable, monkeypatch):
     table = {
         f"{method} {route.path_format}"
         for route in handler.app.routes
-        if isinstance(route, APIRoute)
+        if isinstance(route, APIRoute) and route.endpoint is not handler.admin
         for method in route.methods
-    }
+    } | {f"{method} {path}" for method, path, _, _ in handler.ADMIN_ROUTES}
     assert routes == table  # every route of the table, none left out
     assert walk(handler.app, walkable, monkeypatch) == []
 
@@ -281,7 +329,11 @@ def test_no_route_does_database_work_on_the_event_loop(walkable, monkeypatch):
 def copy_of_the_app() -> FastAPI:
     """A new app with handler.app's routes and error handlers, for routes added to it."""
     copy = FastAPI(docs_url=None, redoc_url=None, redirect_slashes=False)
-    copy.router.routes.extend(route for route in handler.app.routes if isinstance(route, APIRoute))
+    copy.router.routes.extend(
+        route
+        for route in handler.app.routes
+        if isinstance(route, APIRoute) and route.endpoint is not handler.admin
+    )
     copy.exception_handlers.update(handler.app.exception_handlers)
     return copy
 
