@@ -598,7 +598,7 @@ def test_what_others_wrote_is_shown_as_text_and_never_run(serve, tab):
 
     # A hostile bundle ID in the address comes back in an error, as text too.
     page.goto(f"{base}/admin/apps/<img src=x onerror=alert(3)>")
-    expect(page.locator("main .error")).to_contain_text("invalid bundle ID")
+    expect(page.locator("main .error")).to_contain_text("unknown app")
     expect(page.locator("main .error")).to_contain_text("<img src=x")
     assert page.locator("main img, main script").count() == 0
 
