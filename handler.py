@@ -5476,9 +5476,9 @@ async function app(id) {
     el('h2', {}, 'Current result'),
     el('pre', {id: 'analysis'}, JSON.stringify(a.analysis, null, 2)),
     el('h2', {}, 'History, newest first'),
-    table(['analysed', 'version', 'source', 'success', 'analyser'], data.history.map((h) =>
-      [when(h.analysed), when(h.analysisversion), when(h.analysis_source), String(h.success),
-        when(h.analyser)])),
+    table(['analysed', 'version', 'source', 'success', 'reason', 'analyser'],
+      data.history.map((h) => [when(h.analysed), when(h.analysisversion),
+        when(h.analysis_source), String(h.success), when(h.reason), when(h.analyser)])),
     log.length ? el('h2', {}, 'Last failure log') : null,
     log.length ? el('pre', {}, JSON.stringify(log[0].failure_log, null, 2)) : null,
     el('h2', {}, 'Operator actions'),
@@ -5492,10 +5492,14 @@ async function analysers() {
     const cells = [a.name, when(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
       when(a.results24h), when(a.failures24h), when(a.revoked)];
     if (full && !a.revoked) {
+      // How long the old token keeps working after a rotation.
+      const overlap = el('select', {'aria-label': 'overlap'},
+        ...['24h', '7d', '1h', '0'].map((o) => el('option', {value: o}, o === '0' ? 'none' : o)));
       cells.push(el('span', {},
         el('button', {type: 'button', onclick: () => act(`Rotate the token of ${a.name}? The` +
-          ' old one keeps working for 24 hours.', '/admin/api/analysers/' +
-          encodeURIComponent(a.name) + '/rotate', {overlap: '24h'}, newToken)}, 'Rotate'), ' ',
+          ` old one keeps working for ${overlap.selectedOptions[0].text}.`,
+          '/admin/api/analysers/' + encodeURIComponent(a.name) + '/rotate',
+          {overlap: overlap.value}, newToken)}, 'Rotate'), ' overlap ', overlap, ' ',
         el('button', {type: 'button', onclick: () => act(`Revoke ${a.name}? Its tokens stop` +
           ' working at once.', '/admin/api/analysers/' + encodeURIComponent(a.name) + '/revoke',
           {}, () => route())}, 'Revoke')));

@@ -563,7 +563,7 @@ def test_an_analyser_is_added_rotated_and_revoked_its_token_shown_once(serve, ta
 
     assert tab.dialogs == [
         "confirm: Add the analyser pi-kitchen?",
-        "confirm: Rotate the token of pi-kitchen? The old one keeps working for 24 hours.",
+        "confirm: Rotate the token of pi-kitchen? The old one keeps working for 24h.",
         "confirm: Revoke pi-kitchen? Its tokens stop working at once.",
     ]
     assert [row for row in operator_actions(sql) if row[0] != "sign-in"] == [
