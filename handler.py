@@ -1782,8 +1782,10 @@ ORDER BY a.name
 ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
 # How an analyser's name is spelt, and an X-Analyser-Id label (checked_analyser_name),
 # and the same in words: the one rule, for the API, the CLI and the OpenAPI schema.
-ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
-ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-"
+# Not dots alone: "." and ".." are path segments a browser or proxy folds away, so such an
+# analyser's /analysers/{name} routes could never be reached.
+ANALYSER_NAME = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,64}")
+ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-, not dots alone"
 DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
@@ -2041,6 +2043,8 @@ def _analyser_errors(**answers: str) -> dict[str, dict]:
     return responses
 
 
+# An answer that carries a token: no cache, anywhere, may keep it.
+NO_STORE = {"Cache-Control": "no-store"}
 ANALYSER_NAME_PATH = {
     "name": "name",
     "in": "path",
@@ -2090,7 +2094,7 @@ async def create_analyser(request: Request) -> JSONResponse:
         created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
     except AnalyserExists:
         raise HTTPException(409, f"an analyser named {body['name']} exists") from None
-    return JSONResponse(created, status_code=201)
+    return JSONResponse(created, status_code=201, headers=NO_STORE)
 
 
 @app.get(
@@ -2167,7 +2171,7 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
         raise HTTPException(404, f"no analyser named {name}") from None
     except AnalyserRevoked:
         raise HTTPException(409, f"the analyser {name} is revoked") from None
-    return JSONResponse(rotated)
+    return JSONResponse(rotated, headers=NO_STORE)
 
 
 # == Results: the verdict ===============================================================
@@ -3591,7 +3595,13 @@ async def get_app(request: Request) -> JSONResponse:
         view = app_status(api_connection(), settings().policy, app_id, admin)
         if view is None:
             raise HTTPException(404, f"unknown app {app_id}")
-        return _json_answer(view, droppable=("analysis", "details"))
+        answered = _json_answer(view, droppable=("analysis", "details"))
+        # One address, two answers (public, and the admin's): a cache must tell them
+        # apart, and keep no copy of the admin's.
+        answered.headers["Vary"] = "Authorization"
+        if admin:
+            answered.headers["Cache-Control"] = "no-store"
+        return answered
 
     return await blocking(answer)
 
@@ -5323,6 +5333,10 @@ required autofocus></label> <button type="submit">Sign in</button>
 </body></html>
 """
 SIGN_IN_REFUSED = '<p class="error">That is not the admin token.</p>'
+SIGN_IN_LIMITED = (
+    "Too many refused sign-ins from this address: try again within"
+    f" {SIGN_IN_WINDOW_MINUTES} minutes."
+)
 ADMIN_CSS = """body{font:15px/1.4 system-ui,sans-serif;margin:0;color:#222}
 nav{background:#234;padding:.6em 1em}nav a{color:#fff;margin-right:1em}
 nav button{float:right}main{padding:1em 1.5em;max-width:80em}
@@ -5539,7 +5553,11 @@ function route() {
   if (path === '/admin/apps') return apps().catch(failed);
   if (path === '/admin/analysers') return analysers().catch(failed);
   if (path.startsWith('/admin/apps/')) {
-    return app(decodeURIComponent(path.slice('/admin/apps/'.length))).catch(failed);
+    let id;
+    try { id = decodeURIComponent(path.slice('/admin/apps/'.length)); } catch (error) {
+      return failed(new Error('not an app address: ' + path));
+    }
+    return app(id).catch(failed);
   }
 }
 document.getElementById('sign-out').addEventListener('click', async () => {
@@ -5609,7 +5627,15 @@ def _sign_in(request: Request, operator: None, body: bytes) -> Response:
     if list(fields) != ["token"] or len(fields["token"]) != 1:
         raise HTTPException(400, "the form has one field, token")
     (token,) = fields["token"]
-    cookie = sign_in(api_connection(), token, request_source(request))
+    try:
+        cookie = sign_in(api_connection(), token, request_source(request))
+    except HTTPException as refusal:
+        if refusal.status_code != 429:
+            raise
+        message = f'<p class="error">{SIGN_IN_LIMITED}</p>'
+        limited = _sign_in_page(message, status_code=429)
+        limited.headers.update(refusal.headers or {})
+        return limited
     if cookie is None:
         return _sign_in_page(SIGN_IN_REFUSED, status_code=401)
     secure = request.url.scheme == "https"
@@ -5701,6 +5727,8 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
         app_ids = [app_id for app_id in app_ids if is_valid_bundle_id(app_id)]
     else:
         app_ids = asked["appIds"]
+        if isinstance(app_ids, list) and len(app_ids) > BULK_REFETCH_LIMIT:
+            raise BadInput(f"appIds names at most {BULK_REFETCH_LIMIT} apps a request")
     request_ = RefetchRequest.checked(REFETCH_EVENT_NAMES, app_ids=app_ids, apply=True, force=force)
     action = "force refetch" if force else "refetch"
 
@@ -5720,7 +5748,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
         {
             "selected": progress.selected,
             "outcomes": progress.outcomes,
-            "unknown": unknown_app_ids(request_.app_ids, done),
+            "unknown": sorted(set(unknown_app_ids(request_.app_ids, done))),
             "invalid": invalid,
             "more": "filter" in asked and matched["next"] is not None,
         }
@@ -6588,6 +6616,10 @@ def _cli_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="info",
+        # The client's address is the TCP peer's: a forwarded-for header, which any client
+        # may write, never names it (the web view's sign-in limit and its record of who
+        # did what go by it).
+        proxy_headers=False,
         http=header_deadline_protocol(),
         timeout_keep_alive=SERVE_KEEP_ALIVE_SECONDS,
     )

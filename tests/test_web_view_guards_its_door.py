@@ -547,3 +547,40 @@ def test_an_app_with_a_bundle_id_from_before_the_checks_still_has_its_page(web, 
     click = json.dumps({"filter": {"state": "failed"}})
     done = body(request("POST", "/admin/api/refetch", {**BEARER, **JSON}, click))
     assert done["invalid"] == [odd] and done["selected"] == 0
+
+
+@given(name=st.text(alphabet="abz09._:@-", min_size=1, max_size=64))
+def test_an_analyser_name_is_one_every_url_keeps_as_written(name):
+    """The names the rule takes are those a URL path keeps as written (dots alone are
+    segments a browser or proxy folds away, so their routes could never be reached)."""
+    import httpx
+
+    kept = httpx.URL(f"http://host/admin/api/analysers/{name}/revoke").path
+    try:
+        handler.checked_analyser_name(name)
+        accepted = True
+    except handler.BadInput:
+        accepted = False
+    assert accepted == (kept == f"/admin/api/analysers/{name}/revoke")
+
+
+def test_answers_that_carry_a_token_or_the_admin_view_are_never_stored(web, sql):
+    insert_app(sql, "com.example.app")
+    added = request("POST", "/analysers", {**BEARER, **JSON}, '{"name": "pi-01"}')
+    rotated = request("POST", "/analysers/pi-01/rotate", {**BEARER, **JSON}, "{}")
+    admin_view = request("GET", "/apps/com.example.app", BEARER)
+    public_view = request("GET", "/apps/com.example.app")
+    for answer in (added, rotated, admin_view):
+        assert answer["headers"]["cache-control"] == "no-store", answer
+    assert admin_view["headers"]["vary"] == public_view["headers"]["vary"] == "Authorization"
+    assert "cache-control" not in public_view["headers"]
+
+
+def test_a_refetch_names_at_most_its_limit_of_apps(web, sql):
+    many = json.dumps({"appIds": ["a"] * (handler.BULK_REFETCH_LIMIT + 1)})
+    answer = request("POST", "/admin/api/refetch", {**BEARER, **JSON}, many)
+    assert answer["statusCode"] == 400 and "at most" in body(answer)["detail"]
+    twice = json.dumps({"appIds": ["com.example.none", "com.example.none"]})
+    assert body(request("POST", "/admin/api/refetch", {**BEARER, **JSON}, twice))["unknown"] == [
+        "com.example.none"
+    ]
