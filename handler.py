@@ -5041,6 +5041,12 @@ def request_source(request: Request) -> str:
     return source if len(source) <= 100 and PRINTABLE_ASCII.fullmatch(source) else "unknown"
 
 
+def from_own_page(request: Request) -> bool:
+    """Whether the browser says the request comes from this origin's own page: exactly
+    one Sec-Fetch-Site, same-origin (missing, repeated or anything else: no)."""
+    return request.headers.getlist("sec-fetch-site") == ["same-origin"]
+
+
 def admin_guard(request: Request, write: bool) -> Operator:
     """Who may do this: the bearer token (Authorization: Bearer ADMIN_TOKEN, as curl
     sends it), else a live session's cookie. A write by cookie must come from the web
@@ -5060,7 +5066,7 @@ def admin_guard(request: Request, write: bool) -> Operator:
             raise HTTPException(401, "sign in at /admin/login")
         operator = Operator(session_actor(session), source, by_cookie=True, session=session)
     if write and operator.by_cookie:
-        if request.headers.get("sec-fetch-site") != "same-origin":
+        if not from_own_page(request):
             raise HTTPException(403, "a write must come from the web view's own page")
         _require_content_type(request, ("application/json",))
     return operator
@@ -5327,7 +5333,7 @@ ADMIN_SIGN_IN = """<!doctype html>
 </head><body>
 <main><h1>Analysis queue</h1>{message}
 <form method="post" action="/admin/login">
-<label>Admin token <input name="token" type="password" autocomplete="current-password"
+<label>Admin token <input name="token" type="password" autocomplete="off"
 required autofocus></label> <button type="submit">Sign in</button>
 </form></main>
 </body></html>
@@ -5453,7 +5459,8 @@ async function apps() {
     const where = {state: 'failed', reason: query.get('reason') || null, q: query.get('q') || ''};
     for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
       bulk.push(el('button', {type: 'button', onclick: () => act(
-        `${label} every failed app this filter matches, up to ${data.bulkLimit}?`,
+        `${label} every failed app with reason ${where.reason || '(any)'} and bundle ID` +
+        ` starting ${where.q || '(anything)'}, up to ${data.bulkLimit}?`,
         '/admin/api/refetch', {filter: where, force}, (r) => said(refetched(r)))},
       `${label} all matching (up to ${data.bulkLimit})`), ' ');
     }
@@ -5617,7 +5624,7 @@ def _sign_in_form(request: Request, operator: None, body: bytes) -> Response:
 def _sign_in(request: Request, operator: None, body: bytes) -> Response:
     """POST /admin/login: the form's one field, `token`. It must come from the sign-in
     page itself (Sec-Fetch-Site: same-origin), so no other site can sign a browser in."""
-    if request.headers.get("sec-fetch-site") != "same-origin":
+    if not from_own_page(request):
         raise HTTPException(403, "sign in from this site's own sign-in page")
     _require_content_type(request, ("application/x-www-form-urlencoded",))
     try:
