@@ -5120,7 +5120,7 @@ SELECT analysed, analysisversion, analysis_source, success, analyser, app_versio
        CASE WHEN NOT success THEN analysis->>'reason' END AS reason,
        CASE WHEN NOT success AND octet_length(analysis::text) <= :document_limit
             THEN analysis::text END AS failure_log
-FROM app_analyses WHERE lower(appid) = lower(:appid)
+FROM app_analyses WHERE appid = :appid
 ORDER BY analysed DESC
 LIMIT :limit
 """
@@ -5195,7 +5195,15 @@ def apps_page(
 ) -> dict[str, Any]:
     """One page of apps matching `where`, after the bundle ID `after` (lower case), and
     the cursor of the next page (None: this is the last)."""
-    rows = db.records(APPS_PAGE, after=after, limit=limit + 1, **where.params())
+
+    def work(session: Session) -> list[dict[str, Any]]:
+        # Planned with the filter's values: a generic plan must serve every filter, so it
+        # walks every app in bundle-ID order even for the 29 being processed; with the
+        # values it reads the partial index of that state or reason (bench/web_view.py).
+        session.execute(PLAN_WITH_VALUES)
+        return session.records(APPS_PAGE, after=after, limit=limit + 1, **where.params())
+
+    rows = db.transaction(work)
     apps = [
         {
             "appId": row["appid"],
@@ -5289,7 +5297,8 @@ def app_story(db: SharedConnection, app_id: str, policy: QueuePolicy) -> dict[st
             return None
         (row,) = rows
         (rule,) = session.records(APP_RULE, appid=app_id, **policy.sql_params())
-        history = session.records(APP_HISTORY, appid=app_id, document_limit=limit, limit=50)
+        # By the app's stored bundle ID, as history writes it: app_analyses' index.
+        history = session.records(APP_HISTORY, appid=row["appid"], document_limit=limit, limit=50)
         actions = session.records(APP_ACTIONS, appid=row["appid"], limit=100)
         return {
             "app": _app_view(row, admin=True, identities=True),
