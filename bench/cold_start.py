@@ -367,6 +367,14 @@ def paired(after: list[float], before: list[float]) -> float:
     return statistics.median(a - b for a, b in zip(after, before, strict=True))
 
 
+def paired_range(after: list[float], before: list[float]) -> str:
+    """A 95 % confidence interval of that median, distribution-free (the order statistics
+    k and n-1-k of the differences, k = n/2 - 0.98 sqrt(n)): how far apart the trees may be."""
+    differences = sorted(a - b for a, b in zip(after, before, strict=True))
+    k = max(0, int(len(differences) / 2 - 0.98 * len(differences) ** 0.5))
+    return f"{differences[k]:+.1f} to {differences[-1 - k]:+.1f}"
+
+
 def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None:
     """Init of two function packages on one layer, `before` (ref) and `after` (this tree),
     at the template's CPU share: one new emulator per run, the trees alternating (before
@@ -408,6 +416,12 @@ def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None
             f"  {tree:7} Init median {statistics.median(inits):.0f} ms"
             f" (range {min(inits):.0f}-{max(inits):.0f}), Init's CPU time"
             f" {statistics.median(series(tree, 'init_cpu')):.0f} ms"
+        )
+    for field, what in (("init", "Init"), ("init_cpu", "Init's CPU time")):
+        after, before = series("after", field), series("before", field)
+        print(
+            f"  after less before, run by run: {what} median {paired(after, before):+.1f} ms,"
+            f" 95 % interval of the median {paired_range(after, before)} ms"
         )
     extra_cpu = paired(series("after", "init_cpu"), series("before", "init_cpu"))
     print(f"init_before_ms={statistics.median(series('before', 'init')):.0f}")
@@ -452,6 +466,12 @@ def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None
             f" {statistics.median(ms(tree, 'cpu_seconds')):.0f} ms, modules compiled:"
             f" {sorted({f['compiled'] for f in imports[tree]})}"
         )
+    for field, what in (("seconds", "import"), ("cpu_seconds", "its CPU time")):
+        after, before = ms("after", field), ms("before", field)
+        print(
+            f"  after less before, run by run: {what} median {paired(after, before):+.1f} ms,"
+            f" 95 % interval of the median {paired_range(after, before)} ms"
+        )
     print(f"import_before_ms={statistics.median(ms('before', 'seconds')):.0f}")
     print(f"import_after_ms={statistics.median(ms('after', 'seconds')):.0f}")
     print(f"import_{name}_extra_ms={paired(ms('after', 'seconds'), ms('before', 'seconds')):.1f}")
@@ -487,6 +507,10 @@ def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None
             f"  {tree:7} median {statistics.median(body[tree]):.1f} ms"
             f" (range {min(body[tree]):.1f}-{max(body[tree]):.1f})"
         )
+    print(
+        f"  after less before, run by run: median {paired(body['after'], body['before']):+.1f}"
+        f" ms, 95 % interval of the median {paired_range(body['after'], body['before'])} ms"
+    )
     module_extra = paired(body["after"], body["before"])
     print(f"module_cpu_{name}_extra_ms={module_extra:.1f}")
     print(f"module_{name}_extra_at_share_ms={module_extra / share:.1f}")
