@@ -40,10 +40,13 @@ of the template's MemorySize, as deployed (tokens from Secrets Manager):
 * Init, one new emulator per run (--emulator-runs per tree);
 * `import handler` of each shipped tree, read-only, in a fresh interpreter in a cgroup
   with the same quota (--runs per tree).
-Prints the medians of each and of the run-by-run differences (after less before):
+Prints the medians of each and of the run-by-run differences (after less before), each
+difference with a 95 % interval of its median:
 `init_<NAME>_extra_ms` (target <= 10 for the web view), `init_cpu_<NAME>_extra_ms` (Init's
 CPU time) and `init_<NAME>_extra_from_cpu_ms` (that over the share), and
-`import_<NAME>_extra_ms`, `import_cpu_<NAME>_extra_ms`; NAME is --vs-name (web_view).
+`import_<NAME>_extra_ms`, `import_cpu_<NAME>_extra_ms`, and `import_<NAME>_new_modules`
+(modules `import handler` loads in the after tree and not in the before one, named in
+the lines above it); NAME is --vs-name (web_view).
 Then, the part of it handler.py itself makes, without the noise of new processes: the
 two trees' bytecode of handler.py unmarshalled and run (its top level) in turn, at least
 30 times each, in one interpreter that has imported the libraries once:
@@ -90,7 +93,7 @@ sys.path[:0] = [sys.argv[1], sys.argv[2]]
 started, cpu = time.perf_counter(), time.process_time()
 import handler
 print(json.dumps({"seconds": time.perf_counter() - started, "compiled": len(compiled),
-                  "cpu_seconds": time.process_time() - cpu}))
+                  "cpu_seconds": time.process_time() - cpu, "modules": sorted(sys.modules)}))
 """
 # handler.py's own code, the bytecode of each of two shipped trees (argv 3 and 4), executed
 # again and again in one interpreter in which the libraries are already imported: what a
@@ -472,11 +475,19 @@ def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None
             f"  after less before, run by run: {what} median {paired(after, before):+.1f} ms,"
             f" 95 % interval of the median {paired_range(after, before)} ms"
         )
+    modules = {tree: set(imports[tree][0]["modules"]) for tree in trees}
+    added = sorted(modules["after"] - modules["before"])
+    print(
+        f"  modules loaded by `import handler`: before {len(modules['before'])}, after"
+        f" {len(modules['after'])}; only after: {added or 'none'}; only before:"
+        f" {sorted(modules['before'] - modules['after']) or 'none'}"
+    )
     print(f"import_before_ms={statistics.median(ms('before', 'seconds')):.0f}")
     print(f"import_after_ms={statistics.median(ms('after', 'seconds')):.0f}")
     print(f"import_{name}_extra_ms={paired(ms('after', 'seconds'), ms('before', 'seconds')):.1f}")
     cpu_extra = paired(ms("after", "cpu_seconds"), ms("before", "cpu_seconds"))
     print(f"import_cpu_{name}_extra_ms={cpu_extra:.1f}")
+    print(f"import_{name}_new_modules={len(added)}")
 
     runs = max(30, import_runs)
     done = subprocess.run(

@@ -300,7 +300,7 @@ def summary(lines: list[str]) -> tuple[str, bool, bool]:
         (line.split(":")[1].strip() for line in lines if line.startswith("Execution Time")), "?"
     )
     sorts = any(node.startswith(("Sort", "Incremental Sort")) for node in nodes)
-    seq_scan = any(node.startswith("Seq Scan") for node in nodes)
+    seq_scan = any("Seq Scan" in node for node in nodes)
     text = (
         f"{' > '.join(nodes)}; rows removed by filter {removed:,};"
         f" {buffers.removeprefix('Buffers: ') or 'no buffers'}; execution {execution}"
