@@ -47,7 +47,11 @@ CPU time) and `init_<NAME>_extra_from_cpu_ms` (that over the share), and
 `import_<NAME>_extra_ms`, `import_cpu_<NAME>_extra_ms`, and `import_<NAME>_new_modules`
 (modules `import handler` loads in the after tree and not in the before one, named in
 the lines above it); NAME is --vs-name (web_view).
-Then, the part of it handler.py itself makes, without the noise of new processes: the
+Then handler.py's own part of `import handler`, which a change to handler.py alone
+moves, with far less noise than a whole import: in --runs more fresh interpreters per
+tree under the same quota, -X importtime's self time of handler (reading and running its
+bytecode, without the libraries it imports): `import_self_<NAME>_extra_ms`. And the same
+without the noise of new processes at all: the
 two trees' bytecode of handler.py unmarshalled and run (its top level) in turn, at least
 30 times each, in one interpreter that has imported the libraries once:
 `module_cpu_<NAME>_extra_ms` and `module_<NAME>_extra_at_share_ms` (that over the share).
@@ -149,13 +153,26 @@ def files(*trees: Path) -> list[str]:
     return sorted(str(p) for tree in trees for p in tree.rglob("*"))
 
 
+# A line of `python -X importtime` for handler: its self time (µs), without the modules
+# it imports.
+HANDLER_SELF = re.compile(r"import time:\s+(\d+) \|\s+\d+ \|\s+handler$", re.MULTILINE)
+
+
 def import_once(
-    python: str, function: Path, layer: Path, write_bytecode: bool, quota: CpuQuota | None = None
+    python: str,
+    function: Path,
+    layer: Path,
+    write_bytecode: bool,
+    quota: CpuQuota | None = None,
+    importtime: bool = False,
 ) -> dict:
+    """One fresh interpreter's `import handler`; with importtime, under -X importtime, and
+    `handler_self_ms`: handler.py's own part of it (its bytecode read and run)."""
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     if not write_bytecode:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-    command = [python, "-s", "-c", PROBE, str(function), str(layer / "python")]
+    options = ["-X", "importtime"] if importtime else []
+    command = [python, "-s", *options, "-c", PROBE, str(function), str(layer / "python")]
     if quota is not None:
         env["CGROUP_PROCS"] = " ".join(map(str, quota.procs))
         command = ["sh", "-c", IN_CGROUP, "import-probe", *command]
@@ -167,7 +184,10 @@ def import_once(
         timeout=120,
         check=True,
     )
-    return json.loads(done.stdout)
+    seen = json.loads(done.stdout)
+    if importtime:
+        seen["handler_self_ms"] = int(HANDLER_SELF.findall(done.stderr)[-1]) / 1000
+    return seen
 
 
 RTDONE = re.compile(r"INVOKE RTDONE\(status: (\w+), produced bytes: \d+, duration: ([0-9.]+)ms")
@@ -452,6 +472,17 @@ def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None
                 )
             finally:
                 quota.close()
+    # handler.py's own part of the import, cold: -X importtime's self time of handler in
+    # each fresh interpreter (its own runs: -X importtime slows every import a little).
+    own: dict[str, list[float]] = {tree: [] for tree in trees}
+    for run in range(import_runs):
+        for tree in list(trees)[:: 1 if run % 2 == 0 else -1]:
+            quota = CpuQuota(share)
+            try:
+                seen = import_once(python, shipped[tree], copies / "layer", False, quota, True)
+                own[tree].append(seen["handler_self_ms"])
+            finally:
+                quota.close()
     assert files(copies) == before, "a read-only tree was written"
 
     def ms(tree: str, field: str) -> list[float]:
@@ -488,6 +519,20 @@ def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None
     cpu_extra = paired(ms("after", "cpu_seconds"), ms("before", "cpu_seconds"))
     print(f"import_cpu_{name}_extra_ms={cpu_extra:.1f}")
     print(f"import_{name}_new_modules={len(added)}")
+    print(
+        f"handler.py's own part of `import handler` (-X importtime's self time of handler),"
+        f" {import_runs} more fresh interpreters per tree, alternating, same quota:"
+    )
+    for tree in trees:
+        print(
+            f"  {tree:7} median {statistics.median(own[tree]):.1f} ms"
+            f" (range {min(own[tree]):.1f}-{max(own[tree]):.1f})"
+        )
+    print(
+        f"  after less before, run by run: median {paired(own['after'], own['before']):+.1f}"
+        f" ms, 95 % interval of the median {paired_range(own['after'], own['before'])} ms"
+    )
+    print(f"import_self_{name}_extra_ms={paired(own['after'], own['before']):.1f}")
 
     runs = max(30, import_runs)
     done = subprocess.run(
