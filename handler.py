@@ -5439,6 +5439,9 @@ async function overview() {
     el('h2', {}, 'Backlog'),
     table(['backlog', 'ETA (hours)', 'analysers in the last hour'],
       [[s.backlog_total, when(s.eta_hours), s.analysers_last_hour]]),
+    el('h2', {}, 'Next up, in claim order'),
+    table(['bundle ID', 'popularity', 'added', 'why'], s.top_backlog.map((a) =>
+      [appLink(a.appid), when(a.popularity), when(a.added), a.reason])),
     el('h2', {}, 'Held back'),
     table(Object.keys(s.held_back), [Object.values(s.held_back)]),
     el('h2', {}, 'Policy in force'),
@@ -5698,6 +5701,16 @@ def _api_app(request: Request, operator: Operator, body: bytes, appId: str) -> R
     return Response(json_text(story), media_type="application/json")
 
 
+def _api_priority(request: Request, operator: Operator, body: bytes) -> Response:
+    """`priority-report`: the backlog's first `limit` apps (50; at most 1,000), in the
+    order claims hand them out."""
+    limit = request.query_params.get("limit") or "50"
+    if not DIGITS.fullmatch(limit) or not 1 <= int(limit) <= BULK_REFETCH_LIMIT:
+        raise BadInput(f"limit must be a whole number from 1 to {BULK_REFETCH_LIMIT}")
+    apps = priority_report(api_connection(), settings().policy, int(limit))
+    return JSONResponse({"apps": apps})
+
+
 def _api_analysers(request: Request, operator: Operator, body: bytes) -> Response:
     return JSONResponse({"analysers": list_analysers(api_connection(), settings().policy)})
 
@@ -5826,6 +5839,7 @@ ADMIN_ROUTES = (
     ("GET", "/admin/static/admin.js", _admin_asset, "anyone"),
     ("POST", "/admin/logout", _sign_out, "write"),
     ("GET", "/admin/api/status", _api_status, "read"),
+    ("GET", "/admin/api/priority", _api_priority, "read"),
     ("GET", "/admin/api/apps", _api_apps, "read"),
     ("GET", "/admin/api/apps/{appId}", _api_app, "read"),
     ("POST", "/admin/api/refetch", _api_refetch, "write"),

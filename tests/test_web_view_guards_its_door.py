@@ -585,3 +585,15 @@ def test_a_refetch_names_at_most_its_limit_of_apps(web, sql):
     assert body(request("POST", "/admin/api/refetch", {**BEARER, **JSON}, twice))["unknown"] == [
         "com.example.none"
     ]
+
+
+def test_the_priority_report_from_a_laptop_is_the_clis(web, sql):
+    insert_app(sql, "com.example.small", reviews="3")
+    insert_app(sql, "com.example.big", reviews="300")
+    insert_app(sql, "com.example.done", status="analysed", version=4, analysed=datetime.now(UTC))
+    answer = body(request("GET", "/admin/api/priority", BEARER, query="limit=5"))
+    expected = handler.priority_report(handler.api_connection(), handler.settings().policy, 5)
+    assert answer["apps"] == json.loads(json.dumps(expected))
+    assert [app["appid"] for app in answer["apps"]] == ["com.example.big", "com.example.small"]
+    for bad in ("limit=0", "limit=1001", "limit=-1", "limit=x"):
+        assert request("GET", "/admin/api/priority", BEARER, query=bad)["statusCode"] == 400
