@@ -11,6 +11,9 @@ then measures, on that database:
 * GET /queue through handler.api (the Mangum entry, API Gateway v2 event) in a separate
   API process: median and p99, and the first claim checked against the oracle;
 * the bare SQL floor (claims_workers.FLOOR_CLAIM over a bare pg8000 connection);
+* where one claim's time goes, layer by layer (Powertools, Mangum, Starlette/FastAPI,
+  the route, claim_next_app, handler's Session, the SQL, the floor), in the API process,
+  and cProfile's top entries (bench/claim_layers.py measures, and runs alone too);
 * throughput with 1, 4 and 16 concurrent claimers for both (one process and one
   connection each, like Lambda containers), with a check for double claims;
 * the queue-status and priority reports;
@@ -45,6 +48,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import claim_layers
 import claims_data
 import claims_db
 import claims_upgrade
@@ -116,7 +120,7 @@ class SizeResult:
     bump_later_median: float = math.nan
     seq_scans: list[str] = dataclasses.field(default_factory=list)
     boto3: dict[str, bool] = dataclasses.field(default_factory=dict)
-    breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    layers: dict[str, float] = dataclasses.field(default_factory=dict)
     claim_plan_ms: tuple[float, float] = (math.nan, math.nan)
     promote_ms: float = math.nan
     first_after_upgrade: float = math.nan
@@ -595,12 +599,8 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
         )
         say(f"   service / floor (median): {result.service_median / result.floor_median:.2f}")
 
-        # --- where the service's time goes ----------------------------------------------
-        layers = min(200, max(20, bench.queued_count() // 20))
-        say(f"-- where a service claim's time goes (medians, {layers} claims per layer)")
-        result.breakdown = api.call("breakdown", layers)
-        for name, seconds in result.breakdown.items():
-            say(f"   {name:<58}{ms(seconds):>12}")
+        # --- where the service's time goes (bench/claim_layers.py) -----------------------
+        claim_layers_phase(bench, api, result, args)
         say(
             f"   server side (EXPLAIN ANALYZE above): planning {result.claim_plan_ms[0]:.3f} ms,"
             f" execution {result.claim_plan_ms[1]:.3f} ms; floor: planning"
@@ -838,6 +838,43 @@ def app_status_phase(bench: Bench, api: ApiProcess, result: SizeResult) -> None:
         bench.print_explain("QUEUE_POSITION (queued-deep)", handler.QUEUE_POSITION, plan, result)
 
 
+def claim_layers_phase(
+    bench: Bench, api: ApiProcess, result: SizeResult, args: argparse.Namespace
+) -> None:
+    """Where one claim's time goes, layer by layer, in the API process (the measurement
+    and the table are bench/claim_layers.py's): its Python with the database answering at
+    once, then real claims in rounds, the rows put back and apps vacuumed between them,
+    then cProfile over real claims."""
+    queued = bench.queued_count()
+    per_round = max(10, min(claim_layers.ROUND_CLAIMS, queued // (2 * len(claim_layers.DATABASE))))
+    say(
+        "-- where a service claim's time goes (bench/claim_layers.py): the Python"
+        f" without the database, {args.layer_calls} calls per layer; then"
+        f" {args.layer_claims} real claims per layer in rounds of {per_round} (load average"
+        f" {_load()})"
+    )
+    samples, routes_before = api.call("layers_python", args.layer_calls)
+    left = args.layer_claims
+    while left > 0:
+        got, dry = api.call("layers_claims", min(per_round, left))
+        claim_layers.merge(samples, got)
+        bench.restore(_all_floor_claims(bench))
+        left -= per_round
+        if dry:
+            say("   !! the queue ran dry during a round")
+            break
+    for line in claim_layers.table(samples, routes_before):
+        say(line)
+    result.layers = claim_layers.figures(samples)
+    if args.profile_claims:
+        lines = api.call("layers_profile", min(args.profile_claims, max(1, queued // 4)))
+        bench.restore(_all_floor_claims(bench))
+        say("   " + lines[0])
+        for line in lines[1:]:
+            say(line)
+    api.call("layers_close")
+
+
 UNFLAGGED_STALE = """
 SELECT count(*) FROM apps
 WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
@@ -1027,6 +1064,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-claims", type=int, default=100_000, help="claims per throughput window at most"
     )
     parser.add_argument("--import-runs", type=int, default=11, help="import timings (11)")
+    parser.add_argument(
+        "--layer-calls",
+        type=int,
+        default=1000,
+        help="calls per layer of the claim's Python without the database (1000)",
+    )
+    parser.add_argument("--layer-claims", type=int, default=300, help="real claims per layer (300)")
+    parser.add_argument(
+        "--profile-claims", type=int, default=200, help="claims under cProfile (200; 0: none)"
+    )
     parser.add_argument(
         "--no-baseline", action="store_true", help="do not add a 10k run for growth_10k_to_1m"
     )
@@ -1241,6 +1288,29 @@ def print_summary(
     say(f"   oracle and double-claim checks: {'all passed' if not failures else failures}")
     say(f"   Seq Scan on apps in the claim's plans: {'none' if not scans else scans}")
     say(f"   GET /apps at {largest.apps:,} (median ms): {largest.app_status_ms}")
+    if largest.layers:
+        parts = ", ".join(
+            f"{label} {largest.layers[f'layer_{name}_us']:.0f}"
+            + (
+                f" ({largest.layers[f'layer_{name}_no_db_us']:.0f})"
+                if f"layer_{name}_no_db_us" in largest.layers
+                else ""
+            )
+            for label, name in (
+                ("Powertools", "powertools"),
+                ("event check", "event_check"),
+                ("Mangum", "mangum"),
+                ("Starlette/FastAPI", "starlette_fastapi"),
+                ("route", "route"),
+                ("claim_next_app", "claim_next_app"),
+                ("Session", "session"),
+                ("SQL", "prepared_sql"),
+            )
+        )
+        say(
+            f"   a claim's layers at {largest.apps:,}, µs of real claims (without the"
+            f" database): {parts}; floor {largest.layers['layer_floor_us']:.0f}"
+        )
     say(f"   mass promotion at {largest.apps:,}: {largest.mass}")
     say(
         f"   version bump at {largest.apps:,}: first claim right, later claims within 2x the"

@@ -13,7 +13,6 @@ import os
 import resource
 import sys
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,11 +121,18 @@ class ServiceClaimer:
 def api_process(pipe, url: str) -> None:
     """The API process of the latency measurements, driven by commands over a pipe:
     ("claims", n) -> [(appid, token, seconds)], ("gets", [(path, n)]) -> {path: [seconds]},
-    ("configure", env) -> None,
+    ("configure", env) -> None, the claim's layers (bench/claim_layers.py):
+    ("layers_python", calls) -> (samples, routes before /queue), ("layers_claims", n) ->
+    (samples, ran dry), ("layers_profile", n) -> lines, ("layers_close", None) -> None;
     ("stats", None) -> dict, ("exit", None)."""
     service = ServiceClaimer(url)
+    layers = None
     while True:
         command, argument = pipe.recv()
+        if command.startswith("layers_") and layers is None:
+            import claim_layers
+
+            layers = claim_layers.Layers(service, url)
         if command == "claims":
             results = []
             for _ in range(argument):
@@ -148,9 +154,20 @@ def api_process(pipe, url: str) -> None:
                     if response["statusCode"] != 200:
                         raise RuntimeError(f"{path} answered {response['statusCode']}")
             pipe.send(timings)
-        elif command == "breakdown":
-            pipe.send(breakdown(service, argument))
+        elif command == "layers_python":
+            pipe.send((layers.python_series(argument), layers.routes_before))
+        elif command == "layers_claims":
+            pipe.send(layers.database_round(argument))
+        elif command == "layers_profile":
+            pipe.send(layers.profile(argument))
+        elif command == "layers_close":
+            layers.close()
+            layers = None
+            pipe.send(None)
         elif command == "configure":
+            if layers is not None:
+                layers.close()
+                layers = None
             service.configure(argument)
             pipe.send(None)
         elif command == "stats":
@@ -164,47 +181,6 @@ def api_process(pipe, url: str) -> None:
         elif command == "exit":
             pipe.send(None)
             return
-
-
-def breakdown(service: ServiceClaimer, count: int) -> dict[str, float]:
-    """Median seconds of the layers of one claim, each measured on its own series of
-    claims: the whole request, claim_next_app, the statement through handler.SharedConnection,
-    the statement on the bare connection, and pg8000's parsing of its :params."""
-    import statistics
-
-    from pg8000.native import to_statement
-
-    handler = service.handler
-    db = handler.api_connection()
-    policy = handler.settings().policy
-    params = policy.sql_params()
-
-    def raw() -> None:
-        with db.raw_connection() as connection:
-            connection.run(
-                handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), analyser=None, **params
-            )
-
-    layers = {
-        "GET /queue via handler.api": lambda: service.claim(),
-        "handler.claim_next_app": lambda: handler.claim_next_app(db, policy),
-        "handler.SharedConnection.run(CLAIM_NEXT_APP)": lambda: db.run(
-            handler.CLAIM_NEXT_APP, token=str(uuid.UUID(int=1)), analyser=None, **params
-        ),
-        "pg8000 connection.run(CLAIM_NEXT_APP), unprepared": raw,
-        "pg8000 to_statement(CLAIM_NEXT_APP) (client-side parse)": lambda: to_statement(
-            handler.CLAIM_NEXT_APP
-        ),
-    }
-    medians = {}
-    for name, work in layers.items():
-        times = []
-        for _ in range(count):
-            started = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - started)
-        medians[name] = statistics.median(times)
-    return medians
 
 
 def _run_window(claim, barrier, duration: float, quota: int) -> dict:
