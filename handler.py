@@ -135,16 +135,35 @@ class UnknownApp(ServiceError):
     """A result names an app the queue does not have; the API answers 404."""
 
 
-class UnknownAnalyser(ServiceError):
-    """No analyser has that name; the API answers 404, the CLI exits 1."""
+class AnalyserRefused(ServiceError):
+    """An operation on the named analyser (the exception's argument) was refused and
+    changed nothing: every route answers `status` with these words (the admin API's and
+    the web view's alike), and the CLI prints them and exits 1."""
+
+    status = 409
+    words = "{}"
+
+    def __str__(self) -> str:
+        return self.words.format(*self.args)
 
 
-class AnalyserExists(ServiceError):
-    """An analyser of that name exists (a revoked one too); the API answers 409."""
+class UnknownAnalyser(AnalyserRefused):
+    """No analyser has that name."""
+
+    status = 404
+    words = "no analyser named {}"
 
 
-class AnalyserRevoked(ServiceError):
-    """The analyser is revoked: it cannot be rotated; the API answers 409."""
+class AnalyserExists(AnalyserRefused):
+    """An analyser of that name exists (a revoked one too)."""
+
+    words = "an analyser named {} exists"
+
+
+class AnalyserRevoked(AnalyserRefused):
+    """The analyser is revoked: it cannot be rotated."""
+
+    words = "the analyser {} is revoked"
 
 
 class MigrationRefused(ServiceError):
@@ -2054,6 +2073,17 @@ ANALYSER_NAME_PATH = {
 NO_SUCH_ANALYSER = "No such analyser; nothing was changed."
 
 
+def requested_overlap(body: object) -> int:
+    """The seconds of a rotation's overlap as a request's JSON body asks: {"overlap":
+    "24h"} ({} or no body: DEFAULT_ROTATION_OVERLAP); BadInput otherwise."""
+    if not isinstance(body, dict) or not set(body) <= {"overlap"}:
+        raise BadInput('the body must be {"overlap": "24h"} or empty')
+    overlap = body.get("overlap", DEFAULT_ROTATION_OVERLAP)
+    if not isinstance(overlap, str):
+        raise BadInput('overlap is a duration such as "30m" or "7d"')
+    return overlap_seconds(overlap)
+
+
 def _analyser_name_param(request: Request) -> str:
     return checked_analyser_name(request.path_params["name"])
 
@@ -2090,10 +2120,7 @@ async def create_analyser(request: Request) -> JSONResponse:
     body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
     if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
         raise HTTPException(400, 'the body must be {"name": "..."}')
-    try:
-        created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
-    except AnalyserExists:
-        raise HTTPException(409, f"an analyser named {body['name']} exists") from None
+    created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
     return JSONResponse(created, status_code=201, headers=NO_STORE)
 
 
@@ -2121,10 +2148,7 @@ async def get_analysers() -> JSONResponse:
 async def delete_analyser(request: Request) -> JSONResponse:
     """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
     name = _analyser_name_param(request)
-    try:
-        return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), name)))
-    except UnknownAnalyser:
-        raise HTTPException(404, f"no analyser named {name}") from None
+    return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), name)))
 
 
 @app.post(
@@ -2155,22 +2179,12 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
     once."""
     name = _analyser_name_param(request)
     body = await _read_body(request)
-    overlap = DEFAULT_ROTATION_OVERLAP
+    parsed = {}
     if body:
         _require_content_type(request, ("application/json",))
         parsed = await blocking(_parse_json, body, "the body", parse=True)
-        if not isinstance(parsed, dict) or not set(parsed) <= {"overlap"}:
-            raise HTTPException(400, 'the body must be {"overlap": "24h"} or empty')
-        overlap = parsed.get("overlap", overlap)
-        if not isinstance(overlap, str):
-            raise HTTPException(400, 'overlap is a duration such as "30m" or "7d"')
-    seconds = overlap_seconds(overlap)
-    try:
-        rotated = await blocking(lambda: rotate_analyser(api_connection(), name, seconds))
-    except UnknownAnalyser:
-        raise HTTPException(404, f"no analyser named {name}") from None
-    except AnalyserRevoked:
-        raise HTTPException(409, f"the analyser {name} is revoked") from None
+    seconds = requested_overlap(parsed)
+    rotated = await blocking(lambda: rotate_analyser(api_connection(), name, seconds))
     return JSONResponse(rotated, headers=NO_STORE)
 
 
@@ -4946,13 +4960,12 @@ def session_cookie(value: str, secure: bool, max_age: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Operator:
-    """Who sent an /admin request: a signed-in session or the bearer token, and from
-    which address. `by_cookie`: its writes must prove they come from the web view's own
-    pages (admin_guard)."""
+    """Who sent an /admin request: a signed-in session (`session`, the hash of its id:
+    its writes must prove they come from the web view's own pages, admin_guard) or the
+    bearer token (session None), and from which address."""
 
     actor: str
     source: str
-    by_cookie: bool
     session: bytes | None = None
 
 
@@ -5059,13 +5072,13 @@ def admin_guard(request: Request, write: bool) -> Operator:
         if scheme.lower() != "bearer":
             raise _unauthorized()
         _check_admin(HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip()))
-        operator = Operator(actor=BEARER_ACTOR, source=source, by_cookie=False)
+        operator = Operator(actor=BEARER_ACTOR, source=source)
     else:
         session = live_session(api_connection(), request.cookies.get(ADMIN_SESSION_COOKIE))
         if session is None:
             raise HTTPException(401, "sign in at /admin/login")
-        operator = Operator(session_actor(session), source, by_cookie=True, session=session)
-    if write and operator.by_cookie:
+        operator = Operator(session_actor(session), source, session=session)
+    if write and operator.session is not None:
         if not from_own_page(request):
             raise HTTPException(403, "a write must come from the web view's own page")
         _require_content_type(request, ("application/json",))
@@ -5787,10 +5800,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
 def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Response:
     require_actions()
     name = checked_analyser_name(_json_object(body, {"name"}).get("name"))
-    try:
-        created = add_analyser(api_connection(), name)
-    except AnalyserExists:
-        raise HTTPException(409, f"an analyser named {name} exists") from None
+    created = add_analyser(api_connection(), name)
     record_actions(api_connection(), operator, "add analyser", analyser=name)
     return JSONResponse(created, status_code=201)
 
@@ -5798,15 +5808,8 @@ def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Resp
 def _api_rotate(request: Request, operator: Operator, body: bytes, name: str) -> Response:
     require_actions()
     name = checked_analyser_name(name)
-    overlap = _json_object(body, {"overlap"}).get("overlap", DEFAULT_ROTATION_OVERLAP)
-    if not isinstance(overlap, str):
-        raise BadInput('overlap is a duration such as "30m" or "7d"')
-    try:
-        rotated = rotate_analyser(api_connection(), name, overlap_seconds(overlap))
-    except UnknownAnalyser:
-        raise HTTPException(404, f"no analyser named {name}") from None
-    except AnalyserRevoked:
-        raise HTTPException(409, f"the analyser {name} is revoked") from None
+    seconds = requested_overlap(_parse_json(body, "the body") if body else {})
+    rotated = rotate_analyser(api_connection(), name, seconds)
     record_actions(api_connection(), operator, "rotate analyser", analyser=name)
     return JSONResponse(rotated)
 
@@ -5815,10 +5818,7 @@ def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) ->
     require_actions()
     name = checked_analyser_name(name)
     _json_object(body, set())
-    try:
-        revoked = revoke_analyser(api_connection(), name)
-    except UnknownAnalyser:
-        raise HTTPException(404, f"no analyser named {name}") from None
+    revoked = revoke_analyser(api_connection(), name)
     record_actions(api_connection(), operator, "revoke analyser", analyser=name)
     return JSONResponse(revoked)
 
@@ -5946,6 +5946,11 @@ UNMIGRATED_SQLSTATES = ("42P01", "42703", "42883")
 @app.exception_handler(BadInput)
 async def _bad_input(request: Request, error: BadInput) -> Response:
     return await _http_error(request, HTTPException(400, str(error)))
+
+
+@app.exception_handler(AnalyserRefused)
+async def _analyser_refused(request: Request, error: AnalyserRefused) -> Response:
+    return await _http_error(request, HTTPException(error.status, str(error)))
 
 
 @app.exception_handler(DatabaseUnavailable)
@@ -6964,14 +6969,8 @@ def _cli_analysers(args: argparse.Namespace) -> int:
     except BadInput as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except AnalyserExists:
-        print(f"error: an analyser named {args.name} exists", file=sys.stderr)
-        return 1
-    except UnknownAnalyser:
-        print(f"error: no analyser named {args.name}", file=sys.stderr)
-        return 1
-    except AnalyserRevoked:
-        print(f"error: the analyser {args.name} is revoked", file=sys.stderr)
+    except AnalyserRefused as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
 
 
