@@ -52,6 +52,7 @@ import functools
 import gc
 import hashlib
 import hmac
+import inspect
 import json
 import os
 import re
@@ -62,7 +63,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -72,15 +73,17 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pg8000.native
 from aws_lambda_powertools import Logger, Metrics
-from aws_lambda_powertools.logging import correlation_paths
 from aws_lambda_powertools.metrics import MetricUnit
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from mangum import Mangum
+from mangum.protocols import HTTPCycle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import request_response as starlette_request_response
 
 if TYPE_CHECKING:  # the CLI imports argparse when it runs, not at a Lambda cold start
     import argparse
@@ -1260,7 +1263,66 @@ def details_problem(details: dict[str, Any]) -> str | None:
 # calls the work inline. Under `serve` (uvicorn, one event loop for every client) the
 # Runtime has worker threads, each with its own connection, and `blocking` runs the work
 # on one of them, so /queue is answered while large uploads are parsed and stored.
+
+
+class GuardedRoute(APIRoute):
+    """A route whose endpoint takes the Request and guards, and answers a Response.
+
+    Every route here reads its input itself (for the contract's exact 400s, see
+    _documented), so what FastAPI resolves per request is only its guards: `guard(
+    credentials=Depends(bearer))`, declared as a parameter (`credential: Credential =
+    Depends(require_analyser)`) or in `dependencies=`. FastAPI's resolver walks that
+    tree anew for every request, a third of a warm claim's time in Starlette and FastAPI
+    (docs/benchmarks.md, "Where a claim's time goes"); this class walks it once, when the
+    route is declared, and calls the guards in that order. The declaration is FastAPI's,
+    so the OpenAPI document (security schemes included) is built from it as before. A
+    route of any other shape is refused when it is declared."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        endpoint, dependant = self.endpoint, self.dependant
+        own = (
+            dependant.path_params,
+            dependant.query_params,
+            dependant.header_params,
+            dependant.cookie_params,
+            dependant.body_params,
+        )
+        guards: list[tuple[str | None, Callable, Callable]] = []
+        for guard in dependant.dependencies:
+            bearers = [bearer.call for bearer in guard.dependencies]
+            if len(bearers) != 1 or guard.dependencies[0].dependencies or any(own):
+                raise TypeError(f"{self.path}: a GuardedRoute takes the Request and guards")
+            guards.append((guard.name, guard.call, bearers[0]))
+        if any(own) or not inspect.iscoroutinefunction(endpoint):
+            raise TypeError(f"{self.path}: a GuardedRoute's endpoint is an async def")
+        request_name = dependant.request_param_name
+
+        async def handle(request: Request) -> Response:
+            values: dict[str, Any] = {request_name: request} if request_name else {}
+            for name, guard, bearer in guards:
+                value = await guard(await bearer(request))
+                if name is not None:
+                    values[name] = value
+            response = await endpoint(**values)
+            if not isinstance(response, Response):
+                raise TypeError(f"{self.path}: the endpoint answered no Response")
+            return response
+
+        self.lean_handler = handle
+        return handle
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **options: Any) -> None:
+        super().__init__(path, endpoint, **options)
+        # Starlette's request_response rather than FastAPI's, which opens two
+        # AsyncExitStacks per request for dependencies with `yield` (none here).
+        self.app = starlette_request_response(self.lean_handler)
+
+
+# FastAPI's native OpenTelemetry is off: the service's telemetry is Powertools' logs and
+# EMF metrics, and no OpenTelemetry provider is configured, which FastAPI would otherwise
+# ask for on every request.
 app = FastAPI(
+    telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     title="Analysis queue",
     version="1.0.0",
     description="Queue server for the iOS app privacy analysers.",
@@ -1268,6 +1330,7 @@ app = FastAPI(
     docs_url=None,
     redoc_url=None,
 )
+app.router.route_class = GuardedRoute
 
 
 async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) -> Any:
@@ -6021,6 +6084,20 @@ TERMINATE_BACKEND = "SELECT pg_terminate_backend(:pid)"
 
 # -- api
 
+# The analysers' routes are tried first: they are nearly every request, and Starlette
+# tries the routes in order, a regex match for each miss (about a tenth of a warm claim
+# behind the eight routes declared before it). Their paths are literal and no other
+# route's pattern matches them (tests/test_openapi_is_the_contract.py), so the order
+# changes no request's route; the OpenAPI document lists them first, nothing else.
+ANALYSERS_PATHS = ("/queue", "/ping", "/uploadAnalysis", "/reportAnalysisFailure")
+app.router.routes.sort(
+    key=lambda route: (
+        ANALYSERS_PATHS.index(route.path)
+        if getattr(route, "path", None) in ANALYSERS_PATHS
+        else len(ANALYSERS_PATHS)
+    )
+)
+
 
 async def deployed_app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
     """The app as the HTTP API serves it: without the OpenAPI document, which the local
@@ -6036,36 +6113,44 @@ async def deployed_app(scope: dict[str, Any], receive: Callable, send: Callable)
 _mangum = Mangum(deployed_app, lifespan="off")
 
 
-def _unreadable_event(event: dict[str, Any], context: Any) -> str | None:
-    """Why Mangum could not turn this event into an HTTP request (a header, path or query
-    string that is not encodable text, a body that is not base64, a Host with a bad port,
-    a field missing or of the wrong type), or None. Mangum would raise, and API Gateway
-    would answer 500. Whatever fails here is the event's doing: 400."""
+def _readable_request(event: dict[str, Any], context: Any) -> tuple[Any, dict, bytes] | str:
+    """Mangum's reading of the event: (its adapter, the ASGI scope, the body), or why it
+    cannot be read (a header, path or query string that is not encodable text, a body
+    that is not base64, a Host with a bad port, a field missing or of the wrong type).
+    Mangum would raise, and API Gateway would answer 500: whatever fails here is the
+    event's doing, 400."""
     try:
         adapter = _mangum.infer(event, context)
-        adapter.scope  # noqa: B018 - builds headers, path and query string as bytes
-        adapter.body  # noqa: B018 - decodes base64
+        return adapter, adapter.scope, adapter.body
     except Exception as error:  # noqa: BLE001 - any failure to read the event is the event's
         return f"the request cannot be read: {type(error).__name__}"
-    return None
+
+
+def _gateway_request_id(event: dict[str, Any]) -> str | None:
+    """API Gateway's id of the request (requestContext.requestId), read as Powertools'
+    correlation_paths.API_GATEWAY_HTTP reads it, without a JMESPath search per request."""
+    request_context = event.get("requestContext")
+    found = request_context.get("requestId") if isinstance(request_context, dict) else None
+    return found if isinstance(found, str) else None
 
 
 # Every log line of an invocation carries the Lambda request id, the cold-start flag and
 # API Gateway's request id (correlation_id).
-@logger.inject_lambda_context(
-    correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
-)
+@logger.inject_lambda_context
 def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """API Gateway (HTTP API) entry point: FastAPI through Mangum, lifespan off."""
-    problem = _unreadable_event(event, context)
-    if problem:
+    """API Gateway (HTTP API) entry point: FastAPI through Mangum, lifespan off. The
+    event is read once: what Mangum's __call__ does with it, lifespan off, is this."""
+    logger.set_correlation_id(_gateway_request_id(event))
+    readable = _readable_request(event, context)
+    if isinstance(readable, str):
         return {
             "statusCode": 400,
             "headers": {"content-type": "application/json"},
-            "body": json.dumps({"detail": problem}),
+            "body": json.dumps({"detail": readable}),
             "isBase64Encoded": False,
         }
-    return _mangum(event, context)
+    adapter, scope, body = readable
+    return adapter(HTTPCycle(scope, body)(deployed_app))
 
 
 # -- migrate

@@ -22,13 +22,14 @@ load, and none always follows the same other one):
    only the round trip is missing. --python-calls calls of each, from the outside in:
    * handler.api (the Lambda entry point) with an API Gateway v2 event for GET /queue,
    * handler.api.__wrapped__: the same without Powertools' Logger.inject_lambda_context,
-   * a Mangum of our own around handler.deployed_app: without handler.api's check that
-     the event can be read (which translates the event once more),
+   * a Mangum of our own around handler.deployed_app: without handler.api's own work
+     (the correlation id; it reads the event once, as Mangum's __call__ does),
    * handler.deployed_app as an ASGI app, with the scope Mangum makes (made outside the
      timer), in the event loop Mangum uses: without Mangum,
    * the route function, handler.next_app, with a Request and the shared password's
      Credential, run without a loop (it never waits on Lambda): without Starlette's
-     middleware and routing, FastAPI's dependency resolution and the response's sending,
+     middleware and routing, the guard (handler.GuardedRoute's call of require_analyser)
+     and the response's sending,
    * handler.claim_next_app as the route calls it: without the route's own work (its
      query checks, settings(), blocking(), the response object); what is left is
      claim_next_app's own (the promoter's clock, the token, the retry frame).
@@ -158,7 +159,6 @@ class Layers:
     handler as a Lambda container does (claims_workers.ServiceClaimer)."""
 
     def __init__(self, service: claims_workers.ServiceClaimer, url: str, seed: int = 1):
-        from aws_lambda_powertools.logging import correlation_paths
         from mangum import Mangum
         from starlette.requests import Request
         from starlette.routing import Match
@@ -173,9 +173,7 @@ class Layers:
         self.mangum = Mangum(handler.deployed_app, lifespan="off")
         self.mangum_null = Mangum(_null_app, lifespan="off")
         self.loop = asyncio.get_event_loop()  # the one Mangum runs the app in
-        self.decorated_noop = handler.logger.inject_lambda_context(
-            correlation_id_path=correlation_paths.API_GATEWAY_HTTP, clear_state=True
-        )(lambda event, context: None)
+        self.decorated_noop = handler.logger.inject_lambda_context(lambda event, context: None)
         self.response = {
             "status": 200,
             "headers": [
@@ -455,11 +453,11 @@ def us(seconds: float) -> str:
 ROWS = (
     ("GET /queue via handler.api, the whole claim", "api", None, "claim"),
     ("  Powertools: Logger.inject_lambda_context", "api", "unwrapped", "powertools"),
-    ("  handler.api's event check (Mangum's translation again)", "unwrapped", "mangum",
-     "event_check"),
+    ("  handler.api's own: the correlation id (the event read once)", "unwrapped", "mangum",
+     "api_own"),
     ("  Mangum: event to scope, the loop's task, response to dict", "mangum", "asgi",
      "mangum"),
-    ("  Starlette/FastAPI: middleware, routing, Depends, sending", "asgi", "endpoint",
+    ("  Starlette/FastAPI: middleware, routing, the guard, sending", "asgi", "endpoint",
      "starlette_fastapi"),
     ("  the route's own: query checks, settings, blocking, response", "endpoint", "claim",
      "route"),
@@ -479,7 +477,7 @@ ALONE_LABELS = (
     ("  Powertools' decorator around a no-op", "powertools"),
     ("  Powertools Metrics: no flush on /queue (api has no log_metrics)", None),
     ("  Mangum around an ASGI app that answers at once", "mangum_null"),
-    ("    its event to scope and body (handler.api does it twice)", "mangum_in"),
+    ("    its event to scope and body", "mangum_in"),
     ("    its response to API Gateway's dict", "mangum_out"),
     ("  one asyncio task run to completion", "task"),
     ("  the bearer dependency: HTTPBearer + require_analyser", "bearer"),

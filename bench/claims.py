@@ -1425,7 +1425,7 @@ def print_summary(
             )
             for label, name in (
                 ("Powertools", "powertools"),
-                ("event check", "event_check"),
+                ("handler.api's own", "api_own"),
                 ("Mangum", "mangum"),
                 ("Starlette/FastAPI", "starlette_fastapi"),
                 ("route", "route"),
