@@ -15,9 +15,11 @@ it:
   Configuration                     settings from the environment (only here), logs, metrics
   SQL: the queue's rule             the candidate rule and the fragments several statements share
   Secrets                           Secrets Manager and SSM, through Powertools
-  Database access                   Session, SharedConnection (one connection), Runtime
+  Database access                   Session, SharedConnection (one connection)
+  The process's Runtime             settings, connections and serve's threads, per process
   Input checks                      pure functions: bundle IDs, JSON PostgreSQL can store
-  HTTP scaffolding                  the FastAPI app, blocking, bearer tokens, bodies, answers
+  HTTP scaffolding: requests        the FastAPI app, GuardedRoute, blocking, tokens, bodies
+  HTTP scaffolding: answers         JSON answers that fit Lambda, the OpenAPI of errors
   Analysers: pings and credentials  GET /ping's heartbeats, named analysers' tokens
   Analysers: guards and routes      who sent a request; /ping and the /analysers routes
   Results: the verdict              failure classes, judge_result
@@ -46,6 +48,7 @@ analysers|invoke`.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import dataclasses
 import functools
@@ -64,6 +67,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -80,6 +84,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from mangum import Mangum
+from mangum.handlers import HTTPGateway
 from mangum.protocols import HTTPCycle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -572,7 +577,7 @@ SECRET_REFRESH_SECONDS = 10
 
 # == Database access ====================================================================
 # One connection per process (one per Lambda container), opened on first use, reopened
-# when PostgreSQL dropped it; the process's Runtime holds it.
+# when PostgreSQL dropped it; the process's Runtime (the next chapter) holds it.
 
 
 # -- connecting
@@ -692,10 +697,15 @@ class Session:
         names = [column["name"] for column in columns or ()]
         return [dict(zip(names, row, strict=True)) for row in rows]
 
-    def _run(self, sql: str, params: dict[str, Any]) -> tuple[list[list[Any]], list[dict]]:
+    def prepare(self, sql: str) -> Any:
+        """The statement, parsed on this connection (once), not run."""
         statement = self._prepared.get(sql)
         if statement is None:
             statement = self._prepared[sql] = self._guarded(lambda: self.connection.prepare(sql))
+        return statement
+
+    def _run(self, sql: str, params: dict[str, Any]) -> tuple[list[list[Any]], list[dict]]:
+        statement = self.prepare(sql)
         try:
             rows = self._guarded(lambda: statement.run(**params))
             return rows, statement.columns
@@ -873,7 +883,10 @@ class SharedConnection:
                 raise
 
 
-# -- the process's runtime
+# == The process's Runtime ==============================================================
+# What one process keeps between requests (Lambda: a container): its settings, its
+# connections, and under `serve` its worker threads.
+
 
 # The API's socket timeout is the statement timeout plus this: a dead network path (no
 # reply, no reset) fails the read instead of hanging until Lambda's timeout. A request
@@ -904,7 +917,7 @@ class Runtime:
         self._connection: SharedConnection | None = None
         self._thread_connections: list[SharedConnection] = []
         self._thread_local = threading.local()
-        self._limiters: dict[str, Any] = {}
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._previous_secrets: dict[str, tuple[float, str | None]] = {}
         self._secret_refreshed: dict[str, float] = {}  # when each was last read afresh
@@ -964,20 +977,43 @@ class Runtime:
                 self._connection = self._new_api_connection()
             return self._connection
 
-    def worker_limiter(self, parse: bool = False) -> Any:
-        """The anyio CapacityLimiter of the worker threads (made in the event loop, on
-        first use); None when blocking work runs inline. Parsing a body has a limiter of
-        one thread: json.loads holds the GIL for its whole run (a quarter of a second
-        for 4 MB), so parses side by side would hold up every other request's steps;
-        one at a time, the GIL is free most of the time."""
+    def worker_pool(self, parse: bool = False) -> ThreadPoolExecutor | None:
+        """The threads `blocking` hands work to, made on first use; None when blocking
+        work runs inline. The database's: `worker_threads` threads, each with a connection
+        of its own for as long as the Runtime lives (a pool's threads never end; anyio's
+        ended a thread idle for 10 s, leaving its connection open and opening another for
+        the next thread). Parsing a body has a thread of its own: json.loads holds the GIL
+        for its whole run (a quarter of a second for 4 MB), so parses side by side would
+        hold up every other request's steps; one at a time, the GIL is free most of the
+        time, and a parse never waits for a database thread nor holds one."""
         if not self.worker_threads:
             return None
         kind = "parse" if parse else "database"
-        if kind not in self._limiters:
-            import anyio
+        with self._lock:
+            if kind not in self._pools:
+                self._pools[kind] = ThreadPoolExecutor(
+                    1 if parse else self.worker_threads, thread_name_prefix=f"queue-{kind}"
+                )
+            return self._pools[kind]
 
-            self._limiters[kind] = anyio.CapacityLimiter(1 if parse else self.worker_threads)
-        return self._limiters[kind]
+    def start_workers(self, warm: Callable[[SharedConnection], None], seconds: float) -> None:
+        """Start every database thread now, each connected and `warm` run on its
+        connection (`serve`, before it takes requests: a new connection and its first
+        statements cost tens of milliseconds, which would otherwise be the first
+        requests' to pay). Raises what a thread's `warm` raised."""
+        pool = self.worker_pool()
+        if pool is None:
+            return
+        # One job per thread: each waits for the others, so the pool starts a thread for
+        # each instead of handing a later job to a thread that finished an earlier one.
+        everyone = threading.Barrier(self.worker_threads)
+
+        def start() -> None:
+            everyone.wait(seconds)
+            warm(self.api_connection())
+
+        for started in [pool.submit(start) for _ in range(self.worker_threads)]:
+            started.result(seconds)
 
     def _new_api_connection(self) -> SharedConnection:
         config = self.settings
@@ -1022,6 +1058,9 @@ class Runtime:
             self._connection = None
             self._thread_connections.clear()
             self._thread_local = threading.local()
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def runtime() -> Runtime:
@@ -1249,9 +1288,9 @@ def details_problem(details: dict[str, Any]) -> str | None:
     return None
 
 
-# == HTTP scaffolding ===================================================================
-# The FastAPI app and what every route uses: `blocking`, bearer tokens, reading a
-# request, JSON answers that fit Lambda, the OpenAPI of the error answers.
+# == HTTP scaffolding: requests =========================================================
+# The FastAPI app and what every route uses to read a request: its route class,
+# `blocking`, bearer tokens, query parameters, headers and bodies.
 
 
 # -- the app
@@ -1335,13 +1374,11 @@ app.router.route_class = GuardedRoute
 
 async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) -> Any:
     """work(*args): inline (Lambda), or on a worker thread when the Runtime has them
-    (`parse`: work that parses a body, one at a time: Runtime.worker_limiter)."""
-    limiter = runtime().worker_limiter(parse)
-    if limiter is None:
+    (`parse`: work that parses a body, one at a time: Runtime.worker_pool)."""
+    pool = runtime().worker_pool(parse)
+    if pool is None:
         return work(*args)
-    import anyio.to_thread
-
-    return await anyio.to_thread.run_sync(lambda: work(*args), limiter=limiter)
+    return await asyncio.wrap_future(pool.submit(work, *args))
 
 
 # -- bearer tokens
@@ -1566,6 +1603,11 @@ def _parse_json_text(body: bytes, name: str) -> tuple[str, Any]:
 def _parse_json(body: bytes, name: str) -> Any:
     """The body's value, as _parse_json_text checks it."""
     return _parse_json_text(body, name)[1]
+
+
+# == HTTP scaffolding: answers ==========================================================
+# What every route uses to answer: JSON that fits Lambda, and the OpenAPI of the error
+# answers.
 
 
 # -- answers
@@ -6110,7 +6152,17 @@ async def deployed_app(scope: dict[str, Any], receive: Callable, send: Callable)
     await app(scope, receive, send)
 
 
-_mangum = Mangum(deployed_app, lifespan="off")
+class _ScopeOnceGateway(HTTPGateway):
+    """Mangum's adapter for API Gateway's HTTP API events, with the request's ASGI scope
+    made once: Mangum's own makes it again to map the response (a tenth of a warm claim
+    for the two). A custom handler is Mangum's own way to adapt an event source."""
+
+    @functools.cached_property
+    def scope(self) -> dict[str, Any]:
+        return super().scope
+
+
+_mangum = Mangum(deployed_app, lifespan="off", custom_handlers=[_ScopeOnceGateway])
 
 
 def _readable_request(event: dict[str, Any], context: Any) -> tuple[Any, dict, bytes] | str:
@@ -6724,11 +6776,52 @@ def header_deadline_protocol() -> type:
     return HeaderDeadlineProtocol
 
 
+# What each database thread of serve runs before serve takes requests, read-only, so that
+# the first requests find a connection open and PostgreSQL's catalogs and plans made on it
+# (a new connection and its first statements cost tens of milliseconds): the public read
+# of an app (FIND_APP for one that cannot exist, QUEUE_POSITION counting to 1 at most)
+# and the claim, parsed but not run.
+SERVE_START_SECONDS = 10
+NO_SUCH_APP = "warm-up.invalid"  # not a bundle ID: no app has it
+
+
+def warm_connection(db: SharedConnection) -> None:
+    policy = settings().policy
+
+    def warm(session: Session) -> None:
+        session.records(FIND_APP, appid=NO_SUCH_APP, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
+        session.run(
+            QUEUE_POSITION,
+            popularity=0,
+            added=datetime.now(UTC),
+            appid=NO_SUCH_APP,
+            limit=1,
+            **policy.sql_params(),
+        )
+        session.prepare(CLAIM_NEXT_APP)
+
+    db.transaction(warm)
+
+
+def start_serving_threads() -> None:
+    """serve's database threads, started and warmed (warm_connection) before it takes
+    requests. A database that does not answer now is no reason not to serve: requests
+    get 503 until it does, and each thread connects when it next needs to."""
+    try:
+        runtime().start_workers(warm_connection, SERVE_START_SECONDS)
+    except Exception as error:  # noqa: BLE001 - logged; serve starts all the same
+        logger.warning(
+            "serve's database threads could not connect yet",
+            extra={"error": f"{type(error).__name__}: {error}"[:300]},
+        )
+
+
 def _cli_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     _local_defaults()
     use_cli_runtime(worker_threads=SERVE_WORKER_THREADS)
+    start_serving_threads()
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
     # with the handlers main() installed, so the process ends through Python's exit.
     uvicorn.run(

@@ -1107,10 +1107,13 @@ IMPORT_EXTRA = (
 
 
 def _python(code: str) -> str:
+    # Without PYTHONDONTWRITEBYTECODE: handler.py is imported from bytecode, as its
+    # libraries are and as a Lambda container imports it (the build ships bytecode,
+    # docs/benchmarks.md "Bytecode"); the first run writes it (measure_imports).
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("DATABASE_URL", "UPLOAD_PASSWORD", "PYTHONPATH")
+        if k not in ("DATABASE_URL", "UPLOAD_PASSWORD", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
         and not k.startswith(("CURRENT_", "STALE_"))
     }
     return subprocess.run(

@@ -45,7 +45,8 @@ class LiveServer:
 def serving(app, clock: Callable[[], float] | None = None) -> Iterator[LiveServer]:
     """`app` served as `python3 handler.py serve` serves handler.app (_cli_serve): the
     process's Runtime, built from the environment (with `clock`, if given), has
-    SERVE_WORKER_THREADS worker threads (each with a connection of its own), and uvicorn
+    SERVE_WORKER_THREADS worker threads (each with a connection of its own, started and
+    warmed before the first request: handler.start_serving_threads), and uvicorn
     runs the app on loopback in a thread of this process (`server.thread` runs the event
     loop)."""
     import handler
@@ -57,6 +58,7 @@ def serving(app, clock: Callable[[], float] | None = None) -> Iterator[LiveServe
     else:
         handler.use_runtime(handler.Runtime(config, clock=clock, worker_threads=threads))
     try:
+        handler.start_serving_threads()
         with LiveServer(app) as server:
             yield server
     finally:
