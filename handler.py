@@ -67,7 +67,6 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -90,8 +89,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import request_response as starlette_request_response
 
-if TYPE_CHECKING:  # the CLI imports argparse when it runs, not at a Lambda cold start
+if TYPE_CHECKING:  # the CLI imports these when it runs, not at a Lambda cold start
     import argparse
+    from concurrent.futures import ThreadPoolExecutor
 
 
 # == The service's errors ===============================================================
@@ -768,6 +768,11 @@ class SharedConnection:
         self.generic_plans = generic_plans
         if generic_plans:
             self._settings.append("SET plan_cache_mode = force_generic_plan")
+            # Index-head reads and point lookups, a millisecond each: JIT compiling one
+            # takes tens of milliseconds and never pays off, and it would be paid on every
+            # run of a plan whose cost estimate passes jit_above_cost (the claim's is
+            # about half of the default 100,000; one more head took it past, 88 ms a claim).
+            self._settings.append("SET jit = off")
         self._socket_timeout = socket_timeout
         self._session: Session | None = None
         self._lock = threading.RLock()
@@ -991,6 +996,8 @@ class Runtime:
         kind = "parse" if parse else "database"
         with self._lock:
             if kind not in self._pools:
+                from concurrent.futures import ThreadPoolExecutor
+
                 self._pools[kind] = ThreadPoolExecutor(
                     1 if parse else self.worker_threads, thread_name_prefix=f"queue-{kind}"
                 )

@@ -133,6 +133,7 @@ def service_plan(statement: str, params: dict, promoter: bool) -> list[str]:
     values = ", ".join(pg8000.native.literal(value) for value in make_values(params))
     with handler.api_connection().raw_connection() as connection:
         assert connection.run("SHOW plan_cache_mode") == [["force_generic_plan"]]
+        assert connection.run("SHOW jit") == [["off"]]
         connection.run("BEGIN")
         try:
             if promoter:
