@@ -5966,8 +5966,13 @@ _ADMIN_PATTERNS = tuple(
 )
 
 
-def _admin_work(request: Request, body: bytes) -> Response:
-    """The blocking part of an /admin request: its route, who sent it, then its work."""
+def _admin_route(
+    request: Request,
+) -> tuple[Callable[..., Response], Any, dict[str, str]] | Response:
+    """An /admin request's route and who sent it, before its body is read: (its work, the
+    operator or None for "anyone", its path parameters), or the page's 303 to sign in.
+    Blocking (a session is looked up). A request nobody signed is refused here, so its
+    body, up to MAX_BODY_BYTES, is never read."""
     path, method, allowed = request.url.path, request.method, False
     if method == "HEAD":  # a GET without its body (the server drops the body)
         method = "GET"
@@ -5979,14 +5984,14 @@ def _admin_work(request: Request, body: bytes) -> Response:
             allowed = True
             continue
         if who == "anyone":
-            return work(request, None, body)
+            return work, None, {}
         try:
             operator = admin_guard(request, write=who == "write")
         except HTTPException as refusal:
             if who != "page" or refusal.status_code != 401:
                 raise
             return Response(status_code=303, headers={"Location": "/admin/login"})
-        return work(request, operator, body, **found.groupdict())
+        return work, operator, found.groupdict()
     if allowed:
         raise HTTPException(405, "Method Not Allowed")
     raise HTTPException(404, "Not Found")
@@ -6013,8 +6018,13 @@ async def admin(request: Request) -> Response:
     try:
         if settings().admin_web == "off":
             raise HTTPException(404, "Not Found")
-        body = await _read_body(request) if request.method == "POST" else b""
-        response = await blocking(_admin_work, request, body)
+        route = await blocking(_admin_route, request)
+        if isinstance(route, Response):
+            response = route
+        else:
+            work, operator, parameters = route
+            body = await _read_body(request) if request.method == "POST" else b""
+            response = await blocking(lambda: work(request, operator, body, **parameters))
     except Exception as error:  # noqa: BLE001 - answered as every route's, with the headers
         response = await _admin_error(request, error)
     response.headers.update(ADMIN_HEADERS)

@@ -597,3 +597,53 @@ def test_the_priority_report_from_a_laptop_is_the_clis(web, sql):
     assert [app["appid"] for app in answer["apps"]] == ["com.example.big", "com.example.small"]
     for bad in ("limit=0", "limit=1001", "limit=-1", "limit=x"):
         assert request("GET", "/admin/api/priority", BEARER, query=bad)["statusCode"] == 400
+
+
+GUARDED_POSTS = [
+    path for method, path, _, who in handler.ADMIN_ROUTES if method == "POST" and who != "anyone"
+]
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    path=st.sampled_from(GUARDED_POSTS),
+    credentials=st.sampled_from(
+        [
+            {},
+            {"authorization": "Bearer not-the-token"},
+            {"authorization": "Basic eA=="},
+            {"cookie": "analysis_queue_admin=forged.value", **SAME_ORIGIN},
+            {"cookie": "analysis_queue_admin=", "sec-fetch-site": "cross-site"},
+        ]
+    ),
+)
+def test_a_write_nobody_signed_is_refused_before_its_body_is_read(web, path, credentials):
+    """The body of an /admin write, up to MAX_BODY_BYTES, is read only once its sender
+    is known: serve would otherwise hold a stranger's upload in memory, however slowly
+    it came."""
+    import asyncio
+
+    concrete = path.replace("{name}", "pi-1")
+    read: list[dict] = []
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        read.append({})
+        return {"type": "http.request", "body": b'{"appIds": []}', "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"host", b"queue.example"), (b"content-type", b"application/json")]
+    headers += [(name.encode(), value.encode()) for name, value in credentials.items()]
+    scope = {
+        "type": "http", "method": "POST", "path": concrete, "raw_path": concrete.encode(),
+        "query_string": b"", "headers": headers, "client": ("203.0.113.9", 1),
+        "server": ("queue.example", 443), "scheme": "https", "http_version": "1.1",
+        "root_path": "", "asgi": {"version": "3.0"},
+    }  # fmt: skip
+    asyncio.run(handler.app(scope, receive, send))
+    assert sent[0]["status"] in (401, 403), (path, credentials, sent[0]["status"])
+    assert read == []
