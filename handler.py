@@ -1318,8 +1318,8 @@ class GuardedRoute(APIRoute):
     _documented), so what FastAPI resolves per request is only its guards: `guard(
     credentials=Depends(bearer))`, declared as a parameter (`credential: Credential =
     Depends(require_analyser)`) or in `dependencies=`. FastAPI's resolver walks that
-    tree anew for every request, a third of a warm claim's time in Starlette and FastAPI
-    (docs/benchmarks.md, "Where a claim's time goes"); this class walks it once, when the
+    tree anew for every request, most of Starlette and FastAPI's part of a warm claim
+    (docs/benchmarks.md, "The analysers' lean path"); this class walks it once, when the
     route is declared, and calls the guards in that order. The declaration is FastAPI's,
     so the OpenAPI document (security schemes included) is built from it as before. A
     route of any other shape is refused when it is declared."""
@@ -1333,19 +1333,22 @@ class GuardedRoute(APIRoute):
             dependant.cookie_params,
             dependant.body_params,
         )
-        guards: list[tuple[str | None, Callable, Callable]] = []
-        for guard in dependant.dependencies:
-            bearers = [bearer.call for bearer in guard.dependencies]
-            if len(bearers) != 1 or guard.dependencies[0].dependencies or any(own):
-                raise TypeError(f"{self.path}: a GuardedRoute takes the Request and guards")
-            guards.append((guard.name, guard.call, bearers[0]))
-        if any(own) or not inspect.iscoroutinefunction(endpoint):
-            raise TypeError(f"{self.path}: a GuardedRoute's endpoint is an async def")
+        guards = [(guard.name, guard.call, guard.dependencies) for guard in dependant.dependencies]
+        if (
+            any(own)
+            or not inspect.iscoroutinefunction(endpoint)
+            or any(len(bearers) != 1 or bearers[0].dependencies for _, _, bearers in guards)
+        ):
+            raise TypeError(
+                f"{self.path}: a GuardedRoute's endpoint is an async def that takes the"
+                " Request and guards of the form guard(credentials=Depends(bearer))"
+            )
+        plan = [(name, guard, bearers[0].call) for name, guard, bearers in guards]
         request_name = dependant.request_param_name
 
         async def handle(request: Request) -> Response:
             values: dict[str, Any] = {request_name: request} if request_name else {}
-            for name, guard, bearer in guards:
+            for name, guard, bearer in plan:
                 value = await guard(await bearer(request))
                 if name is not None:
                     values[name] = value
@@ -1354,14 +1357,13 @@ class GuardedRoute(APIRoute):
                 raise TypeError(f"{self.path}: the endpoint answered no Response")
             return response
 
-        self.lean_handler = handle
         return handle
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **options: Any) -> None:
         super().__init__(path, endpoint, **options)
         # Starlette's request_response rather than FastAPI's, which opens two
         # AsyncExitStacks per request for dependencies with `yield` (none here).
-        self.app = starlette_request_response(self.lean_handler)
+        self.app = starlette_request_response(self.get_route_handler())
 
 
 # FastAPI's native OpenTelemetry is off: the service's telemetry is Powertools' logs and
@@ -5966,13 +5968,16 @@ _ADMIN_PATTERNS = tuple(
 )
 
 
-def _admin_route(
-    request: Request,
-) -> tuple[Callable[..., Response], Any, dict[str, str]] | Response:
-    """An /admin request's route and who sent it, before its body is read: (its work, the
-    operator or None for "anyone", its path parameters), or the page's 303 to sign in.
-    Blocking (a session is looked up). A request nobody signed is refused here, so its
-    body, up to MAX_BODY_BYTES, is never read."""
+def _to_sign_in(request: Request, operator: None, body: bytes) -> Response:
+    """A page asked for by a browser that is not signed in."""
+    return Response(status_code=303, headers={"Location": "/admin/login"})
+
+
+def _admin_route(request: Request) -> tuple[Callable[..., Response], Any, dict[str, str]]:
+    """An /admin request's route and who sent it, before its body is read: its work, the
+    operator (None for "anyone") and its path parameters. Blocking (a session is looked
+    up). A request nobody signed is refused here, so its body, up to MAX_BODY_BYTES, is
+    never read."""
     path, method, allowed = request.url.path, request.method, False
     if method == "HEAD":  # a GET without its body (the server drops the body)
         method = "GET"
@@ -5990,7 +5995,7 @@ def _admin_route(
         except HTTPException as refusal:
             if who != "page" or refusal.status_code != 401:
                 raise
-            return Response(status_code=303, headers={"Location": "/admin/login"})
+            return _to_sign_in, None, {}
         return work, operator, found.groupdict()
     if allowed:
         raise HTTPException(405, "Method Not Allowed")
@@ -6018,13 +6023,9 @@ async def admin(request: Request) -> Response:
     try:
         if settings().admin_web == "off":
             raise HTTPException(404, "Not Found")
-        route = await blocking(_admin_route, request)
-        if isinstance(route, Response):
-            response = route
-        else:
-            work, operator, parameters = route
-            body = await _read_body(request) if request.method == "POST" else b""
-            response = await blocking(lambda: work(request, operator, body, **parameters))
+        work, operator, parameters = await blocking(_admin_route, request)
+        body = await _read_body(request) if request.method == "POST" else b""
+        response = await blocking(lambda: work(request, operator, body, **parameters))
     except Exception as error:  # noqa: BLE001 - answered as every route's, with the headers
         response = await _admin_error(request, error)
     response.headers.update(ADMIN_HEADERS)
@@ -6796,17 +6797,17 @@ def header_deadline_protocol() -> type:
 # What each database thread of serve runs before serve takes requests, read-only, so that
 # the first requests find a connection open and PostgreSQL's catalogs and plans made on it
 # (a new connection and its first statements cost tens of milliseconds): the public read
-# of an app (FIND_APP for one that cannot exist, QUEUE_POSITION counting to 1 at most)
-# and the claim, parsed but not run.
+# of an app (app_status of one that cannot exist, then its QUEUE_POSITION, counting to 1
+# at most) and the claim, parsed but not run.
 SERVE_START_SECONDS = 10
 NO_SUCH_APP = "warm-up.invalid"  # not a bundle ID: no app has it
 
 
 def warm_connection(db: SharedConnection) -> None:
     policy = settings().policy
+    app_status(db, policy, NO_SUCH_APP)
 
     def warm(session: Session) -> None:
-        session.records(FIND_APP, appid=NO_SUCH_APP, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
         session.run(
             QUEUE_POSITION,
             popularity=0,

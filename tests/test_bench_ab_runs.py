@@ -1,5 +1,5 @@
 """bench/handler_ab.py runs (docs/benchmarks.md cites its ratios): a short run of this
-tree against its own HEAD prints both medians and a ratio near 1."""
+tree against its own HEAD prints both medians and a ratio line."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ tests/test_web_view_in_a_browser.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlencode
@@ -623,8 +624,6 @@ def test_a_write_nobody_signed_is_refused_before_its_body_is_read(web, path, cre
     """The body of an /admin write, up to MAX_BODY_BYTES, is read only once its sender
     is known: serve would otherwise hold a stranger's upload in memory, however slowly
     it came."""
-    import asyncio
-
     concrete = path.replace("{name}", "pi-1")
     read: list[dict] = []
     sent: list[dict] = []
@@ -644,6 +643,12 @@ def test_a_write_nobody_signed_is_refused_before_its_body_is_read(web, path, cre
         "server": ("queue.example", 443), "scheme": "https", "http_version": "1.1",
         "root_path": "", "asgi": {"version": "3.0"},
     }  # fmt: skip
-    asyncio.run(handler.app(scope, receive, send))
+    # A loop of its own, never the thread's current one: asyncio.run would leave the
+    # thread without one, and Mangum (every later handler.api call) asks for it.
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(handler.app(scope, receive, send))
+    finally:
+        loop.close()
     assert sent[0]["status"] in (401, 403), (path, credentials, sent[0]["status"])
     assert read == []
