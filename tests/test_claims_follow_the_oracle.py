@@ -11,19 +11,24 @@ from __future__ import annotations
 import random
 import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kit import ANALYSER, configure_service, time_passes
 
 import handler
 from helpers import (
     app_row,
+    connect,
     database_at,
     days_ago,
     insert_app,
     minutes_ago,
     oracle_order,
+    popularity,
     run_together,
 )
 
@@ -216,6 +221,51 @@ def test_32_concurrent_claimers_never_share_an_app(database_url, sql):
     assert len(results) == 220
     assert len(set(results)) == 220
     assert sql.run("SELECT count(*) FROM apps WHERE status = 'processing'") == [[220]]
+
+
+# --- what a claim locks --------------------------------------------------------------
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(seed=st.integers(0, 2**32 - 1), promoted=st.booleans(), policy=st.sampled_from(range(4)))
+def test_a_claim_locks_no_row_that_cannot_win(database_url, sql, seed, promoted, policy):
+    """A claim locks the first queued or flagged candidate (`head`) and, of the other
+    sources (old versions, unflagged leases and stale analyses), only rows at least as
+    popular as that head: a less popular one loses to it anyway, and each lock is a write.
+    The claim runs in an open transaction, so its locks can be seen from another
+    connection; every state is drawn, flagged by the promoter or not."""
+    sql.run("DELETE FROM apps")
+    rng = random.Random(seed)
+    random_state(sql, rng, size=rng.randint(5, 60))
+    rule = POLICIES[policy]
+    if promoted:
+        handler.promote_due_apps(database_at(database_url), rule, force=True)
+    order = oracle_order(sql, rule)
+    flagged = {appid for appid, due in sql.run("SELECT appid, due FROM apps") if due}
+    rows = {appid: details for appid, details in sql.run("SELECT appid, details FROM apps")}
+    queued = {r[0] for r in sql.run("SELECT appid FROM apps WHERE status = 'queued'")}
+    head = next((a for a in order if a in queued or a in flagged), None)
+    claimer = connect(database_url)
+    try:
+        claimer.run("BEGIN")
+        claimed = claimer.run(
+            handler.CLAIM_NEXT_APP, token=uuid.uuid4(), analyser=None, **rule.sql_params()
+        )
+        free = {r[0] for r in sql.run("SELECT appid FROM apps FOR UPDATE SKIP LOCKED")}
+    finally:
+        claimer.run("ROLLBACK")
+        claimer.close()
+    locked = set(rows) - free
+    assert [r[0] for r in claimed] == order[:1]
+    assert locked <= set(order)  # only candidates
+    if head is not None:
+        bar = popularity(rows[head])
+        less_popular = {a for a in locked - {head} if popularity(rows[a]) < bar}
+        assert less_popular == set(), (head, bar, order[:5])
 
 
 # --- the oracle property ------------------------------------------------------------

@@ -58,22 +58,36 @@ head AS (
 )
     ORDER BY app_popularity(details) DESC, added, appid
     LIMIT 1 FOR UPDATE SKIP LOCKED
+), bar AS (
+    -- head's popularity, or below any (popularity is never negative) when there is none.
+    SELECT COALESCE((SELECT popularity FROM head), -1) AS popularity
 ), version_heads AS (
     -- For each old version, its first unflagged row whose outdated analysis is a lease old.
     SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
         SELECT appid, app_popularity(details) AS popularity, added FROM apps
         WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = v.version
-          AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes)
+          AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND app_popularity(details) >= (SELECT popularity FROM bar)
         ORDER BY app_popularity(details) DESC, added, appid
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
 ), lease_heads AS (
     -- The first expired lease not flagged yet (normally none: the promoter flags them).
     SELECT appid, app_popularity(details) AS popularity, added FROM apps
-    WHERE status = 'processing' AND NOT due AND (processing_started IS NULL
+    WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started IS NULL
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started < now() - make_interval(mins => :timeout_minutes)
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started > now() + make_interval(mins => :timeout_minutes)))
+      AND NOT due AND (
+    status = 'queued'
+    OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
-     OR processing_started > now() + make_interval(mins => :timeout_minutes))
-      AND lease_attempts < :max_lease_attempts
+     OR processing_started > now() + make_interval(mins => :timeout_minutes)) AND lease_attempts < :max_lease_attempts)
+    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
+        AND ((COALESCE(analysisversion, 0) < :analysis_version
+              AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
+             OR (COALESCE(analysisversion, 0) <= :analysis_version
+                 AND COALESCE(analysed, '-infinity')
+                     < now() - make_interval(days => :stale_days))))
+) AND app_popularity(details) >= (SELECT popularity FROM bar)
     ORDER BY app_popularity(details) DESC, added, appid
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
@@ -82,7 +96,7 @@ head AS (
         SELECT appid, app_popularity(details) AS popularity, added FROM apps
         WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = d.version
           AND analysis_day(analysed) = d.day
-          AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days)
+          AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days) AND app_popularity(details) >= (SELECT popularity FROM bar)
         ORDER BY app_popularity(details) DESC, added, appid
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h

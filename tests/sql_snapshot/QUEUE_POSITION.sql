@@ -53,16 +53,38 @@ SELECT
        AND (added, appid) < (:added, :appid)
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
         UNION ALL
-        (SELECT 1 FROM apps WHERE status = 'processing' AND NOT due AND (processing_started IS NULL
+        (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started IS NULL
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started < now() - make_interval(mins => :timeout_minutes)
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started > now() + make_interval(mins => :timeout_minutes)))
+    AND NOT due AND (
+    status = 'queued'
+    OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
-     OR processing_started > now() + make_interval(mins => :timeout_minutes))
-    AND lease_attempts < :max_lease_attempts AND app_popularity(details) > :popularity
+     OR processing_started > now() + make_interval(mins => :timeout_minutes)) AND lease_attempts < :max_lease_attempts)
+    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
+        AND ((COALESCE(analysisversion, 0) < :analysis_version
+              AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
+             OR (COALESCE(analysisversion, 0) <= :analysis_version
+                 AND COALESCE(analysed, '-infinity')
+                     < now() - make_interval(days => :stale_days))))
+) AND app_popularity(details) > :popularity
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
     UNION ALL
-    (SELECT 1 FROM apps WHERE status = 'processing' AND NOT due AND (processing_started IS NULL
+    (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started IS NULL
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started < now() - make_interval(mins => :timeout_minutes)
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started > now() + make_interval(mins => :timeout_minutes)))
+    AND NOT due AND (
+    status = 'queued'
+    OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
-     OR processing_started > now() + make_interval(mins => :timeout_minutes))
-    AND lease_attempts < :max_lease_attempts AND app_popularity(details) = :popularity
+     OR processing_started > now() + make_interval(mins => :timeout_minutes)) AND lease_attempts < :max_lease_attempts)
+    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
+        AND ((COALESCE(analysisversion, 0) < :analysis_version
+              AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes))
+             OR (COALESCE(analysisversion, 0) <= :analysis_version
+                 AND COALESCE(analysed, '-infinity')
+                     < now() - make_interval(days => :stale_days))))
+) AND app_popularity(details) = :popularity
        AND (added, appid) < (:added, :appid)
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
         UNION ALL
