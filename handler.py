@@ -488,9 +488,9 @@ CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
 
 RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryable))"
 
-# The versions that can be stale: each one present up to the current version, found as
-# the claim's OLD_VERSIONS finds the old ones (a skip scan, here of
-# apps_stale_version_watch). Here, not in "Claims": promotion uses it too.
+# The versions that can be stale: each one present up to the current version (a skip
+# scan of apps_stale_version_watch); the claim's old versions are those below the
+# current one. Here, not in "Claims": promotion uses it too.
 STALE_VERSIONS = f"""stale_versions(version) AS (
     -- Each analysis version up to the current one that an unflagged analysed or retryable
     -- row holds, lowest first: a skip scan of apps_stale_version_watch.
@@ -3298,17 +3298,10 @@ def promote_due_apps(
 
 # -- SQL
 
-OLD_VERSIONS = f"""old_versions(version) AS (
-    -- Each analysis version below the current one that an unflagged analysed or retryable
-    -- row holds, lowest first: a skip scan (the lowest, then the next above it, until none).
-    SELECT min(COALESCE(analysisversion, 0)) FROM apps
-    WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) < :analysis_version
-  UNION ALL
-    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
-            WHERE NOT due AND {RETRY_ELIGIBLE}
-              AND COALESCE(analysisversion, 0) > v.version
-              AND COALESCE(analysisversion, 0) < :analysis_version)
-    FROM old_versions v WHERE v.version IS NOT NULL
+# The versions below the current one: those of stale_versions, which a claim reads anyway
+# (one skip scan of apps_stale_version_watch, not two).
+OLD_VERSIONS = """old_versions(version) AS (
+    SELECT version FROM stale_versions WHERE version < :analysis_version
 )"""
 
 # An analysis of an outdated version is due again once it is a lease old: an analyser
@@ -3347,7 +3340,7 @@ CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
     refetch_requested = false,
     lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
 CLAIM_NEXT_APP = f"""
-WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}, {STALE_DAYS},
+WITH RECURSIVE {STALE_VERSIONS}, {OLD_VERSIONS}, {STALE_DAYS},
 head AS (
     -- The first queued or flagged (due) candidate in claim order: apps_claim_order.
     SELECT {CLAIM_KEYS} FROM apps
@@ -3534,7 +3527,7 @@ OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion,
 UNFLAGGED_EXPIRED_LEASE = f"""appid = ANY(ARRAY({expired_leases("NOT due")}))
     AND NOT due AND {CANDIDATE}"""
 QUEUE_POSITION = f"""
-WITH RECURSIVE {OLD_VERSIONS}, {STALE_VERSIONS}
+WITH RECURSIVE {STALE_VERSIONS}, {OLD_VERSIONS}
 SELECT
     (SELECT count(*) FROM (
         {_rows_ahead(QUEUED_OR_DUE_CANDIDATE, CLAIM_ORDER)}

@@ -1,16 +1,5 @@
 
-WITH RECURSIVE old_versions(version) AS (
-    -- Each analysis version below the current one that an unflagged analysed or retryable
-    -- row holds, lowest first: a skip scan (the lowest, then the next above it, until none).
-    SELECT min(COALESCE(analysisversion, 0)) FROM apps
-    WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) < :analysis_version
-  UNION ALL
-    SELECT (SELECT min(COALESCE(analysisversion, 0)) FROM apps
-            WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
-              AND COALESCE(analysisversion, 0) > v.version
-              AND COALESCE(analysisversion, 0) < :analysis_version)
-    FROM old_versions v WHERE v.version IS NOT NULL
-), stale_versions(version) AS (
+WITH RECURSIVE stale_versions(version) AS (
     -- Each analysis version up to the current one that an unflagged analysed or retryable
     -- row holds, lowest first: a skip scan of apps_stale_version_watch.
     SELECT min(COALESCE(analysisversion, 0)) FROM apps
@@ -21,6 +10,8 @@ WITH RECURSIVE old_versions(version) AS (
               AND COALESCE(analysisversion, 0) > v.version
               AND COALESCE(analysisversion, 0) <= :analysis_version)
     FROM stale_versions v WHERE v.version IS NOT NULL
+), old_versions(version) AS (
+    SELECT version FROM stale_versions WHERE version < :analysis_version
 ), stale_days(version, day) AS (
     -- For each stale version whose oldest unflagged analysis is past the cutoff, each
     -- analysis day up to the cutoff that holds such rows, oldest first: a skip scan.
