@@ -15,7 +15,9 @@ then measures, on that database:
   the route, claim_next_app, handler's Session, the SQL, the floor), in the API process,
   and cProfile's top entries (bench/claim_layers.py measures, and runs alone too);
 * throughput with 1, 4 and 16 concurrent claimers for both (one process and one
-  connection each, like Lambda containers), with a check for double claims;
+  connection each, like Lambda containers), with a check for double claims, and for the
+  service's claim statement alone (handler.claim_next_app, no HTTP stack), which tells
+  the SQL's share of a gap from the request's Python;
 * the queue-status and priority reports;
 * GET /apps/{appId} through handler.api, and the first public one over HTTP in new
   `handler.py serve` processes less a warm one (first_public_read_extra_ms);
@@ -121,6 +123,8 @@ class SizeResult:
     floor_p99: float = math.nan
     service_throughput: dict[int, Throughput] = dataclasses.field(default_factory=dict)
     floor_throughput: dict[int, Throughput] = dataclasses.field(default_factory=dict)
+    # The service's claim statement alone (claims_workers.claim_sql_worker): no HTTP stack.
+    claim_sql_throughput: dict[int, Throughput] = dataclasses.field(default_factory=dict)
     reports: dict[str, float] = dataclasses.field(default_factory=dict)
     upgrade: claims_upgrade.UpgradeResult | None = None
     peak_rss_mb: float = 0.0
@@ -359,14 +363,18 @@ def run_claimers(target, url: str, clients: int, duration: float, quota: int) ->
 
 
 def throughput(bench: Bench, kind: str, clients: int, duration: float, quota: int):
-    target = claims_workers.service_worker if kind == "service" else claims_workers.floor_worker
+    target = {
+        "service": claims_workers.service_worker,
+        "claim SQL": claims_workers.claim_sql_worker,
+        "floor": claims_workers.floor_worker,
+    }[kind]
     outcomes = run_claimers(target, bench.url, clients, duration, quota)
     warmups = [outcome["warmup"] for outcome in outcomes]
     claimed = [pair for outcome in outcomes for pair in outcome["claimed"]]
     claimed += [(appid, token) for appid, token, _ in warmups if appid]
     appids = [appid for appid, _ in claimed]
     duplicates = sum(n - 1 for n in Counter(appids).values() if n > 1)
-    if kind == "service":
+    if kind != "floor":
         (verified,) = bench.sql.run(
             """SELECT count(*) FROM unnest(CAST(:ids AS text[]), CAST(:tokens AS text[]))
                    AS c(appid, token)
@@ -627,15 +635,17 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
             " claimed rows restored after each)"
         )
         for clients in CONCURRENCY:
-            for kind in ("service", "floor"):
+            for kind in ("service", "claim SQL", "floor"):
                 measured, appids, rss = throughput(bench, kind, clients, args.duration, quota)
                 if kind == "service":
                     result.service_throughput[clients] = measured
                     result.peak_rss_mb = max(result.peak_rss_mb, rss)
+                elif kind == "claim SQL":
+                    result.claim_sql_throughput[clients] = measured
                 else:
                     result.floor_throughput[clients] = measured
                 say(
-                    f"   {kind:<8}{clients:>3} clients: {measured.per_second:9.0f} claims/s"
+                    f"   {kind:<9}{clients:>3} clients: {measured.per_second:9.0f} claims/s"
                     f" ({measured.claims:,} in {measured.seconds:.2f} s, median latency"
                     f" {ms(measured.median_latency)}; first claims up to"
                     f" {ms(measured.first_claims)}), double claims: {measured.duplicates},"
@@ -644,12 +654,14 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
                 )
                 if measured.duplicates or not measured.verified:
                     result.oracle_failures.append(f"{kind} x{clients}: double or lost claims")
-                bench.restore(appids if kind == "service" else _all_floor_claims(bench))
-            ratio = (
-                result.service_throughput[clients].per_second
-                / result.floor_throughput[clients].per_second
+                bench.restore(appids if kind != "floor" else _all_floor_claims(bench))
+            floor_rate = result.floor_throughput[clients].per_second
+            say(
+                f"   service / floor at {clients} clients:"
+                f" {result.service_throughput[clients].per_second / floor_rate:.2f}"
+                f" (the claim's SQL alone / floor:"
+                f" {result.claim_sql_throughput[clients].per_second / floor_rate:.2f})"
             )
-            say(f"   service / floor at {clients} clients: {ratio:.2f}")
 
         # --- reports -----------------------------------------------------------------------
         say("-- reports (handler.queue_status and handler.priority_report, 3 runs each)")
@@ -1409,9 +1421,11 @@ def print_summary(
     for clients in CONCURRENCY:
         service = largest.service_throughput[clients].per_second
         floor = largest.floor_throughput[clients].per_second
+        alone = largest.claim_sql_throughput[clients].per_second
         say(
             f"   {clients:>2} clients at {largest.apps:,}: service {service:.0f}/s,"
-            f" floor {floor:.0f}/s, ratio {ratio(service, floor):.2f}"
+            f" floor {floor:.0f}/s, ratio {ratio(service, floor):.2f}; the claim's SQL"
+            f" alone {alone:.0f}/s, ratio {ratio(alone, floor):.2f}"
         )
     failures = [f for r in results.values() for f in r.oracle_failures]
     scans = [s for r in results.values() for s in r.seq_scans]

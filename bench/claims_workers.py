@@ -234,3 +234,21 @@ def floor_worker(url: str, barrier, results, duration: float, quota: int) -> Non
 
     results.put(_run_window(claim, barrier, duration, quota))
     connection.close()
+
+
+def claim_sql_worker(url: str, barrier, results, duration: float, quota: int) -> None:
+    """One client running the service's claim statement alone: handler.claim_next_app on
+    the API's own connection (its session settings, the prepared claim), with no HTTP
+    stack. Between the floor and the service: what the claim's SQL costs under
+    concurrency, apart from the request's Python."""
+    _service_env(url, None)
+    handler, _ = _import_handler()
+    db = handler.api_connection()
+    policy = handler.settings().policy
+
+    def claim() -> tuple[str, str | None]:
+        claimed = handler.claim_next_app(db, policy)
+        return claimed if claimed else ("", None)
+
+    results.put(_run_window(claim, barrier, duration, quota))
+    db.discard()
