@@ -120,7 +120,7 @@ def claim(client) -> str:
 # --- plans ------------------------------------------------------------------------------
 
 
-def service_plan(statement: str, params: dict, promoter: bool) -> list[str]:
+def service_plan(statement: str, params: dict, promoter: bool, verbose: bool = False) -> list[str]:
     """EXPLAIN (nothing runs) of a statement planned the way the service plans it, on the
     service's own API connection (handler.api_connection(), with the settings it opens with):
     the API's statements are prepared once per connection and run with generic plans
@@ -140,7 +140,10 @@ def service_plan(statement: str, params: dict, promoter: bool) -> list[str]:
                 connection.run(handler.PLAN_WITH_VALUES)
             connection.run(f"PREPARE plan_probe AS {text}")
             try:
-                lines = [row[0] for row in connection.run(f"EXPLAIN EXECUTE plan_probe({values})")]
+                explain = "EXPLAIN (VERBOSE)" if verbose else "EXPLAIN"
+                lines = [
+                    row[0] for row in connection.run(f"{explain} EXECUTE plan_probe({values})")
+                ]
                 ((generic, custom),) = connection.run(
                     "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
                     " WHERE name = 'plan_probe'"
@@ -243,6 +246,61 @@ def test_no_statement_of_the_queue_scans_apps(
         if found:
             scans[title] = found
     assert scans == {}
+
+
+def pages_read(sql, statement: str, **params) -> int:
+    """Pages the statement's run touches (buffers hit or read), TOAST's included: a large
+    stored document is read from its TOAST chunks each time an expression takes it
+    apart, so this counts how often the statement reads it."""
+    text, make_values = pg8000.native.to_statement(statement)
+    values = ", ".join(pg8000.native.literal(value) for value in make_values(params))
+    sql.run("BEGIN")
+    try:
+        sql.run(f"PREPARE pages_probe AS {text}")
+        try:
+            ((plans,),) = sql.run(
+                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE pages_probe({values})"
+            )
+        finally:
+            sql.run("DEALLOCATE pages_probe")
+    finally:
+        sql.run("ROLLBACK")
+    top = plans[0]["Plan"]
+    return top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+
+
+def test_the_public_read_renders_each_document_once(sql):
+    """GET /apps/{appId} (FIND_APP) answers a document with its size, and leaves out one
+    too large for a Lambda answer. PostgreSQL reads a stored document again (from its
+    TOAST chunks) and renders it again for each use of ::text, so measuring and sending
+    it cost three renders: a 10 MB analysis took 0.14 s of the database a read, which
+    anyone may ask for. Now each is rendered once; the pages are counted against those
+    of one read of each document."""
+    sql.run(
+        """INSERT INTO apps (appid, status, analysisversion, analysed, details, analysis)
+           SELECT 'com.example.large', 'analysed', 4, now(),
+                  jsonb_build_object('reviews', '5', 'notes', string_agg(md5(n::text), ' ')),
+                  jsonb_build_object('success', true, 'log', string_agg(md5(n::text), ' '))
+           FROM generate_series(1, 40000) AS n"""
+    )
+    once = {
+        column: pages_read(
+            sql,
+            f"SELECT octet_length({column}::text) FROM apps WHERE appid = :appid",
+            appid="com.example.large",
+        )
+        for column in ("details", "analysis")
+    }
+    assert min(once.values()) > 100  # each is in TOAST: the count below is its reads
+    read = pages_read(
+        sql,
+        handler.FIND_APP,
+        appid="com.example.large",
+        document_limit=handler.LAMBDA_PAYLOAD_LIMIT_BYTES,
+    )
+    # details: rendered once, and read twice for its popularity (app_popularity, inlined:
+    # the pattern, then the number); analysis: rendered once, and read for its success
+    assert read <= 3 * once["details"] + 2 * once["analysis"] + 20, (read, once)
 
 
 def rows_read(statement: str, params: dict) -> int:

@@ -9,5 +9,5 @@ UPDATE apps SET analysis = sent.document, analysisversion = :version,
 FROM sent
 WHERE apps.appid = :appid AND NOT (:unless_stored AND COALESCE(apps.analysis = sent.document
              AND apps.analysisversion IS NOT DISTINCT FROM :version, false))
-RETURNING apps.appid, CASE WHEN octet_length(details::text) <= :document_limit THEN details::text END AS details,
-       octet_length(details::text) AS details_bytes, apps.analysed
+RETURNING apps.appid, CASE WHEN octet_length(apps.details::text) <= :document_limit THEN apps.details::text END AS details,
+       octet_length(apps.details::text) AS details_bytes, apps.analysed
