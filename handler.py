@@ -451,18 +451,21 @@ def lease_expired(minutes: str = ":timeout_minutes") -> str:
 
 
 LEASE_EXPIRED = lease_expired()
+# The expired leases a claim may hand out when the promoter has not flagged them: not
+# those whose attempts are used up (their apps back off: the promoter records a failure).
+HANDED_OUT_AGAIN = "NOT due AND lease_attempts < :max_lease_attempts"
 
 
 def expired_leases(where: str) -> str:
     """The appids of processing rows matching `where` whose lease is over (LEASE_EXPIRED),
     read as its three index ranges on processing_started, one SELECT each. Written as one
-    OR, PostgreSQL reads every live lease and filters them: with 3,000 leases out a claim
-    took 4 ms instead of 0.3, and a bench's thousands of claims slowed every next one. A
-    reader that needs the rows themselves re-checks its rule on them (a row can change
-    between these reads and its lock) in a form that names no partial index's predicate:
-    the planner, counting a few leases out, would read that index whole instead of the
-    primary key. The promoter's reads (every PROMOTE_EVERY_SECONDS, not every request)
-    still read every live lease."""
+    OR, PostgreSQL reads every live lease and filters them, so each claim cost more the
+    more analysers held one, and under load each claim slowed the next (how much:
+    docs/benchmarks.md, "Figures quoted in handler.py"). A reader that needs the rows
+    themselves re-checks its rule on them (a row can change between these reads and its
+    lock) in a form that names no partial index's predicate: the planner, counting a few
+    leases out, would read that index whole instead of the primary key. The promoter's
+    reads (every PROMOTE_EVERY_SECONDS, not every request) still read every live lease."""
     rows = f"SELECT appid FROM apps WHERE status = 'processing' AND {where}"
     return f"""{rows} AND processing_started IS NULL
     UNION ALL {rows} AND processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -511,8 +514,9 @@ LEASE_CUTOFF = "now() - make_interval(mins => :timeout_minutes)"
 # decode on the way out.
 # A document larger than a Lambda answer can carry is not even read: only its size.
 # {1}: the document as text. A statement that reads large documents renders each once
-# (RENDERED): PostgreSQL renders a jsonb again for every use of ::text, and a 10 MB
-# analysis took 0.13 s to render twice just to be measured, on the public read.
+# (RENDERED): PostgreSQL renders a jsonb again for every use of ::text, and the public
+# read of a large analysis rendered it three times to measure and send it
+# (docs/benchmarks.md, "Figures quoted in handler.py").
 DOCUMENT = """CASE WHEN octet_length({1}) <= :document_limit THEN {1} END AS {0},
        octet_length({1}) AS {0}_bytes"""
 # Each named column of apps as text, once per row: OFFSET 0 keeps the planner from
@@ -3300,7 +3304,7 @@ def promote_due_apps(
 # The other heads read only rows at least as popular as `head`'s (its bar): a row less
 # popular loses to `head` anyway, and a head is a row lock (a WAL record) whether it wins
 # or not. Without the bar every claim locked each old version's head too, and sixteen
-# claimers each locked a different one, skipping the others' (docs/benchmarks.md).
+# claimers each locked a different one, skipping the others'.
 
 
 # -- SQL
@@ -3369,7 +3373,7 @@ head AS (
 ), lease_heads AS (
     -- The first expired lease not flagged yet (normally none: the promoter flags them).
     SELECT {CLAIM_KEYS} FROM apps
-    WHERE appid = ANY(ARRAY({expired_leases("NOT due")}))
+    WHERE appid = ANY(ARRAY({expired_leases(HANDED_OUT_AGAIN)}))
       AND NOT due AND {CANDIDATE} AND {ABOVE_BAR}
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
@@ -3533,7 +3537,7 @@ def _rows_ahead(where: str, order: str) -> str:
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
 OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
     AND {OUTDATED_RESULT_SETTLED}"""
-UNFLAGGED_EXPIRED_LEASE = f"""appid = ANY(ARRAY({expired_leases("NOT due")}))
+UNFLAGGED_EXPIRED_LEASE = f"""appid = ANY(ARRAY({expired_leases(HANDED_OUT_AGAIN)}))
     AND NOT due AND {CANDIDATE}"""
 QUEUE_POSITION = f"""
 WITH RECURSIVE {STALE_VERSIONS}, {OLD_VERSIONS}

@@ -64,9 +64,9 @@ head AS (
 ), lease_heads AS (
     -- The first expired lease not flagged yet (normally none: the promoter flags them).
     SELECT appid, app_popularity(details) AS popularity, added FROM apps
-    WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started IS NULL
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started < now() - make_interval(mins => :timeout_minutes)
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started > now() + make_interval(mins => :timeout_minutes)))
+    WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started IS NULL
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started < now() - make_interval(mins => :timeout_minutes)
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes)))
       AND NOT due AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL

@@ -44,9 +44,9 @@ SELECT
        AND (added, appid) < (:added, :appid)
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
         UNION ALL
-        (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started IS NULL
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started < now() - make_interval(mins => :timeout_minutes)
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started > now() + make_interval(mins => :timeout_minutes)))
+        (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started IS NULL
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started < now() - make_interval(mins => :timeout_minutes)
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes)))
     AND NOT due AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
@@ -61,9 +61,9 @@ SELECT
 ) AND app_popularity(details) > :popularity
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
     UNION ALL
-    (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started IS NULL
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started < now() - make_interval(mins => :timeout_minutes)
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND processing_started > now() + make_interval(mins => :timeout_minutes)))
+    (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started IS NULL
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started < now() - make_interval(mins => :timeout_minutes)
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes)))
     AND NOT due AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
