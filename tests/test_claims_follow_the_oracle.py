@@ -376,6 +376,32 @@ def test_rows_due_that_the_promoter_has_not_flagged_are_claimed(client, sql):
     assert sql.run("SELECT count(*) FROM apps WHERE due") == [[0]]
 
 
+# Seconds past the staleness cutoff: on the cutoff's own day (UTC) unless the cutoff falls
+# within that many seconds of midnight, hours past it maybe the day before.
+@pytest.mark.parametrize("past_cutoff", [5, 600, 6 * 3600])
+def test_a_stale_analysis_from_the_cutoffs_own_day_is_claimed_before_it_is_flagged(
+    client, sql, past_cutoff
+):
+    """The claim reads unflagged stale analyses day by day (stale_days), each day up to
+    the cutoff's, and on the cutoff's own day only the rows past it: one such row, written
+    after the promoter's last run, is handed out in claim order, and its neighbour a
+    minute short of the cutoff is not."""
+    assert claim(client) == ""  # the promoter has just run; its memo says so
+    for appid, seconds in (("stale.cutoff", past_cutoff), ("fresh.cutoff", -60)):
+        sql.run(
+            """INSERT INTO apps (appid, details, status, analysis, analysisversion, analysed)
+               VALUES (:appid, '{"reviews": "50"}', 'analysed', '{"success": true}', 4,
+                       now() - make_interval(days => 180, secs => :seconds))""",
+            appid=appid,
+            seconds=seconds,
+        )
+    insert_app(sql, "queued.less", reviews=1)
+    # No time_passes(): these claims run without a promotion.
+    got = [client.get("/queue", headers=ANALYSER).text for _ in range(3)]
+    assert got == ["stale.cutoff", "queued.less", ""]
+    assert sql.run("SELECT count(*) FROM apps WHERE due") == [[0]]
+
+
 # --- promotion behind: after a policy change, flagging takes many requests ------------
 
 UNFLAGGED_STALE = """
