@@ -519,10 +519,6 @@ LEASE_CUTOFF = "now() - make_interval(mins => :timeout_minutes)"
 # (docs/benchmarks.md, "Figures quoted in handler.py").
 DOCUMENT = """CASE WHEN octet_length({1}) <= :document_limit THEN {1} END AS {0},
        octet_length({1}) AS {0}_bytes"""
-# Each named column of apps as text, once per row: OFFSET 0 keeps the planner from
-# folding the subquery into the statement, and so from rendering it once per use.
-RENDERED = """CROSS JOIN LATERAL (
-    SELECT {0} OFFSET 0) AS rendered"""
 # The analyser holding a row's current lease (NULL: the shared password, or a release
 # that records no analyser): claimed_by, while the lease is still the one it was handed.
 CLAIM_HOLDER = """CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token
@@ -3503,6 +3499,10 @@ async def next_app(
 # A stored failure record (derive_analysis_state: `success` is false) is what an analyser
 # wrote about its own run, its raw log included: never in a public answer.
 FAILURE_RECORD = "COALESCE(analysis->'success' = 'false'::jsonb, false)"
+# Each named column of apps as text, once per row (DOCUMENT): OFFSET 0 keeps the planner
+# from folding the subquery into the statement, and so from rendering it once per use.
+RENDERED = """CROSS JOIN LATERAL (
+    SELECT {0} OFFSET 0) AS rendered"""
 FIND_APP = f"""
 SELECT appid, {DOCUMENT.format("details", "rendered.details_text")},
        {DOCUMENT.format("analysis", "rendered.analysis_text")},
