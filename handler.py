@@ -451,9 +451,6 @@ def lease_expired(minutes: str = ":timeout_minutes") -> str:
 
 
 LEASE_EXPIRED = lease_expired()
-# The expired leases a claim may hand out when the promoter has not flagged them: not
-# those whose attempts are used up (their apps back off: the promoter records a failure).
-HANDED_OUT_AGAIN = "NOT due AND lease_attempts < :max_lease_attempts"
 
 
 def expired_leases(where: str) -> str:
@@ -488,6 +485,11 @@ CANDIDATE = f"""(
                      < now() - make_interval(days => :stale_days))))
 )"""
 CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
+# The expired leases the promoter has not flagged yet that a claim may hand out (not those
+# whose attempts are used up: their apps back off), read through expired_leases's ranges
+# and re-checked by the rule: what the claim's lease_heads and the queue position count.
+_MAY_HAND_OUT = expired_leases("NOT due AND lease_attempts < :max_lease_attempts")
+UNFLAGGED_EXPIRED_LEASE = f"appid = ANY(ARRAY({_MAY_HAND_OUT})) AND NOT due AND {CANDIDATE}"
 
 RETRY_ELIGIBLE = "(status = 'analysed' OR (status = 'failed' AND failure_retryable))"
 
@@ -3369,8 +3371,7 @@ head AS (
 ), lease_heads AS (
     -- The first expired lease not flagged yet (normally none: the promoter flags them).
     SELECT {CLAIM_KEYS} FROM apps
-    WHERE appid = ANY(ARRAY({expired_leases(HANDED_OUT_AGAIN)}))
-      AND NOT due AND {CANDIDATE} AND {ABOVE_BAR}
+    WHERE {UNFLAGGED_EXPIRED_LEASE} AND {ABOVE_BAR}
     ORDER BY {CLAIM_ORDER}
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
@@ -3537,8 +3538,6 @@ def _rows_ahead(where: str, order: str) -> str:
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
 OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
     AND {OUTDATED_RESULT_SETTLED}"""
-UNFLAGGED_EXPIRED_LEASE = f"""appid = ANY(ARRAY({expired_leases(HANDED_OUT_AGAIN)}))
-    AND NOT due AND {CANDIDATE}"""
 QUEUE_POSITION = f"""
 WITH RECURSIVE {STALE_VERSIONS}, {OLD_VERSIONS}
 SELECT

@@ -242,12 +242,14 @@ def test_a_claim_locks_no_row_that_cannot_win(database_url, sql, seed, promoted,
     random_state(sql, rng, size=rng.randint(5, 60))
     rule = POLICIES[policy]
     if promoted:
-        handler.promote_due_apps(database_at(database_url), rule, force=True)
+        promoter = database_at(database_url)
+        handler.promote_due_apps(promoter, rule, force=True)
+        promoter.discard()
     order = oracle_order(sql, rule)
-    flagged = {appid for appid, due in sql.run("SELECT appid, due FROM apps") if due}
-    rows = {appid: details for appid, details in sql.run("SELECT appid, details FROM apps")}
-    queued = {r[0] for r in sql.run("SELECT appid FROM apps WHERE status = 'queued'")}
-    head = next((a for a in order if a in queued or a in flagged), None)
+    rows = {
+        r[0]: r[1:] for r in sql.run("SELECT appid, details, status = 'queued' OR due FROM apps")
+    }
+    head = next((appid for appid in order if rows[appid][1]), None)  # queued or flagged
     claimer = connect(database_url)
     try:
         claimer.run("BEGIN")
@@ -262,8 +264,8 @@ def test_a_claim_locks_no_row_that_cannot_win(database_url, sql, seed, promoted,
     assert [r[0] for r in claimed] == order[:1]
     assert locked <= set(order)  # only candidates
     if head is not None:
-        bar = popularity(rows[head])
-        less_popular = {a for a in locked - {head} if popularity(rows[a]) < bar}
+        bar = popularity(rows[head][0])
+        less_popular = {a for a in locked - {head} if popularity(rows[a][0]) < bar}
         assert less_popular == set(), (head, bar, order[:5])
 
 

@@ -120,7 +120,7 @@ def claim(client) -> str:
 # --- plans ------------------------------------------------------------------------------
 
 
-def service_plan(statement: str, params: dict, promoter: bool, verbose: bool = False) -> list[str]:
+def service_plan(statement: str, params: dict, promoter: bool) -> list[str]:
     """EXPLAIN (nothing runs) of a statement planned the way the service plans it, on the
     service's own API connection (handler.api_connection(), with the settings it opens with):
     the API's statements are prepared once per connection and run with generic plans
@@ -140,10 +140,7 @@ def service_plan(statement: str, params: dict, promoter: bool, verbose: bool = F
                 connection.run(handler.PLAN_WITH_VALUES)
             connection.run(f"PREPARE plan_probe AS {text}")
             try:
-                explain = "EXPLAIN (VERBOSE)" if verbose else "EXPLAIN"
-                lines = [
-                    row[0] for row in connection.run(f"{explain} EXECUTE plan_probe({values})")
-                ]
+                lines = [row[0] for row in connection.run(f"EXPLAIN EXECUTE plan_probe({values})")]
                 ((generic, custom),) = connection.run(
                     "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
                     " WHERE name = 'plan_probe'"
@@ -248,24 +245,31 @@ def test_no_statement_of_the_queue_scans_apps(
     assert scans == {}
 
 
+def run_plan(connection, statement: str, params: dict) -> dict:
+    """The statement run under EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) as a prepared
+    statement (on the API connection: a generic plan, as the service runs it), in a
+    transaction rolled back; its top plan node."""
+    text, make_values = pg8000.native.to_statement(statement)
+    values = ", ".join(pg8000.native.literal(value) for value in make_values(params))
+    connection.run("BEGIN")
+    try:
+        connection.run(f"PREPARE run_probe AS {text}")
+        try:
+            ((plans,),) = connection.run(
+                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE run_probe({values})"
+            )
+        finally:
+            connection.run("DEALLOCATE run_probe")  # not ALL: the service's are there too
+    finally:
+        connection.run("ROLLBACK")
+    return plans[0]["Plan"]
+
+
 def pages_read(sql, statement: str, **params) -> int:
     """Pages the statement's run touches (buffers hit or read), TOAST's included: a large
     stored document is read from its TOAST chunks each time an expression takes it
     apart, so this counts how often the statement reads it."""
-    text, make_values = pg8000.native.to_statement(statement)
-    values = ", ".join(pg8000.native.literal(value) for value in make_values(params))
-    sql.run("BEGIN")
-    try:
-        sql.run(f"PREPARE pages_probe AS {text}")
-        try:
-            ((plans,),) = sql.run(
-                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE pages_probe({values})"
-            )
-        finally:
-            sql.run("DEALLOCATE pages_probe")
-    finally:
-        sql.run("ROLLBACK")
-    top = plans[0]["Plan"]
+    top = run_plan(sql, statement, params)
     return top["Shared Hit Blocks"] + top["Shared Read Blocks"]
 
 
@@ -304,22 +308,10 @@ def test_the_public_read_renders_each_document_once(sql):
 
 
 def rows_read(statement: str, params: dict) -> int:
-    """Rows of apps the statement's scans read (kept or filtered out, every loop), planned
-    and run as the API connection runs it (a generic plan), in a transaction rolled back."""
-    text, make_values = pg8000.native.to_statement(statement)
-    values = ", ".join(pg8000.native.literal(value) for value in make_values(params))
+    """Rows of apps the statement's scans read (kept or filtered out, every loop), run as
+    the API connection runs it."""
     with handler.api_connection().raw_connection() as connection:
-        connection.run("BEGIN")
-        try:
-            connection.run(f"PREPARE rows_probe AS {text}")
-            try:
-                ((plans,),) = connection.run(
-                    f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE rows_probe({values})"
-                )
-            finally:
-                connection.run("DEALLOCATE rows_probe")  # not ALL: the service's are there too
-        finally:
-            connection.run("ROLLBACK")
+        top = run_plan(connection, statement, params)
 
     def read(node: dict) -> int:
         own = 0
@@ -328,7 +320,7 @@ def rows_read(statement: str, params: dict) -> int:
             own = seen * node["Actual Loops"]
         return own + sum(read(child) for child in node.get("Plans", ()))
 
-    return read(plans[0]["Plan"])
+    return read(top)
 
 
 LIVE_LEASES = 2000
@@ -361,10 +353,8 @@ def test_a_claim_and_a_queue_position_read_no_live_lease(
     claim(client)
     sql.run("ANALYZE apps")
     policy = handler.settings().policy
-    statements = {
-        title: queue_statements(sql, policy)[title]
-        for title in ("CLAIM_NEXT_APP", "QUEUE_POSITION")
-    }
+    every = queue_statements(sql, policy)
+    statements = {title: every[title] for title in ("CLAIM_NEXT_APP", "QUEUE_POSITION")}
     before = {title: rows_read(s, params) for title, (s, params, _) in statements.items()}
     sql.run(
         """INSERT INTO apps (appid, status, processing_started, lease_attempts)
