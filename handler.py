@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import dataclasses
 import functools
 import gc
@@ -1323,8 +1324,9 @@ def details_problem(details: dict[str, Any]) -> str | None:
 
 
 # == HTTP scaffolding: requests =========================================================
-# The FastAPI app and what every route uses to read a request: its route class,
-# `blocking`, bearer tokens, query parameters, headers and bodies.
+# The FastAPI app, how a request runs (`blocking`, `answer_asgi`), and what every route
+# uses to read a request: its route class, bearer tokens, query parameters, headers and
+# bodies.
 
 
 # -- the app
@@ -1415,6 +1417,59 @@ async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) ->
     if pool is None:
         return work(*args)
     return await asyncio.wrap_future(pool.submit(work, *args))
+
+
+# A request's ASGI coroutine is stepped by hand, not run as a task on an event loop as
+# Mangum runs it: on Lambda nothing in a request waits (`blocking` runs its work inline),
+# so the coroutine ends at its first step, and the task with the loop's turns around it
+# was the largest piece of a warm claim's Python that is not a framework's own (docs/
+# benchmarks.md, "The analysers' lean path"). The loop is the running one during that
+# step, so what asks for it gets it; a request that does wait (a worker thread's future,
+# as under a Runtime with worker threads) is finished on the loop from where it stopped.
+# The step runs in a copy of the context, as a task's would.
+
+_event_loops = threading.local()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """This thread's event loop, made on first use and kept (Lambda's runtime calls every
+    invocation of a container on one thread)."""
+    loop = getattr(_event_loops, "loop", None)
+    if loop is None:
+        loop = _event_loops.loop = asyncio.new_event_loop()
+    return loop
+
+
+async def _finish(step: Callable[[], Any], waiting: Any) -> None:
+    """Step a coroutine that stopped on `waiting` (a future, or None: it yielded to the
+    loop) on to its end, each step once what it waits for is done, as a task would."""
+    while True:
+        if waiting is None:
+            await asyncio.sleep(0)
+        else:
+            waiting._asyncio_future_blocking = False  # a task's acknowledgement of it
+            await asyncio.wait([waiting])
+        try:
+            waiting = step()
+        except StopIteration:
+            return
+
+
+def answer_asgi(cycle: HTTPCycle, asgi_app: Callable) -> dict[str, Any]:
+    """What cycle(asgi_app) answers (Mangum's run of one request), stepped by hand."""
+    step = functools.partial(contextvars.copy_context().run, cycle.run(asgi_app).send, None)
+    loop, outer = _event_loop(), asyncio._get_running_loop()
+    try:
+        asyncio._set_running_loop(loop)
+        try:
+            waiting = step()
+        finally:
+            asyncio._set_running_loop(outer)
+    except StopIteration:
+        pass
+    else:
+        loop.run_until_complete(_finish(step, waiting))
+    return {"status": cycle.status, "headers": cycle.headers, "body": cycle.body}
 
 
 # -- bearer tokens
@@ -6240,8 +6295,9 @@ def _gateway_request_id(event: dict[str, Any]) -> str | None:
 # API Gateway's request id (correlation_id).
 @logger.inject_lambda_context
 def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
-    """API Gateway (HTTP API) entry point: FastAPI through Mangum, lifespan off. The
-    event is read once: what Mangum's __call__ does with it, lifespan off, is this."""
+    """API Gateway (HTTP API) entry point: FastAPI through Mangum, lifespan off. What
+    Mangum's __call__ does, lifespan off, is this: the event is read once, and the
+    request's coroutine is stepped by hand (answer_asgi)."""
     logger.set_correlation_id(_gateway_request_id(event))
     readable = _readable_request(event, context)
     if isinstance(readable, str):
@@ -6252,7 +6308,7 @@ def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
             "isBase64Encoded": False,
         }
     adapter, scope, body = readable
-    return adapter(HTTPCycle(scope, body)(deployed_app))
+    return adapter(answer_asgi(HTTPCycle(scope, body), deployed_app))
 
 
 # -- migrate

@@ -22,10 +22,11 @@ load, and none always follows the same other one):
    only the round trip is missing. --python-calls calls of each, from the outside in:
    * handler.api (the Lambda entry point) with an API Gateway v2 event for GET /queue,
    * handler.api.__wrapped__: the same without Powertools' Logger.inject_lambda_context,
-   * a Mangum of our own around handler.deployed_app: without handler.api's own work
-     (the correlation id; it reads the event once, as Mangum's __call__ does),
-   * handler.deployed_app as an ASGI app, with the scope Mangum makes (made outside the
-     timer), in the event loop Mangum uses: without Mangum,
+   * handler.answer_asgi(HTTPCycle(scope, body), handler.deployed_app), the scope made
+     outside the timer: without handler.api's own work (the event read into a scope and
+     the answer mapped back by Mangum's adapter, the correlation id),
+   * handler.deployed_app as an ASGI app, with the same scope, stepped without a loop
+     (it never waits on Lambda): without Mangum's HTTPCycle and the hand stepping,
    * the route function, handler.next_app, with a Request and the shared password's
      Credential, run without a loop (it never waits on Lambda): without Starlette's
      middleware and routing, the guard (handler.GuardedRoute's call of require_analyser)
@@ -82,8 +83,8 @@ CLAIMED_APP = "com.example.bench.app123"
 PYTHON = (
     ("api", "handler.api(event, context)"),
     ("unwrapped", "handler.api.__wrapped__(event, context)"),
-    ("mangum", "Mangum(handler.deployed_app)(event, context)"),
-    ("asgi", "handler.deployed_app(scope, receive, send) in Mangum's loop"),
+    ("stepped", "handler.answer_asgi(HTTPCycle(scope, body), handler.deployed_app)"),
+    ("asgi", "handler.deployed_app(scope, receive, send), stepped without a loop"),
     ("endpoint", "handler.next_app(request, credential)"),
     ("claim", "handler.claim_next_app(...)"),
 )
@@ -160,6 +161,7 @@ class Layers:
 
     def __init__(self, service: claims_workers.ServiceClaimer, url: str, seed: int = 1):
         from mangum import Mangum
+        from mangum.protocols import HTTPCycle
         from starlette.requests import Request
         from starlette.routing import Match
 
@@ -168,11 +170,12 @@ class Layers:
         self.url = url
         self.context = service.context
         self.Request = Request
+        self.HTTPCycle = HTTPCycle
         self.Match = Match
         self.random = random.Random(seed)
         self.mangum = Mangum(handler.deployed_app, lifespan="off")
         self.mangum_null = Mangum(_null_app, lifespan="off")
-        self.loop = asyncio.get_event_loop()  # the one Mangum runs the app in
+        self.loop = asyncio.new_event_loop()  # for Mangum's own run, measured alone
         self.decorated_noop = handler.logger.inject_lambda_context(lambda event, context: None)
         self.response = {
             "status": 200,
@@ -225,9 +228,9 @@ class Layers:
     # --- one call of a layer: its arguments are made outside the timer -------------------
 
     def arguments(self, key: str):
-        if key in ("api", "unwrapped", "mangum"):
+        if key in ("api", "unwrapped"):
             return (self.event(), self.context)
-        if key == "asgi":
+        if key in ("stepped", "asgi"):
             return (self.scope(),)
         if key == "endpoint":
             return (self.Request(self.scope()), self.handler.SHARED_PASSWORD)
@@ -242,8 +245,9 @@ class Layers:
             return bool(handler.api(*arguments)["body"])
         if key == "unwrapped":
             return bool(handler.api.__wrapped__(*arguments)["body"])
-        if key == "mangum":
-            return bool(self.mangum(*arguments)["body"])
+        if key == "stepped":
+            cycle = self.HTTPCycle(arguments[0], b"")
+            return bool(handler.answer_asgi(cycle, handler.deployed_app)["body"])
         if key == "asgi":
             sent = []
 
@@ -253,7 +257,7 @@ class Layers:
             async def send(message):
                 sent.append(message)
 
-            self.loop.run_until_complete(handler.deployed_app(arguments[0], receive, send))
+            drive(handler.deployed_app(arguments[0], receive, send))
             return sent[0]["status"] == 200 and bool(sent[-1].get("body"))
         if key == "endpoint":
             return bool(drive(handler.next_app(*arguments)).body)
@@ -453,10 +457,10 @@ def us(seconds: float) -> str:
 ROWS = (
     ("GET /queue via handler.api, the whole claim", "api", None, "claim"),
     ("  Powertools: Logger.inject_lambda_context", "api", "unwrapped", "powertools"),
-    ("  handler.api's own: the correlation id (the event read once)", "unwrapped", "mangum",
-     "api_own"),
-    ("  Mangum: event to scope, the loop's task, response to dict", "mangum", "asgi",
-     "mangum"),
+    ("  handler.api's own: event to scope, answer to dict, correlation id", "unwrapped",
+     "stepped", "api_own"),
+    ("  Mangum's HTTPCycle, stepped by hand (handler.answer_asgi)", "stepped", "asgi",
+     "cycle"),
     ("  Starlette/FastAPI: middleware, routing, the guard, sending", "asgi", "endpoint",
      "starlette_fastapi"),
     ("  the route's own: query checks, settings, blocking, response", "endpoint", "claim",
@@ -479,7 +483,7 @@ ALONE_LABELS = (
     ("  Mangum around an ASGI app that answers at once", "mangum_null"),
     ("    its event to scope and body", "mangum_in"),
     ("    its response to API Gateway's dict", "mangum_out"),
-    ("  one asyncio task run to completion", "task"),
+    ("  one asyncio task run to completion (what answer_asgi saves)", "task"),
     ("  the bearer dependency: HTTPBearer + require_analyser", "bearer"),
     ("  Starlette: matching /queue against the routes", "routing"),
     ("  the bench's event building (in claims.py's latency series)", "event"),

@@ -11,7 +11,7 @@ then measures, on that database:
 * GET /queue through handler.api (the Mangum entry, API Gateway v2 event) in a separate
   API process: median and p99, and the first claim checked against the oracle;
 * the bare SQL floor (claims_workers.FLOOR_CLAIM over a bare pg8000 connection);
-* where one claim's time goes, layer by layer (Powertools, Mangum, Starlette/FastAPI,
+* where one claim's time goes, layer by layer (Powertools, the request's cycle, Starlette/FastAPI,
   the route, claim_next_app, handler's Session, the SQL, the floor), in the API process,
   and cProfile's top entries (bench/claim_layers.py measures, and runs alone too);
 * throughput with 1, 4 and 16 concurrent claimers for both (one process and one
@@ -1443,7 +1443,7 @@ def print_summary(
             for label, name in (
                 ("Powertools", "powertools"),
                 ("handler.api's own", "api_own"),
-                ("Mangum", "mangum"),
+                ("HTTPCycle, stepped", "cycle"),
                 ("Starlette/FastAPI", "starlette_fastapi"),
                 ("route", "route"),
                 ("claim_next_app", "claim_next_app"),
