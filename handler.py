@@ -1424,9 +1424,17 @@ async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) ->
 # so the coroutine ends at its first step, and the task with the loop's turns around it
 # was the largest piece of a warm claim's Python that is not a framework's own (docs/
 # benchmarks.md, "The analysers' lean path"). The loop is the running one during that
-# step, so what asks for it gets it; a request that does wait (a worker thread's future,
-# as under a Runtime with worker threads) is finished on the loop from where it stopped.
-# The step runs in a copy of the context, as a task's would.
+# step and the step runs in a copy of the context, as a task's would. A request that
+# does wait (a worker thread's future, under a Runtime with worker threads) is handed to
+# a task from where it stopped, and from there runs as Mangum would run it: cancelled,
+# timed out or thrown into alike.
+#
+# What the first step lacks is a current task, so until a request first waits it must
+# not use what needs one: anyio or sniffio (Starlette's run_in_threadpool, and with it
+# sync routes, dependencies and exception handlers; BaseHTTPMiddleware; streamed and file
+# responses), asyncio.timeout, TaskGroup, and on Python 3.12 asyncio.wait_for. Nothing
+# here does (GuardedRoute refuses sync endpoints); tests/test_serve_routes.py walks every
+# route through handler.api and fails on a 5xx, which is what such a use answers.
 
 _event_loops = threading.local()
 
@@ -1440,35 +1448,51 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-async def _finish(step: Callable[[], Any], waiting: Any) -> None:
-    """Step a coroutine that stopped on `waiting` (a future, or None: it yielded to the
-    loop) on to its end, each step once what it waits for is done, as a task would."""
-    while True:
-        if waiting is None:
-            await asyncio.sleep(0)
-        else:
-            waiting._asyncio_future_blocking = False  # a task's acknowledgement of it
-            await asyncio.wait([waiting])
-        try:
-            waiting = step()
-        except StopIteration:
-            return
+class _Rest:
+    """The rest of a coroutine that stopped on `waiting` outside a task, awaitable by a
+    task: the task waits on what the coroutine yields, and passes on what it sends or
+    throws (a cancellation, a bad yield), as if it had run the coroutine from its start."""
+
+    def __init__(self, coroutine: Any, waiting: Any) -> None:
+        self.coroutine, self.waiting = coroutine, waiting
+
+    def __await__(self) -> Any:
+        waiting = self.waiting
+        while True:
+            try:
+                sent = yield waiting
+            except BaseException as error:  # noqa: BLE001 - the task's throw, passed on
+                step, value = self.coroutine.throw, error
+            else:
+                step, value = self.coroutine.send, sent
+            try:
+                waiting = step(value)
+            except StopIteration as ended:
+                return ended.value
+
+
+async def _finish(rest: _Rest) -> Any:
+    return await rest  # a coroutine: what a task runs (Python 3.12's takes no other)
 
 
 def answer_asgi(cycle: HTTPCycle, asgi_app: Callable) -> dict[str, Any]:
     """What cycle(asgi_app) answers (Mangum's run of one request), stepped by hand."""
-    step = functools.partial(contextvars.copy_context().run, cycle.run(asgi_app).send, None)
+    coroutine, context = cycle.run(asgi_app), contextvars.copy_context()
     loop, outer = _event_loop(), asyncio._get_running_loop()
     try:
         asyncio._set_running_loop(loop)
         try:
-            waiting = step()
+            waiting = context.run(coroutine.send, None)
         finally:
             asyncio._set_running_loop(outer)
     except StopIteration:
         pass
     else:
-        loop.run_until_complete(_finish(step, waiting))
+        try:
+            rest = _finish(_Rest(coroutine, waiting))
+            loop.run_until_complete(loop.create_task(rest, context=context))
+        finally:
+            coroutine.close()  # ended already, or its `finally` blocks run now
     return {"status": cycle.status, "headers": cycle.headers, "body": cycle.body}
 
 

@@ -3,13 +3,15 @@ running it as a task on an event loop, as Mangum does; what it answers is what M
 own run (mangum.protocols.HTTPCycle called on the app) answers, for every shape of app:
 one that never waits (every request on Lambda), and ones that wait on the loop, on a
 worker thread's future or on a queue, set context variables, ask for the running loop,
-or fail before or after their answer started. Then the service itself: generated
+time out or are cancelled once they waited, or fail before or after their answer
+started. Then the service itself: generated
 requests through handler.api, against Mangum's own run of the same app, and a claim and
 an upload under a Runtime with worker threads, whose requests do wait."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +41,15 @@ CALLERS = contextvars.ContextVar("callers", default="the caller's")
 WORKER = ThreadPoolExecutor(2, thread_name_prefix="test-worker")
 
 # What a generated app does before it answers, in order.
-STEPS = ("yield to the loop", "wait on a thread", "wait on a queue", "set a variable", "loop")
+STEPS = (
+    "yield to the loop",
+    "wait on a thread",
+    "wait on a queue",
+    "set a variable",
+    "loop",
+    "time out after a wait",
+    "be cancelled after a wait",
+)
 ENDINGS = ("answer", "answer in chunks", "fail before the answer", "fail during the answer")
 
 
@@ -60,6 +70,15 @@ def scripted_app(steps: list[str], ending: str, status: int, seen: list):
                 assert await queue.get() == "item"
             elif step == "set a variable":
                 CALLERS.set("the app's")
+            elif step == "time out after a wait":  # the timeout cancels the app's own wait
+                await asyncio.sleep(0)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0):
+                        await asyncio.sleep(60)
+            elif step == "be cancelled after a wait":  # the app ends with CancelledError
+                await asyncio.sleep(0)
+                asyncio.current_task().cancel()
+                await asyncio.sleep(0)
             else:
                 seen.append(asyncio.get_running_loop())
         if ending == "fail before the answer":
@@ -113,8 +132,11 @@ def test_a_request_stepped_by_hand_answers_as_mangums_task(steps, ending, status
     assert CALLERS.get() == "the caller's"
     with pytest.raises(RuntimeError):
         asyncio.get_running_loop()
-    # The app saw a running loop at every step, waited or not: one, every time.
-    assert len(seen) == len(seen_by_mangum) == steps.count("loop")
+    # The app saw a running loop at every step it took (as many as under Mangum: none
+    # after a cancellation), waited or not: one loop, every time.
+    assert len(seen) == len(seen_by_mangum)
+    stopped = [i for i, step in enumerate(steps) if step == "be cancelled after a wait"]
+    assert len(seen) == steps[: (stopped or [len(steps)])[0]].count("loop")
     assert len(set(map(id, seen))) <= 1
 
 

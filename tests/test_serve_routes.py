@@ -13,10 +13,12 @@ walk is shown failing for a route that calls the database inline.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import threading
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import pytest
@@ -26,7 +28,7 @@ from fastapi.routing import APIRoute
 from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 
 import handler
-from helpers import insert_app
+from helpers import LambdaContext, gateway_event, insert_app
 from live import serving
 
 APP_ID = "com.example.walk"
@@ -265,6 +267,17 @@ class Recorder:
         return seen
 
 
+def answer_problems(call: Call, status: int, text: str, seen: list[tuple[str, int]]) -> list[str]:
+    """What is wrong with a call's answer: a 5xx, a 401 or an undocumented status, or no
+    database work done."""
+    problems = []
+    if status >= 500 or status == 401 or str(status) not in call.documented:
+        problems.append(f"{call.label}: answered {status} {text[:200]}")
+    if not call.static and not any(what.startswith("SharedConnection") for what, _ in seen):
+        problems.append(f"{call.label}: did no database work")
+    return problems
+
+
 def walk(app: FastAPI, values: Values, monkeypatch) -> list[str]:
     """Serve `app` as `serve` does, send it calls_for(app), one at a time; what went
     wrong, one line per request (empty: every route is fair)."""
@@ -279,14 +292,31 @@ def walk(app: FastAPI, values: Values, monkeypatch) -> list[str]:
                 call.method, call.path, params=call.params, headers=call.headers, content=call.body
             )
             seen = recorder.take()
-            status = answer.status_code
-            if status >= 500 or status == 401 or str(status) not in call.documented:
-                problems.append(f"{call.label}: answered {status} {answer.text[:200]}")
-            if not call.static and not any(what.startswith("SharedConnection") for what, _ in seen):
-                problems.append(f"{call.label}: did no database work")
+            problems += answer_problems(call, answer.status_code, answer.text, seen)
             on_loop = sorted({what for what, thread in seen if thread == loop_thread})
             if on_loop:
                 problems.append(f"{call.label}: {', '.join(on_loop)} on the event loop")
+    return problems
+
+
+def walk_through_api(app: FastAPI, values: Values, monkeypatch) -> list[str]:
+    """Send calls_for(app) to handler.api as Lambda's runtime calls it, `app` as the
+    deployed app, with the Runtime of a Lambda container (no worker threads: nothing a
+    request does waits, and handler.answer_asgi steps it without a task); what went
+    wrong, one line per request. A route that needs a task before it waits (anyio,
+    asyncio.timeout) answers 500 here."""
+    calls = calls_for(app, values)
+    recorder = Recorder(monkeypatch)
+    monkeypatch.setattr(handler, "deployed_app", app)
+    problems = []
+    for call in calls:
+        headers = {name.lower(): value for name, value in call.headers.items()}
+        event = gateway_event(
+            call.method, call.path, urlencode(call.params), headers, call.body, base64_body=True
+        )
+        recorder.take()
+        answer = handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
+        problems += answer_problems(call, answer["statusCode"], answer["body"], recorder.take())
     return problems
 
 
@@ -326,6 +356,11 @@ def test_no_route_does_database_work_on_the_event_loop(walkable, monkeypatch):
     assert walk(handler.app, walkable, monkeypatch) == []
 
 
+def test_every_route_answers_through_handler_api(walkable, monkeypatch):
+    assert handler.runtime().worker_pool() is None  # a Lambda container's Runtime
+    assert walk_through_api(handler.app, walkable, monkeypatch) == []
+
+
 def copy_of_the_app() -> FastAPI:
     """A new app with handler.app's routes and error handlers, for routes added to it."""
     copy = FastAPI(docs_url=None, redoc_url=None, redirect_slashes=False)
@@ -356,6 +391,30 @@ def test_the_walk_catches_a_route_that_calls_the_database_on_the_loop(
 
     assert walk(copy, Values(sql), monkeypatch) == [
         "GET /probe/inline (anyone): SharedConnection.autocommit on the event loop"
+    ]
+
+
+def test_the_walk_through_handler_api_catches_a_route_that_needs_a_task(
+    database_url, sql, monkeypatch
+):
+    configure_service(monkeypatch, database_url)
+    insert_app(sql, APP_ID)
+    copy = copy_of_the_app()
+
+    @copy.get("/probe/timeout")
+    async def timed() -> PlainTextResponse:
+        async with asyncio.timeout(5):  # needs a task: there is none before a wait
+            await handler.blocking(lambda: handler.api_connection().run("SELECT 1"))
+        return PlainTextResponse("ok")
+
+    @copy.get("/probe/blocking")
+    async def handed_over() -> PlainTextResponse:
+        await handler.blocking(lambda: handler.api_connection().run("SELECT 1"))
+        return PlainTextResponse("ok")
+
+    assert walk_through_api(copy, Values(sql), monkeypatch) == [
+        'GET /probe/timeout (anyone): answered 500 {"detail":"internal error"}',
+        "GET /probe/timeout (anyone): did no database work",
     ]
 
 
