@@ -1432,9 +1432,11 @@ async def blocking(work: Callable[..., Any], *args: Any, parse: bool = False) ->
 # What the first step lacks is a current task, so until a request first waits it must
 # not use what needs one: anyio or sniffio (Starlette's run_in_threadpool, and with it
 # sync routes, dependencies and exception handlers; BaseHTTPMiddleware; streamed and file
-# responses), asyncio.timeout, TaskGroup, and on Python 3.12 asyncio.wait_for. Nothing
-# here does (GuardedRoute refuses sync endpoints); tests/test_serve_routes.py walks every
-# route through handler.api and fails on a 5xx, which is what such a use answers.
+# responses), asyncio.timeout, TaskGroup, and on Python 3.12 asyncio.wait_for; nor leave
+# work it does not wait for (a task, a call_soon), which would run only when some later
+# request waits. Nothing here does (GuardedRoute refuses sync endpoints); tests/test_
+# serve_routes.py walks every route through handler.api and fails on a 5xx, which is
+# what a use of those answers.
 
 _event_loops = threading.local()
 
