@@ -11,9 +11,10 @@ then measures, on that database:
 * GET /queue through handler.api (the Mangum entry, API Gateway v2 event) in a separate
   API process: median and p99, and the first claim checked against the oracle;
 * the bare SQL floor (claims_workers.FLOOR_CLAIM over a bare pg8000 connection);
-* where one claim's time goes, layer by layer (Powertools, the request's cycle, Starlette/FastAPI,
-  the route, claim_next_app, handler's Session, the SQL, the floor), in the API process,
-  and cProfile's top entries (bench/claim_layers.py measures, and runs alone too);
+* where one claim's time goes, layer by layer (Powertools, handler.api's own, Mangum's
+  HTTPCycle stepped by hand, Starlette/FastAPI, the route, claim_next_app, handler's
+  Session, the SQL, the floor), in the API process, and cProfile's top entries
+  (bench/claim_layers.py measures, and runs alone too);
 * throughput with 1, 4 and 16 concurrent claimers for both (one process and one
   connection each, like Lambda containers), with a check for double claims, and for the
   service's claim statement alone (handler.claim_next_app, no HTTP stack), which tells
@@ -308,7 +309,7 @@ class Bench:
 # ---------------------------------------------------------------------------------------
 
 SPAWN = multiprocessing.get_context("spawn")
-REPORT_STATEMENT_TIMEOUT_MS = 45_000  # template.yaml's ReportFunction
+REPORT_STATEMENT_TIMEOUT_MS = 45_000  # template.yaml's ReportFunction (tests/test_template.py)
 
 
 class ApiProcess:

@@ -95,14 +95,16 @@ def scripted_app(steps: list[str], ending: str, status: int, seen: list):
     return app
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def mangums_loop():
-    """The loop Mangum's HTTPCycle asks asyncio for (get_event_loop), set for the test."""
+    """The loop Mangum's HTTPCycle asks asyncio for (get_event_loop), set while it runs."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.set_event_loop(None)
-    loop.close()
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 @given(
@@ -113,15 +115,10 @@ def mangums_loop():
 )
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_a_request_stepped_by_hand_answers_as_mangums_task(steps, ending, status, body):
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
-        seen_by_mangum: list = []
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
+    seen_by_mangum: list = []
+    with mangums_loop():
         expected = HTTPCycle(scope, body)(scripted_app(steps, ending, status, seen_by_mangum))
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
     seen: list = []
     answered = handler.answer_asgi(
         HTTPCycle(scope, body), scripted_app(steps, ending, status, seen)
@@ -134,9 +131,9 @@ def test_a_request_stepped_by_hand_answers_as_mangums_task(steps, ending, status
         asyncio.get_running_loop()
     # The app saw a running loop at every step it took (as many as under Mangum: none
     # after a cancellation), waited or not: one loop, every time.
-    assert len(seen) == len(seen_by_mangum)
-    stopped = [i for i, step in enumerate(steps) if step == "be cancelled after a wait"]
-    assert len(seen) == steps[: (stopped or [len(steps)])[0]].count("loop")
+    cancelled = "be cancelled after a wait"
+    taken = steps[: steps.index(cancelled)] if cancelled in steps else steps
+    assert len(seen) == len(seen_by_mangum) == taken.count("loop")
     assert len(set(map(id, seen))) <= 1
 
 
@@ -202,7 +199,7 @@ REFUSED = (
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 def test_the_service_answers_as_through_mangum(
-    database_url, sql, monkeypatch, mangums_loop, method, path, query, headers, body
+    database_url, sql, monkeypatch, method, path, query, headers, body
 ):
     """Requests that change nothing (no token the route takes: every write is refused;
     the public reads) answer through handler.api exactly as Mangum's own run of the same
@@ -216,7 +213,8 @@ def test_the_service_answers_as_through_mangum(
     before = table_digest(sql)
 
     answered = handler.api(json.loads(json.dumps(event)), LambdaContext())
-    expected = Mangum(handler.deployed_app, lifespan="off")(event, LambdaContext())
+    with mangums_loop():
+        expected = Mangum(handler.deployed_app, lifespan="off")(event, LambdaContext())
 
     assert answered == expected
     assert table_digest(sql) == before
@@ -224,7 +222,7 @@ def test_the_service_answers_as_through_mangum(
 
 def test_a_claim_and_an_upload_that_wait_on_worker_threads(database_url, sql, monkeypatch):
     """Under a Runtime with worker threads, `blocking` hands the database work to a
-    thread and the request waits for it: stepped by hand, then finished on the loop."""
+    thread and the request waits for it: stepped by hand, then finished by a task."""
     configure_function(monkeypatch, "ApiFunction", database_url)
     handler.use_runtime(handler.Runtime(handler.load_settings(), worker_threads=2))
     insert_app(sql, "com.example.app", reviews="20")

@@ -407,11 +407,7 @@ def test_the_walk_through_handler_api_catches_a_route_that_needs_a_task(
             await handler.blocking(lambda: handler.api_connection().run("SELECT 1"))
         return PlainTextResponse("ok")
 
-    @copy.get("/probe/blocking")
-    async def handed_over() -> PlainTextResponse:
-        await handler.blocking(lambda: handler.api_connection().run("SELECT 1"))
-        return PlainTextResponse("ok")
-
+    # The app's own routes, walked beside it, answer as they should.
     assert walk_through_api(copy, Values(sql), monkeypatch) == [
         'GET /probe/timeout (anyone): answered 500 {"detail":"internal error"}',
         "GET /probe/timeout (anyone): did no database work",

@@ -645,3 +645,12 @@ def test_env_json_sets_only_declared_variables(transformed):
         assert values["DB_HOST"] == "" and values["DB_SECRET_ID"] == ""
     assert env["ApiFunction"]["UPLOAD_PASSWORD"] == "local-upload-password"
     assert env["ApiFunction"]["ADMIN_TOKEN"] == "local-admin-token"
+
+
+def test_the_bench_runs_the_reports_on_the_report_functions_statement_timeout():
+    """bench/claims.py measures the reports as ReportFunction runs them: on its statement
+    timeout (a constant there, which this keeps equal to the template's)."""
+    source = (REPO / "bench" / "claims.py").read_text()
+    (bench,) = re.findall(r"^REPORT_STATEMENT_TIMEOUT_MS = ([\d_]+)", source, re.MULTILINE)
+    report = load_template()["Resources"]["ReportFunction"]["Properties"]
+    assert int(bench) == int(report["Environment"]["Variables"]["STATEMENT_TIMEOUT_MS"])
