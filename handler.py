@@ -17,6 +17,7 @@ it:
   Secrets                           Secrets Manager and SSM, through Powertools
   Database access                   Session, SharedConnection (one connection)
   The process's Runtime             settings, connections and serve's threads, per process
+  Operator actions                  who acted; a change and its record in one transaction
   Input checks                      pure functions: bundle IDs, JSON PostgreSQL can store
   HTTP scaffolding: requests        the FastAPI app, GuardedRoute, blocking, tokens, bodies
   HTTP scaffolding: answers         JSON answers that fit Lambda, the OpenAPI of errors
@@ -1138,6 +1139,96 @@ def owner_connection() -> SharedConnection:
     return runtime().owner_connection()
 
 
+# == Operator actions ===================================================================
+# Who acted (an operator: a web view session, the admin token, the CLI, the report
+# function) and the one way an operator's change is made: with its record in
+# operator_actions, in one transaction (docs/queue.md, "Every act is one act").
+
+
+# -- SQL
+
+# One row per app (or one row, app_id NULL, for an action on no app): the arrays are
+# zipped by unnest. The one statement that writes operator_actions, run by act() in the
+# transaction of the change it records (sql/029 makes the table append-only).
+OPERATOR_ACTIONS_INSERT = """
+INSERT INTO operator_actions (actor, source, action, app_id, analyser, outcome)
+SELECT :actor, :source, :action, a.app_id, :analyser, a.outcome
+FROM unnest(CAST(:app_ids AS text[]), CAST(:outcomes AS text[])) AS a(app_id, outcome)
+"""
+
+
+# -- acting
+
+# How a record names whoever sent the admin token (ADMIN_TOKEN), the credential of the
+# admin API and of curl against the web view's JSON.
+BEARER_ACTOR = "bearer token"
+
+
+@dataclasses.dataclass(frozen=True)
+class Operator:
+    """Who acts, as the record names them (`actor`) and from where (`source`: an address,
+    a host, a Lambda request id); `session`, the hash of a web view session's id when a
+    signed-in browser acts (its writes must prove they come from the web view's own
+    pages: admin_guard)."""
+
+    actor: str
+    source: str
+    session: bytes | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionRecord:
+    """What an action's record says: the action, each app it touched with its outcome
+    (by default one row on no app), and the analyser it named."""
+
+    action: str
+    apps: Sequence[tuple[str | None, str | None]] = ((None, None),)
+    analyser: str | None = None
+
+
+def act(
+    db: SharedConnection,
+    operator: Operator,
+    change: Callable[[Session], tuple[Any, ActionRecord | None]],
+) -> Any:
+    """Make an operator's change and write its record in one transaction: both commit or
+    neither does. `change(session)` makes the change in the transaction and says what to
+    record; an error it raises rolls both back. Run again after a connection lost during
+    the COMMIT (SharedConnection._attempt), a change finds what its first run did and
+    answers as that run did, with None for the record its first run wrote."""
+    recorded: list[ActionRecord] = []
+
+    def work(session: Session) -> Any:
+        result, record = change(session)
+        recorded[:] = [] if record is None else [record]
+        if record is not None:
+            session.run(
+                OPERATOR_ACTIONS_INSERT,
+                actor=operator.actor,
+                source=operator.source,
+                action=record.action,
+                app_ids=[app for app, _ in record.apps],
+                outcomes=[outcome for _, outcome in record.apps],
+                analyser=record.analyser,
+            )
+        return result
+
+    result = db.transaction(work)
+    for record in recorded:
+        logger.info(
+            "operator action",
+            extra={
+                "actor": operator.actor,
+                "source": operator.source,
+                "action": record.action,
+                "analyser": record.analyser,
+                "apps": [app for app, _ in record.apps if app is not None][:20],
+                "app_count": sum(app is not None for app, _ in record.apps),
+            },
+        )
+    return result
+
+
 # == Input checks =======================================================================
 # Pure functions, no I/O: a bundle ID, and JSON that PostgreSQL can store and the
 # service can read back.
@@ -1340,6 +1431,22 @@ def details_problem(details: dict[str, Any]) -> str | None:
 # on one of them, so /queue is answered while large uploads are parsed and stored.
 
 
+def refuse_repeated_query(request: Request) -> None:
+    """The one rule for every route, the web view's included: a query parameter given
+    twice is refused (400), never read as its first or its last value, which a page's
+    script and the server could read differently (a list filtered one way under a button
+    that acts on another)."""
+    seen: set[str] = set()
+    for name, _ in request.query_params.multi_items():
+        if name in seen:
+            raise HTTPException(400, f"{name} given more than once"[:300])
+        seen.add(name)
+
+
+# The admin token's security scheme (admin_bearer): a route guarded by it answers no-store.
+ADMIN_SCHEME = "AdminToken"
+
+
 class GuardedRoute(APIRoute):
     """A route whose endpoint takes the Request and guards, and answers a Response.
 
@@ -1374,6 +1481,8 @@ class GuardedRoute(APIRoute):
             )
         plan = [(name, guard, bearers[0].call) for name, guard, bearers in guards]
         request_name = dependant.request_param_name
+        # What only the admin token opens, no cache anywhere may keep.
+        private = any(getattr(bearer, "scheme_name", None) == ADMIN_SCHEME for *_, bearer in plan)
 
         async def handle(request: Request) -> Response:
             values: dict[str, Any] = {request_name: request} if request_name else {}
@@ -1381,9 +1490,12 @@ class GuardedRoute(APIRoute):
                 value = await guard(await bearer(request))
                 if name is not None:
                     values[name] = value
+            refuse_repeated_query(request)
             response = await endpoint(**values)
             if not isinstance(response, Response):
                 raise TypeError(f"{self.path}: the endpoint answered no Response")
+            if private:
+                response.headers["Cache-Control"] = "no-store"
             return response
 
         return handle
@@ -1501,7 +1613,7 @@ def answer_asgi(cycle: HTTPCycle, asgi_app: Callable) -> dict[str, Any]:
 # -- bearer tokens
 
 analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
-admin_bearer = HTTPBearer(auto_error=False, scheme_name="AdminToken")
+admin_bearer = HTTPBearer(auto_error=False, scheme_name=ADMIN_SCHEME)
 
 
 def _configured_secret(reference: str) -> str | None:
@@ -1604,6 +1716,13 @@ def _bundle_id(value: str | None) -> str:
     if value is None or not is_valid_bundle_id(value):
         raise HTTPException(400, "appId must be a bundle ID (letters, digits, '.', '-')")
     return value
+
+
+def request_source(request: Request) -> str:
+    """The client's address as the request's own transport gives it (API Gateway's
+    sourceIp under Lambda), not a header a client could set."""
+    source = request.client.host if request.client else "unknown"
+    return source if len(source) <= 100 and PRINTABLE_ASCII.fullmatch(source) else "unknown"
 
 
 VERSION_TEXT = re.compile(r"[0-9]{1,9}")
@@ -1947,10 +2066,17 @@ FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
 # Named analysers' credentials (sql/022): a token is known by its SHA-256 only. A request
 # finds its analyser with one probe of a unique index; a rotation's previous token works
 # until previous_token_expires; a revoked analyser's tokens never work again.
+# `added` false: the analyser was added with this very token already, by this request's
+# first try, whose COMMIT's answer was lost (act): answered as that try was.
 ADD_ANALYSER = """
-INSERT INTO analysers (name, token_hash) VALUES (:name, :token_hash)
-ON CONFLICT DO NOTHING
-RETURNING name, created
+WITH added AS (
+    INSERT INTO analysers (name, token_hash) VALUES (:name, :token_hash)
+    ON CONFLICT DO NOTHING
+    RETURNING name, created
+)
+SELECT name, created, true AS added FROM added
+UNION ALL
+SELECT name, created, false FROM analysers WHERE name = :name AND token_hash = :token_hash
 """
 ANALYSER_BY_HASH = """
 SELECT name, token_hash, previous_token_hash FROM analysers
@@ -1958,30 +2084,46 @@ WHERE revoked IS NULL
   AND (token_hash = :token_hash
        OR (previous_token_hash = :token_hash AND previous_token_expires > now()))
 """
+# `revoked_now` false: it was revoked already (by an earlier revocation, or by this
+# request's first try), and keeps the time it was revoked at.
 REVOKE_ANALYSER = """
-UPDATE analysers SET revoked = COALESCE(revoked, now()), previous_token_hash = NULL,
-                     previous_token_expires = NULL
-WHERE name = :name
-RETURNING name, revoked
+WITH found AS (
+    SELECT name, revoked IS NULL AS revoked_now FROM analysers WHERE name = :name FOR UPDATE
+), revoked AS (
+    UPDATE analysers SET revoked = COALESCE(revoked, now()), previous_token_hash = NULL,
+                         previous_token_expires = NULL
+    FROM found WHERE analysers.name = found.name
+    RETURNING analysers.name, analysers.revoked
+)
+SELECT revoked.name, revoked.revoked, found.revoked_now
+FROM found JOIN revoked ON revoked.name = found.name
 """
 # The token in use becomes the previous one for the overlap (none with no overlap); a
 # previous token still in its overlap is dropped. A revoked analyser stays revoked. One
 # statement that locks the row before it decides: a revocation that commits while it
 # waits is seen (revoked), so the answer is one row saying which case it was (none: no
-# such analyser), whatever commits meanwhile.
+# such analyser), whatever commits meanwhile. A row whose token is already the new one
+# was rotated by this request's first try, whose COMMIT's answer was lost (act): it is
+# answered as that try was, and not rotated again (which would end the overlap it gave).
 ROTATE_ANALYSER = """
 WITH found AS (
-    SELECT name, revoked IS NOT NULL AS revoked FROM analysers WHERE name = :name FOR UPDATE
+    SELECT name, revoked IS NOT NULL AS revoked, token_hash = :token_hash AS rotated_already,
+           rotated, previous_token_expires
+    FROM analysers WHERE name = :name FOR UPDATE
 ), rotated AS (
     UPDATE analysers
     SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
         previous_token_expires = CASE WHEN :overlap_seconds > 0
                                       THEN now() + make_interval(secs => :overlap_seconds) END,
         token_hash = :token_hash, rotated = now()
-    FROM found WHERE analysers.name = found.name AND NOT found.revoked
+    FROM found
+    WHERE analysers.name = found.name AND NOT found.revoked AND NOT found.rotated_already
     RETURNING analysers.name, analysers.rotated, analysers.previous_token_expires
 )
-SELECT found.name, found.revoked, rotated.rotated, rotated.previous_token_expires
+SELECT found.name, found.revoked, found.rotated_already,
+       CASE WHEN found.rotated_already THEN found.rotated ELSE rotated.rotated END AS rotated,
+       CASE WHEN found.rotated_already THEN found.previous_token_expires
+            ELSE rotated.previous_token_expires END AS previous_token_expires
 FROM found LEFT JOIN rotated ON rotated.name = found.name
 """
 # A /ping authenticated just before its analyser's revocation committed records no
@@ -2091,44 +2233,68 @@ def checked_analyser_name(name: object, refusal: str = "an analyser's name is") 
     return name
 
 
-def add_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
+# Adding, rotating and revoking are operator actions (act): each change commits with its
+# record, or neither does. A change that finds its own earlier try done writes no record.
+
+
+def add_analyser(db: SharedConnection, operator: Operator, name: str) -> dict[str, Any]:
     """A new analyser and its token: {"name", "created", "token"}. The token exists only
     in this answer; the database keeps its hash."""
-    token = new_analyser_token()
-    rows = db.records(ADD_ANALYSER, name=checked_analyser_name(name), token_hash=token_hash(token))
-    if not rows:
-        raise AnalyserExists(name)
-    return {"name": rows[0]["name"], "created": _plain(rows[0]["created"]), "token": token}
+    name, token = checked_analyser_name(name), new_analyser_token()
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        rows = session.records(ADD_ANALYSER, name=name, token_hash=token_hash(token))
+        if not rows:
+            raise AnalyserExists(name)
+        (row,) = rows
+        created = {"name": row["name"], "created": _plain(row["created"]), "token": token}
+        return created, ActionRecord("add analyser", analyser=name) if row["added"] else None
+
+    return act(db, operator, change)
 
 
-def rotate_analyser(db: SharedConnection, name: str, overlap: int) -> dict[str, Any]:
+def rotate_analyser(
+    db: SharedConnection, operator: Operator, name: str, overlap: int
+) -> dict[str, Any]:
     """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
-    token = new_analyser_token()
-    rows = db.records(
-        ROTATE_ANALYSER,
-        name=checked_analyser_name(name),
-        token_hash=token_hash(token),
-        overlap_seconds=overlap,
-    )
-    if not rows:
-        raise UnknownAnalyser(name)
-    (row,) = rows
-    if row["revoked"]:
-        raise AnalyserRevoked(name)
-    return {
-        "name": row["name"],
-        "rotated": _plain(row["rotated"]),
-        "previousTokenValidUntil": _plain(row["previous_token_expires"]),
-        "token": token,
-    }
+    name, token = checked_analyser_name(name), new_analyser_token()
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        rows = session.records(
+            ROTATE_ANALYSER, name=name, token_hash=token_hash(token), overlap_seconds=overlap
+        )
+        if not rows:
+            raise UnknownAnalyser(name)
+        (row,) = rows
+        if row["revoked"]:
+            raise AnalyserRevoked(name)
+        rotated = {
+            "name": row["name"],
+            "rotated": _plain(row["rotated"]),
+            "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+            "token": token,
+        }
+        first = not row["rotated_already"]
+        return rotated, ActionRecord("rotate analyser", analyser=name) if first else None
+
+    return act(db, operator, change)
 
 
-def revoke_analyser(db: SharedConnection, name: str) -> dict[str, Any]:
-    """The analyser's tokens (current and previous) stop working with this commit."""
-    rows = db.records(REVOKE_ANALYSER, name=checked_analyser_name(name))
-    if not rows:
-        raise UnknownAnalyser(name)
-    return {"name": rows[0]["name"], "revoked": _plain(rows[0]["revoked"])}
+def revoke_analyser(db: SharedConnection, operator: Operator, name: str) -> dict[str, Any]:
+    """The analyser's tokens (current and previous) stop working with this commit. One
+    revoked already keeps the time it was revoked at, and nothing is recorded again."""
+    name = checked_analyser_name(name)
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        rows = session.records(REVOKE_ANALYSER, name=name)
+        if not rows:
+            raise UnknownAnalyser(name)
+        (row,) = rows
+        revoked = {"name": row["name"], "revoked": _plain(row["revoked"])}
+        first = row["revoked_now"]
+        return revoked, ActionRecord("revoke analyser", analyser=name) if first else None
+
+    return act(db, operator, change)
 
 
 def authenticate_analyser(db: SharedConnection, token: str) -> str | None:
@@ -2241,6 +2407,12 @@ async def require_admin(
         await blocking(_check_admin, credentials)
 
 
+def bearer_operator(request: Request) -> Operator:
+    """Who an admin route's action is recorded as: the admin token, from the request's
+    address (require_admin has checked the token)."""
+    return Operator(BEARER_ACTOR, request_source(request))
+
+
 # -- routes
 
 
@@ -2342,7 +2514,8 @@ async def create_analyser(request: Request) -> JSONResponse:
     body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
     if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
         raise HTTPException(400, 'the body must be {"name": "..."}')
-    created = await blocking(lambda: add_analyser(api_connection(), body["name"]))
+    operator = bearer_operator(request)
+    created = await blocking(lambda: add_analyser(api_connection(), operator, body["name"]))
     return JSONResponse(created, status_code=201, headers=NO_STORE)
 
 
@@ -2369,8 +2542,8 @@ async def get_analysers() -> JSONResponse:
 )
 async def delete_analyser(request: Request) -> JSONResponse:
     """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
-    name = _analyser_name_param(request)
-    return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), name)))
+    name, operator = _analyser_name_param(request), bearer_operator(request)
+    return JSONResponse(await blocking(lambda: revoke_analyser(api_connection(), operator, name)))
 
 
 @app.post(
@@ -2405,8 +2578,8 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
     if body:
         _require_content_type(request, ("application/json",))
         parsed = await blocking(_parse_json, body, "the body", parse=True)
-    seconds = requested_overlap(parsed)
-    rotated = await blocking(lambda: rotate_analyser(api_connection(), name, seconds))
+    seconds, operator = requested_overlap(parsed), bearer_operator(request)
+    rotated = await blocking(lambda: rotate_analyser(api_connection(), operator, name, seconds))
     return JSONResponse(rotated, headers=NO_STORE)
 
 
@@ -2814,7 +2987,16 @@ def store_result(
     would otherwise be stored, by the statement that stores it (STORE_RESULT's
     :unless_stored). A refused result raises ResultRefused once its transaction is over:
     the holder's result refused as older answers or ends its lease (committed), and its
-    retry after a lost reply finds that done and is refused again."""
+    retry after a lost reply finds that done and is refused again.
+
+    The back-off's failure is told apart by its analysis_source (SERVER_RECORD), which
+    only the service writes: a document that claims it is refused (BadInput, 400), so no
+    analyser's result passes for the service's own, in the history or in judge_result."""
+    if payload.get("analysis_source") == SERVER_FAILURE_SOURCE:
+        raise BadInput(
+            f"analysis_source {SERVER_FAILURE_SOURCE!r} is the queue server's own; an"
+            " analyser's result names its own source"
+        )
     state = derive_analysis_state(payload)
     success = state.status == "analysed"
     document = json.dumps(payload, ensure_ascii=False, allow_nan=False) if sent is None else sent
@@ -3662,9 +3844,14 @@ def listed_bundle_id(app_id: str, details: dict[str, Any] | None) -> str | None:
 
 
 def add_app(
-    db: SharedConnection, app_id: str, details: dict[str, Any] | None, sent: str | None = None
+    db: SharedConnection,
+    operator: Operator,
+    app_id: str,
+    details: dict[str, Any] | None,
+    sent: str | None = None,
 ) -> tuple[bool, dict]:
-    """Insert as queued, under the listing's casing (listed_bundle_id); (created, app). An
+    """Insert as queued, under the listing's casing (listed_bundle_id); (created, app),
+    recorded as the operator's action (act) when it was created. An
     existing app (any letter case) is unchanged, its bundle ID included. A listing that
     names another app is refused (BadInput) before anything is written. `sent`: the
     request's body as sent, whose `details` member is what is stored (exact, as jsonb
@@ -3676,12 +3863,13 @@ def add_app(
     if sent is None:
         sent = json.dumps({"details": details}, ensure_ascii=False, allow_nan=False)
 
-    def work(session: Session) -> tuple[bool, dict]:
+    def change(session: Session) -> tuple[tuple[bool, dict], ActionRecord | None]:
         created = bool(session.run(ADD_APP, appid=stored_id, body=sent))
         (row,) = session.records(FIND_APP, appid=app_id, document_limit=LAMBDA_PAYLOAD_LIMIT_BYTES)
-        return created, _app_view(row, admin=True)
+        record = ActionRecord("add app", [(row["appid"], "queued")]) if created else None
+        return (created, _app_view(row, admin=True)), record
 
-    return db.transaction(work)
+    return act(db, operator, change)
 
 
 def shown_failure_reason(reason: str | None) -> str | None:
@@ -3790,10 +3978,10 @@ async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
     sent, body = await blocking(_parse_json_text, await _read_body(request), "the body", parse=True)
-    return await blocking(_create_app, body, sent)
+    return await blocking(_create_app, bearer_operator(request), body, sent)
 
 
-def _create_app(body: Any, sent: str) -> Response:
+def _create_app(operator: Operator, body: Any, sent: str) -> Response:
     if not isinstance(body, dict) or not isinstance(body.get("appId"), str):
         raise HTTPException(400, 'the body must be {"appId": "...", "details": {...}}')
     app_id = _bundle_id(body["appId"])
@@ -3803,7 +3991,7 @@ def _create_app(body: Any, sent: str) -> Response:
     problem = details_problem(details or {})
     if problem:
         raise HTTPException(400, problem)
-    created, view = add_app(api_connection(), app_id, details, sent)
+    created, view = add_app(api_connection(), operator, app_id, details, sent)
     return _json_answer(view, 201 if created else 200, droppable=("analysis", "details"))
 
 
@@ -4261,10 +4449,19 @@ SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps
 WHERE lower(appid) = ANY(CAST(:lowered AS text[]))
 ORDER BY app_popularity(details) DESC, added, appid
 """
-# An invalid bundle ID is never valid again (apps' CHECK would refuse the UPDATE).
-REFETCH_FAILED_ROWS = """status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'"""
-REFETCH_ANALYSED_ROWS = "status = 'analysed'"
+# A selection by state is one condition on a row, written once and used by every
+# statement that selects by it: the dry run's read, the walk's, and the lock that applies
+# it, which re-checks it on the locked row (REFETCH_LOCK). A filter added later joins it
+# here, and so is re-checked with the rest. :prefix, the start of the bundle ID in lower
+# case ('' for any; :prefix_end is :prefix || '~', past every character a bundle ID
+# holds); :reason, one failure reason (NULL for any). An invalid bundle ID is never valid
+# again (apps' CHECK would refuse the UPDATE).
+REFETCH_PREFIX = """(:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
+                         AND lower(appid) COLLATE "C" < :prefix_end)"""
+REFETCH_FAILED_ROWS = f"""status = 'failed' AND (failure_retryable OR :include_non_retryable)
+  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
+  AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND {REFETCH_PREFIX}"""
+REFETCH_ANALYSED_ROWS = f"status = 'analysed' AND {REFETCH_PREFIX}"
 REFETCH_SELECT_FAILED = f"""
 SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_FAILED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
@@ -4360,13 +4557,14 @@ class RefetchProgress:
     """Where a batched refetch is: apps selected so far and what happened to them (or,
     in a dry run, would: `outcomes`, a count for each of REFETCH_OUTCOMES), rows examined
     of `total` (None: unknown; a walk's total is the planner's estimate), batches
-    committed, and whether it went through to the end."""
+    committed, whether it went through to the end, and whether a limit left apps out."""
 
     selected: int = 0
     examined: int = 0
     total: int | None = None
     batches: int = 0
     complete: bool = False
+    more: bool = False  # with a limit: more apps matched than the limit selected
     outcomes: dict[str, int] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(REFETCH_OUTCOMES, 0)
     )
@@ -4382,6 +4580,8 @@ REFETCH_EVENT_NAMES = {
     "app_ids": "appIds",
     "failed": "failed",
     "include_non_retryable": "includeNonRetryable",
+    "reason": "reason",
+    "prefix": "prefix",
     "limit": "limit",
     "apply": "apply",
     "force": "force",
@@ -4390,25 +4590,36 @@ REFETCH_CLI_NAMES = {
     "app_ids": "--appid",
     "failed": "--failed",
     "include_non_retryable": "--include-non-retryable",
+    "reason": "--reason",
+    "prefix": "--prefix",
     "limit": "--limit",
     "apply": "--apply",
     "force": "--force",
 }
 
 
+# A failure reason as a filter spells it, and the start of a bundle ID (lower case).
+FAILURE_REASON_TEXT = re.compile(r"[a-z_]{1,40}")
+BUNDLE_ID_PREFIX = re.compile(r"[a-z0-9.-]{1,155}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RefetchRequest:
     """A refetch as it is asked for: the named apps (`app_ids`, any letter case), or else
-    the failed ones (`failed`: the retryable ones, every one with `include_non_retryable`),
-    or else the analysed ones; at most `limit` of them, the most popular first (None: no
-    limit); done with `apply` (else a dry run), breaking live leases with `force` (else
-    waiting for them). The CLI's queue-refetch (from_args) and the report function's
-    queue-refetch event (from_event) are checked by one rule (checked): a request that
-    would not do what it says is BadInput, in the words of whoever asked."""
+    the failed ones (`failed`: the retryable ones, every one with `include_non_retryable`;
+    of one failure `reason` if given), or else the analysed ones; either of these whose
+    bundle ID starts with `prefix` (any letter case; "" for any); at most `limit` of them,
+    the most popular first (None: no limit); done with `apply` (else a dry run), breaking
+    live leases with `force` (else waiting for them). The CLI's queue-refetch (from_args),
+    the report function's queue-refetch event (from_event) and the web view's refetch
+    are checked by one rule (checked): a request that would not do what it says is
+    BadInput, in the words of whoever asked."""
 
     app_ids: tuple[str, ...] = ()
     failed: bool = False
     include_non_retryable: bool = False
+    reason: str | None = None
+    prefix: str = ""
     limit: int | None = None
     apply: bool = False
     force: bool = False
@@ -4431,9 +4642,34 @@ class RefetchRequest:
         for flag in ("failed", "include_non_retryable", "apply", "force"):
             if not isinstance(fields.get(flag, False), bool):
                 raise BadInput(f"{names[flag]} must be true or false, got {fields[flag]!r}")
-        if fields.get("include_non_retryable") and not fields.get("failed"):
-            raise BadInput(f"{names['include_non_retryable']} goes with {names['failed']}")
-        return cls(app_ids=tuple(app_ids), **fields)
+        for needs_failed in ("include_non_retryable", "reason"):
+            if fields.get(needs_failed) not in (None, False) and not fields.get("failed"):
+                raise BadInput(f"{names[needs_failed]} goes with {names['failed']}")
+        reason = fields.get("reason")
+        if reason is not None and not (
+            isinstance(reason, str) and FAILURE_REASON_TEXT.fullmatch(reason)
+        ):
+            raise BadInput(f"{names['reason']} must be a failure reason such as app_not_found")
+        prefix = fields.pop("prefix", None) or ""
+        if not isinstance(prefix, str) or not (
+            prefix == "" or BUNDLE_ID_PREFIX.fullmatch(prefix.strip().lower())
+        ):
+            raise BadInput(
+                f"{names['prefix']} must be the start of a bundle ID: letters, digits, . and -"
+            )
+        if prefix and app_ids:
+            raise BadInput(f"{names['prefix']} selects by state: not with {names['app_ids']}")
+        return cls(app_ids=tuple(app_ids), prefix=prefix.strip().lower(), **fields)
+
+    def selection(self) -> dict[str, Any]:
+        """The parameters of the condition it selects apps by (REFETCH_FAILED_ROWS,
+        REFETCH_ANALYSED_ROWS), the same for the read and the lock that re-checks it."""
+        return {
+            "include_non_retryable": self.include_non_retryable,
+            "reason": self.reason,
+            "prefix": self.prefix,
+            "prefix_end": self.prefix + "~",
+        }
 
     @classmethod
     def from_event(cls, event: dict[str, Any]) -> RefetchRequest:
@@ -4461,6 +4697,8 @@ class RefetchRequest:
             app_ids=args.appid,
             failed=args.failed,
             include_non_retryable=args.include_non_retryable,
+            reason=args.reason,
+            prefix=args.prefix,
             limit=args.limit,
             apply=args.apply,
             force=args.force,
@@ -4503,37 +4741,46 @@ def refetch_in_batches(
     db: SharedConnection,
     request: RefetchRequest,
     on_batch: Callable[[list[dict[str, str]], RefetchProgress], None],
+    operator: Operator | None = None,
     deadline: float | None = None,
     batch_size: int = REFETCH_BATCH,
     clock: Callable[[], float] = time.monotonic,
     policy: QueuePolicy | None = None,
-    record: Callable[[Session, list[dict[str, str]]], None] | None = None,
 ) -> RefetchProgress:
-    """Select the apps `request` asks for and, if it applies, refetch them, batch by batch.
+    """Select the apps `request` asks for and, if it applies, refetch them, batch by batch,
+    each batch an action of `operator`'s with its record (act; an apply needs one).
     After each committed batch, on_batch(rows, progress) gets the batch's apps ({"appid",
     "status", "outcome"}: the status before, and what happened, or in a dry run what
     --apply would do now, by the same rule). Past `deadline` (on `clock`, checked before
-    each batch but the first) it stops, with progress.complete False. `record(session,
-    rows)`: called in each applied batch's transaction, so what it writes (the web view's
-    record of the action) commits with the change it records."""
+    each batch but the first) it stops, with progress.complete False."""
+    if request.apply and operator is None:
+        raise TypeError("an applied refetch is an operator's action: give the operator")
     progress = RefetchProgress()
     policy = policy or QueuePolicy()
     app_ids, failed, limit = request.app_ids, request.failed, request.limit
     apply, force = request.apply, request.force
     rule = {**policy.sql_params(), "force": force}
+    selection = request.selection()
     if app_ids:
-        lock, selection = REFETCH_LOCK_NAMED, {}
-    elif failed:
-        selection = {"include_non_retryable": request.include_non_retryable}
-        lock = REFETCH_LOCK_FAILED
+        lock = REFETCH_LOCK_NAMED
     else:
-        lock, selection = REFETCH_LOCK_ANALYSED, {}
+        lock = REFETCH_LOCK_FAILED if failed else REFETCH_LOCK_ANALYSED
+    action = "force refetch" if force else "refetch"
 
-    def refetch(session: Session, rows: list[dict[str, str]]) -> list[dict[str, str]]:
-        done = refetch_apps(session, rows, lock, policy, force, **selection)
-        if record is not None:
-            record(session, done)
-        return done
+    def batch(select: Callable[[Session], tuple[Any, list[dict[str, str]]]]) -> tuple[Any, list]:
+        """One batch, one transaction: select(session) reads its rows (and what else the
+        caller wants back) and, if the request applies, they are refetched, recorded."""
+
+        def change(session: Session) -> tuple[tuple[Any, list], ActionRecord | None]:
+            read, rows = select(session)
+            if not (apply and rows):
+                return (read, rows), None
+            rows = refetch_apps(session, rows, lock, policy, force, **selection)
+            return (read, rows), ActionRecord(action, [(r["appid"], r["outcome"]) for r in rows])
+
+        if apply:
+            return act(db, operator, change)
+        return db.transaction(lambda session: change(session)[0])
 
     def out_of_time() -> bool:
         return deadline is not None and progress.batches > 0 and clock() >= deadline
@@ -4549,18 +4796,17 @@ def refetch_in_batches(
     if app_ids or limit is not None:
         if app_ids:
             lowered = [a.lower() for a in app_ids]
-            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered, **rule)[:limit]
-        elif failed:
-            selected = db.records(REFETCH_SELECT_FAILED, limit=limit, **selection, **rule)
+            selected = db.records(REFETCH_SELECT_BY_ID, lowered=lowered, **rule)
         else:
-            selected = db.records(REFETCH_SELECT_ANALYSED, limit=limit, **rule)
+            select = REFETCH_SELECT_FAILED if failed else REFETCH_SELECT_ANALYSED
+            selected = db.records(select, limit=limit + 1, **selection, **rule)
+        progress.more = limit is not None and len(selected) > limit
+        selected = selected[:limit]
         progress.total = len(selected)
         for start in range(0, len(selected), batch_size):
             if out_of_time():
                 return progress
-            rows = selected[start : start + batch_size]
-            if apply:
-                rows = db.transaction(lambda session, rows=rows: refetch(session, rows))
+            _, rows = batch(lambda session, rows=selected[start : start + batch_size]: (None, rows))
             commit(rows, len(rows))
         progress.complete = True
         return progress
@@ -4571,18 +4817,16 @@ def refetch_in_batches(
     after = ""
     while not out_of_time():
 
-        def work(session: Session, after: str = after) -> tuple[list[dict[str, Any]], list]:
+        def read(session: Session, after: str = after) -> tuple[list[dict[str, Any]], list]:
             window = session.records(walk, after=after, batch=batch_size, **selection, **rule)
             rows = [
                 {"appid": r["appid"], "status": r["status"], "outcome": r["outcome"]}
                 for r in window
                 if r["selected"]
             ]
-            if apply and rows:
-                rows = refetch(session, rows)
             return window, rows
 
-        window, rows = db.transaction(work)
+        window, rows = batch(read)
         commit(rows, len(window))
         if len(window) < batch_size:
             progress.complete = True
@@ -5081,29 +5325,27 @@ async def healthz_analyser() -> JSONResponse:
 
 # -- SQL
 
-# A session's id is 256 random bits; the table keeps its SHA-256 only.
-# A sign-in's one write, right token or wrong: the attempt's record and, for the right
-# one, its session. One statement either way, so both are answered after the same work.
-SIGN_IN_RECORD = """
-WITH started AS (
-    INSERT INTO admin_sessions (id_hash, expires, source)
-    SELECT :id_hash, now() + make_interval(hours => :hours), :source WHERE :accepted
-    RETURNING 1
-)
-INSERT INTO operator_actions (actor, source, action)
-VALUES (:actor, :source, CASE WHEN :accepted THEN 'sign-in' ELSE 'sign-in refused' END)
+# A session's id is 256 random bits; the table keeps its SHA-256 only. A refused token
+# starts none (:accepted false), so both are answered after the same work.
+ADMIN_SESSIONS_START = """
+INSERT INTO admin_sessions (id_hash, expires, source)
+SELECT :id_hash, now() + make_interval(hours => :hours), :source WHERE :accepted
 """
 ADMIN_SESSIONS_SELECT_LIVE = """
 SELECT 1 FROM admin_sessions WHERE id_hash = :id_hash AND ended IS NULL AND expires > now()
 """
-ADMIN_SESSIONS_END = "UPDATE admin_sessions SET ended = now() WHERE id_hash = :id_hash"
-# One row per app (or one row, app_id NULL, for an action on no app): the arrays are
-# zipped by unnest.
-OPERATOR_ACTIONS_INSERT = """
-INSERT INTO operator_actions (actor, source, action, app_id, analyser, outcome)
-SELECT :actor, :source, :action, a.app_id, :analyser, a.outcome
-FROM unnest(CAST(:app_ids AS text[]), CAST(:outcomes AS text[])) AS a(app_id, outcome)
+# The sessions it ended (none: it had ended, or expired, already).
+ADMIN_SESSIONS_END = """
+UPDATE admin_sessions SET ended = now()
+WHERE id_hash = :id_hash AND ended IS NULL AND expires > now()
+RETURNING 1
 """
+# The sign-in limit's decision and its record are one: every sign-in from an address
+# first takes this lock on the address, for the rest of its transaction, then counts the
+# refusals committed before it (a statement of its own, whose snapshot is taken after
+# the lock is held), then records itself. Sixteen guesses sent at once are counted one
+# after another, never all against the same count.
+SIGN_IN_LOCK_SOURCE = "SELECT pg_advisory_xact_lock(:lock_class, hashtext(:source))"
 OPERATOR_ACTIONS_REFUSED_SIGN_INS = """
 SELECT count(*) FROM operator_actions
 WHERE action = 'sign-in refused' AND source = :source
@@ -5119,7 +5361,6 @@ ADMIN_SESSION_HOURS = 8
 # answered 429, the right token's included (so the limit says nothing about the token).
 SIGN_IN_WINDOW_MINUTES = 15
 SIGN_IN_REFUSALS_ALLOWED = 10
-BEARER_ACTOR = "bearer token"
 # Every /admin answer, errors included (the error answers add them by path): no other
 # site may frame, embed, script or read these pages, and nothing is cached.
 ADMIN_HEADERS = {
@@ -5171,10 +5412,6 @@ def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
     return id_hash if db.run(ADMIN_SESSIONS_SELECT_LIVE, id_hash=id_hash) else None
 
 
-def end_session(db: SharedConnection, id_hash: bytes) -> None:
-    db.run(ADMIN_SESSIONS_END, id_hash=id_hash)
-
-
 def session_cookie(value: str, secure: bool, max_age: int) -> str:
     """The Set-Cookie value: HttpOnly (no script reads it), SameSite=Strict, only for
     /admin, Secure over https (API Gateway); max_age 0 clears it."""
@@ -5182,67 +5419,19 @@ def session_cookie(value: str, secure: bool, max_age: int) -> str:
     return f"{ADMIN_SESSION_COOKIE}={value}{flags}{'; Secure' if secure else ''}"
 
 
-# -- the record of operator actions
-
-
-@dataclasses.dataclass(frozen=True)
-class Operator:
-    """Who sent an /admin request: a signed-in session (`session`, the hash of its id:
-    its writes must prove they come from the web view's own pages, admin_guard) or the
-    bearer token (session None), and from which address."""
-
-    actor: str
-    source: str
-    session: bytes | None = None
-
-
-def record_actions(
-    db: SharedConnection | Session,
-    operator: Operator,
-    action: str,
-    outcomes: Sequence[tuple[str | None, str | None]] = ((None, None),),
-    analyser: str | None = None,
-) -> None:
-    """Record an operator action: one row per (app, outcome), in the log too."""
-    db.run(
-        OPERATOR_ACTIONS_INSERT,
-        actor=operator.actor,
-        source=operator.source,
-        action=action,
-        app_ids=[app for app, _ in outcomes],
-        outcomes=[outcome for _, outcome in outcomes],
-        analyser=analyser,
-    )
-    logger.info(
-        "operator action",
-        extra={
-            "actor": operator.actor,
-            "source": operator.source,
-            "action": action,
-            "analyser": analyser,
-            "apps": [app for app, _ in outcomes if app is not None][:20],
-            "app_count": sum(app is not None for app, _ in outcomes),
-        },
-    )
-
-
 # -- signing in
+
+
+# The first key of the sign-in limit's advisory locks (SIGN_IN_LOCK_SOURCE): its own space,
+# apart from the ledger runner's one-key lock.
+SIGN_IN_LOCK_CLASS = 26_026
 
 
 def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
     """The cookie for a new session if `token` is the admin token; None if not. Either
-    way the attempt is recorded (SIGN_IN_RECORD). Refused from a source past
-    SIGN_IN_REFUSALS_ALLOWED in the window: 429, before the token is looked at."""
-    (refused,) = db.run(
-        OPERATOR_ACTIONS_REFUSED_SIGN_INS, source=source, minutes=SIGN_IN_WINDOW_MINUTES
-    )[0]
-    if refused >= SIGN_IN_REFUSALS_ALLOWED:
-        raise HTTPException(
-            429,
-            f"too many refused sign-ins from this address; try again within"
-            f" {SIGN_IN_WINDOW_MINUTES} minutes",
-            headers={"Retry-After": str(SIGN_IN_WINDOW_MINUTES * 60)},
-        )
+    way the attempt is recorded, as the operator action it is, in the transaction that
+    decides the limit: from a source past SIGN_IN_REFUSALS_ALLOWED refusals in the
+    window, 429 whatever the token, and nothing is written."""
     import secrets  # at the first sign-in, not at a cold start
 
     try:  # the bearer check: constant-time, either version of a rotating secret
@@ -5258,27 +5447,48 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
     cookie = f"{session_id}.{_session_signature(session_id)}"
     id_hash = _session_hash(session_id)
     actor = session_actor(id_hash) if accepted else "sign-in"
-    db.run(
-        SIGN_IN_RECORD,
-        accepted=accepted,
-        id_hash=id_hash,
-        hours=ADMIN_SESSION_HOURS,
-        source=source,
-        actor=actor,
-    )
-    action = "sign-in" if accepted else "sign-in refused"
-    logger.info("operator action", extra={"actor": actor, "source": source, "action": action})
+
+    def change(session: Session) -> tuple[None, ActionRecord]:
+        session.run(SIGN_IN_LOCK_SOURCE, lock_class=SIGN_IN_LOCK_CLASS, source=source)
+        ((refused,),) = session.run(
+            OPERATOR_ACTIONS_REFUSED_SIGN_INS, source=source, minutes=SIGN_IN_WINDOW_MINUTES
+        )
+        if refused >= SIGN_IN_REFUSALS_ALLOWED:
+            raise HTTPException(
+                429,
+                f"too many refused sign-ins from this address; try again within"
+                f" {SIGN_IN_WINDOW_MINUTES} minutes",
+                headers={"Retry-After": str(SIGN_IN_WINDOW_MINUTES * 60)},
+            )
+        session.run(
+            ADMIN_SESSIONS_START,
+            accepted=accepted,
+            id_hash=id_hash,
+            hours=ADMIN_SESSION_HOURS,
+            source=source,
+        )
+        return None, ActionRecord("sign-in" if accepted else "sign-in refused")
+
+    act(db, Operator(actor, source), change)
     return cookie if accepted else None
 
 
+def sign_out(db: SharedConnection, operator: Operator, cookie: str | None) -> bool:
+    """End the session `cookie` carries, whoever sent the request (a session or the
+    bearer token beside it), and record it; False when it carries no live session (it
+    ended or expired already, or the cookie is not one), and nothing is written."""
+    id_hash = live_session(db, cookie)
+    if id_hash is None:
+        return False
+
+    def change(session: Session) -> tuple[bool, ActionRecord | None]:
+        ended = bool(session.run(ADMIN_SESSIONS_END, id_hash=id_hash))
+        return ended, ActionRecord("sign-out") if ended else None
+
+    return act(db, operator, change)
+
+
 # -- the guard
-
-
-def request_source(request: Request) -> str:
-    """The client's address as the request's own transport gives it (API Gateway's
-    sourceIp under Lambda), not a header a client could set."""
-    source = request.client.host if request.client else "unknown"
-    return source if len(source) <= 100 and PRINTABLE_ASCII.fullmatch(source) else "unknown"
 
 
 def from_own_page(request: Request) -> bool:
@@ -5397,7 +5607,6 @@ def overview(db: SharedConnection, policy: QueuePolicy) -> dict[str, Any]:
 APPS_PAGE_SIZE = 50
 # The bulk refetch acts on at most this many apps per click (the CLI's batch size).
 BULK_REFETCH_LIMIT = REFETCH_BATCH
-APP_FAILURE_REASON = re.compile(r"[a-z_]{1,40}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -5415,9 +5624,9 @@ class AppFilter:
         prefix = (query.get("q") or "").strip().lower()
         if state is not None and state not in APP_STATES:
             raise BadInput(f"state must be one of {', '.join(APP_STATES)}")
-        if reason is not None and not APP_FAILURE_REASON.fullmatch(reason):
+        if reason is not None and not FAILURE_REASON_TEXT.fullmatch(reason):
             raise BadInput("reason must be a failure reason such as app_not_found")
-        if prefix and not (len(prefix) <= 155 and re.fullmatch(r"[a-z0-9.-]+", prefix)):
+        if prefix and not BUNDLE_ID_PREFIX.fullmatch(prefix):
             raise BadInput("q must be the start of a bundle ID: letters, digits, . and -")
         return cls(state=state, reason=reason, prefix=prefix)
 
@@ -5433,8 +5642,8 @@ class AppFilter:
 def apps_page(
     db: SharedConnection, where: AppFilter, after: str = "", limit: int = APPS_PAGE_SIZE
 ) -> dict[str, Any]:
-    """One page of apps matching `where`, after the bundle ID `after` (lower case), and
-    the cursor of the next page (None: this is the last)."""
+    """One page of apps matching `where`, after the sort key `after` (the `next` of the
+    page before), and the cursor of the next page (None: this is the last)."""
 
     def work(session: Session) -> list[dict[str, Any]]:
         # Planned with the filter's values: a generic plan must serve every filter, so it
@@ -5908,11 +6117,12 @@ def _sign_in(request: Request, operator: None, body: bytes) -> Response:
 
 
 def _sign_out(request: Request, operator: Operator, body: bytes) -> Response:
-    if operator.session is not None:
-        end_session(api_connection(), operator.session)
-        record_actions(api_connection(), operator, "sign-out")
+    """Ends the cookie's session, whatever authorised the request (a bearer token sent
+    beside the cookie too); {"signedOut": false} when the cookie carries no live one."""
+    cookie = request.cookies.get(ADMIN_SESSION_COOKIE)
+    ended = sign_out(api_connection(), operator, cookie)
     secure = request.url.scheme == "https"
-    return JSONResponse({"signedOut": True}, headers={"Set-Cookie": session_cookie("", secure, 0)})
+    return JSONResponse({"signedOut": ended}, headers={"Set-Cookie": session_cookie("", secure, 0)})
 
 
 # -- JSON: reading
@@ -5923,18 +6133,22 @@ def _api_status(request: Request, operator: Operator, body: bytes) -> Response:
 
 
 def _api_apps(request: Request, operator: Operator, body: bytes) -> Response:
+    """`after` is the `next` of the page before, taken back as it was given: a position
+    in the sort order (any text: a row older than sql/003 may hold any bundle ID), never
+    checked as a bundle ID."""
     query = dict(request.query_params)
     after = query.get("after") or ""
-    if after and not is_valid_bundle_id(after):
-        raise BadInput("after must be a bundle ID (the `next` of the page before)")
-    page = apps_page(api_connection(), AppFilter.from_query(query), after=after.lower())
+    if "\x00" in after:  # no row can hold it, so no page handed it out
+        raise BadInput("after must be the `next` of the page before")
+    page = apps_page(api_connection(), AppFilter.from_query(query), after=after)
     return JSONResponse({**page, "bulkLimit": BULK_REFETCH_LIMIT})
 
 
 def _api_app(request: Request, operator: Operator, body: bytes, appId: str) -> Response:
-    # Any bundle ID a row may hold, invalid ones from before sql/003 included.
-    if len(appId) > 255 or not PRINTABLE_ASCII.fullmatch(appId):
-        raise BadInput("an app's bundle ID is at most 255 printable ASCII characters")
+    # Any bundle ID a row may hold, invalid ones from before sql/003 included (any text,
+    # "/" too: the route's last parameter takes the rest of the path), as the list gives.
+    if "\x00" in appId:
+        raise BadInput("no app's bundle ID holds a NUL")
     story = app_story(api_connection(), appId, settings().policy)
     if story is None:
         raise HTTPException(404, f"unknown app {appId}")
@@ -5967,14 +6181,17 @@ def _json_object(body: bytes, allowed: set[str]) -> dict[str, Any]:
 
 def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
     """{"appIds": [...]} or {"filter": {"state": "failed", "reason", "q"}}, and "force":
-    the named apps, or the failed apps the filter matches (at most BULK_REFETCH_LIMIT),
-    refetched as `queue-refetch --apply` does, recorded with each batch it commits."""
+    the named apps, or the failed apps the filter matches (at most BULK_REFETCH_LIMIT, the
+    most popular first), refetched as `queue-refetch --apply` does (the filter is its
+    --failed --include-non-retryable --reason --prefix), each batch with its record. The
+    filter is the selection's condition, re-checked on each app under its lock: an app
+    that no longer matches is "skipped". A named app whose bundle ID is not a valid one (a
+    row older than sql/003, as the apps list shows it) is never valid again: "invalid"."""
     require_actions()
     asked = _json_object(body, {"appIds", "filter", "force"})
     force = asked.get("force", False)
     if ("appIds" in asked) == ("filter" in asked) or not isinstance(force, bool):
         raise BadInput('give "appIds" or "filter" (one of them), and "force" true or false')
-    db = api_connection()
     invalid: list[str] = []
     if "filter" in asked:
         where = asked["filter"]
@@ -5989,29 +6206,26 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
                 'a bulk refetch takes a filter of failed apps: {"state": "failed",'
                 ' "reason": text or null, "q": text}'
             )
-        matched = apps_page(db, AppFilter.from_query(where), limit=BULK_REFETCH_LIMIT)
-        # An invalid bundle ID (a row older than sql/003) is never valid again: left.
-        app_ids = [app["appId"] for app in matched["apps"]]
-        invalid = [app_id for app_id in app_ids if not is_valid_bundle_id(app_id)]
-        app_ids = [app_id for app_id in app_ids if is_valid_bundle_id(app_id)]
+        fields = {"failed": True, "include_non_retryable": True, "limit": BULK_REFETCH_LIMIT}
+        fields |= {"reason": where.get("reason") or None, "prefix": where.get("q") or ""}
     else:
         app_ids = asked["appIds"]
         if isinstance(app_ids, list) and len(app_ids) > BULK_REFETCH_LIMIT:
             raise BadInput(f"appIds names at most {BULK_REFETCH_LIMIT} apps a request")
-    request_ = RefetchRequest.checked(REFETCH_EVENT_NAMES, app_ids=app_ids, apply=True, force=force)
-    action = "force refetch" if force else "refetch"
-
-    def record(session: Session, rows: list[dict[str, str]]) -> None:
-        record_actions(session, operator, action, [(r["appid"], r["outcome"]) for r in rows])
-
-    progress, done = RefetchProgress(), []
-    if request_.app_ids:
+        if isinstance(app_ids, list) and all(isinstance(a, str) for a in app_ids):
+            invalid = [a for a in app_ids if not is_valid_bundle_id(a)]
+            app_ids = [a for a in app_ids if a not in invalid]
+        fields = {"app_ids": app_ids}
+    request_ = RefetchRequest.checked(REFETCH_EVENT_NAMES, apply=True, force=force, **fields)
+    done: list[dict[str, str]] = []
+    progress = RefetchProgress()
+    if request_.app_ids or "filter" in asked:
         progress = refetch_in_batches(
-            db,
+            api_connection(),
             request_,
             lambda rows, so_far: done.extend(rows),
+            operator,
             policy=settings().policy,
-            record=record,
         )
     return JSONResponse(
         {
@@ -6019,7 +6233,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
             "outcomes": progress.outcomes,
             "unknown": sorted(set(unknown_app_ids(request_.app_ids, done))),
             "invalid": invalid,
-            "more": "filter" in asked and matched["next"] is not None,
+            "more": progress.more,
         }
     )
 
@@ -6027,8 +6241,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
 def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Response:
     require_actions()
     name = checked_analyser_name(_json_object(body, {"name"}).get("name"))
-    created = add_analyser(api_connection(), name)
-    record_actions(api_connection(), operator, "add analyser", analyser=name)
+    created = add_analyser(api_connection(), operator, name)
     return JSONResponse(created, status_code=201)
 
 
@@ -6036,18 +6249,14 @@ def _api_rotate(request: Request, operator: Operator, body: bytes, name: str) ->
     require_actions()
     name = checked_analyser_name(name)
     seconds = requested_overlap(_parse_json(body, "the body") if body else {})
-    rotated = rotate_analyser(api_connection(), name, seconds)
-    record_actions(api_connection(), operator, "rotate analyser", analyser=name)
-    return JSONResponse(rotated)
+    return JSONResponse(rotate_analyser(api_connection(), operator, name, seconds))
 
 
 def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) -> Response:
     require_actions()
     name = checked_analyser_name(name)
     _json_object(body, set())
-    revoked = revoke_analyser(api_connection(), name)
-    record_actions(api_connection(), operator, "revoke analyser", analyser=name)
-    return JSONResponse(revoked)
+    return JSONResponse(revoke_analyser(api_connection(), operator, name))
 
 
 # -- the route table
@@ -6075,8 +6284,18 @@ ADMIN_ROUTES = (
     ("POST", "/admin/api/analysers/{name}/rotate", _api_rotate, "write"),
     ("POST", "/admin/api/analysers/{name}/revoke", _api_revoke, "write"),
 )
+# A parameter that ends its path takes the rest of it, "/" included: an app's bundle ID,
+# kept from before sql/003, may hold one (its %2F arrives decoded).
 _ADMIN_PATTERNS = tuple(
-    (method, re.compile(re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path) + r"\Z"), work, who)
+    (
+        method,
+        re.compile(
+            re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", re.sub(r"\{(\w+)\}\Z", r"(?P<\1>.+)", path))
+            + r"\Z"
+        ),
+        work,
+        who,
+    )
     for method, path, work, who in ADMIN_ROUTES
 )
 
@@ -6137,6 +6356,7 @@ async def admin(request: Request) -> Response:
         if settings().admin_web == "off":
             raise HTTPException(404, "Not Found")
         work, operator, parameters = await blocking(_admin_route, request)
+        refuse_repeated_query(request)
         body = await _read_body(request) if request.method == "POST" else b""
         response = await blocking(lambda: work(request, operator, body, **parameters))
     except Exception as error:  # noqa: BLE001 - answered as every route's, with the headers
@@ -6595,6 +6815,13 @@ REPORT_TIME_MARGIN_SECONDS = 10
 REPORT_APPS_LISTED = 500
 
 
+def report_operator(context: Any) -> Operator:
+    """Who a report function's action is recorded as: the function, by the request id of
+    the invocation (CloudTrail and the function's log say who invoked it)."""
+    request_id = getattr(context, "aws_request_id", None)
+    return Operator("report function", request_id if isinstance(request_id, str) else "unknown")
+
+
 @logger.inject_lambda_context
 def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     """Scheduled: the queue-status report as one log record plus EMF metrics.
@@ -6629,6 +6856,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
             api_connection(),
             request,
             keep,
+            report_operator(context),
             deadline=time.monotonic() + remaining - REPORT_TIME_MARGIN_SECONDS,
             policy=policy,
         )
@@ -7104,6 +7332,18 @@ def _print_progress(text: str) -> None:
 # -- the commands
 
 
+def cli_operator() -> Operator:
+    """Who a command's action is recorded as: the command line, by user and host."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no login name, no passwd entry (a bare container)
+        user = "unknown"
+    return Operator("command line", f"{user}@{socket.gethostname()}"[:100])
+
+
 def _cli_migrate(args: argparse.Namespace) -> int:
     _local_database(apply=False)
     with closing_owner_connection() as db:
@@ -7211,7 +7451,9 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
             line.update(progress.examined, progress.total, status(progress))
 
     try:
-        progress = refetch_in_batches(api_connection(), request, show, policy=settings().policy)
+        progress = refetch_in_batches(
+            api_connection(), request, show, cli_operator(), policy=settings().policy
+        )
     except BaseException:
         if line is not None and last.batches:
             line.finish(last.examined, last.total, f"stopped: {status(last)}")
@@ -7259,15 +7501,15 @@ def _cli_analysers(args: argparse.Namespace) -> int:
                 print("No named analysers.")
             return 0
         if args.action == "add":
-            created = add_analyser(db, args.name)
+            created = add_analyser(db, cli_operator(), args.name)
             print(f"Added analyser {created['name']}. Its token (shown only now):")
             print(created["token"])
             return 0
         if args.action == "revoke":
-            revoked = revoke_analyser(db, args.name)
+            revoked = revoke_analyser(db, cli_operator(), args.name)
             print(f"Revoked analyser {revoked['name']} at {revoked['revoked']}.")
             return 0
-        rotated = rotate_analyser(db, args.name, overlap_seconds(args.overlap))
+        rotated = rotate_analyser(db, cli_operator(), args.name, overlap_seconds(args.overlap))
         until = rotated["previousTokenValidUntil"]
         print(
             f"Rotated analyser {rotated['name']}; the previous token "
@@ -7378,6 +7620,10 @@ def cli_parser() -> argparse.ArgumentParser:
     refetch.add_argument("--appid", action="append", default=[], help="bundle ID (repeatable)")
     refetch.add_argument("--failed", action="store_true", help="failed apps (retryable)")
     refetch.add_argument("--include-non-retryable", action="store_true")
+    refetch.add_argument("--reason", help="failed apps of this failure reason only (with --failed)")
+    refetch.add_argument(
+        "--prefix", default="", help="apps whose bundle ID starts with this (any letter case)"
+    )
     refetch.add_argument(
         "--limit", type=_positive_int, default=None, help="at most this many (default: no limit)"
     )

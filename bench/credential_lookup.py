@@ -64,7 +64,10 @@ def main() -> int:
         runtime = handler.Runtime(handler.load_settings({"DATABASE_URL": database}))
         db = runtime.api_connection()
         policy = runtime.settings.policy
-        tokens = [handler.add_analyser(db, f"pi-{n}")["token"] for n in range(args.analysers)]
+        bench = handler.Operator("bench", "credential_lookup.py")
+        tokens = [
+            handler.add_analyser(db, bench, f"pi-{n}")["token"] for n in range(args.analysers)
+        ]
         valid, unknown, claims = [], [], []
         for round_number in range(args.rounds):
             token = tokens[round_number % len(tokens)]

@@ -120,9 +120,12 @@ def bench_refetch(server_url: str, count: int) -> dict[str, str]:
 
     def everything(session: handler.Session) -> None:
         policy = handler.QueuePolicy()
-        rule = {**policy.sql_params(), "force": False}
+        selection = handler.RefetchRequest().selection()
+        rule = {**policy.sql_params(), "force": False, **selection}
         rows = session.records(handler.REFETCH_SELECT_ANALYSED, limit=None, **rule)
-        handler.refetch_apps(session, rows, handler.REFETCH_LOCK_ANALYSED, policy, False)
+        handler.refetch_apps(
+            session, rows, handler.REFETCH_LOCK_ANALYSED, policy, False, **selection
+        )
         raise RuntimeError("rolled back on purpose")
 
     try:

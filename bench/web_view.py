@@ -14,7 +14,7 @@
    drops it at the end.
 2. Operator actions, once per database: a year of them in SQL (refetches of random apps,
    sign-ins, refused sign-ins), STORY_ACTIONS more on the app whose story is timed
-   (handler.record_actions), and one bulk refetch through POST /admin/api/refetch (the
+   (handler.act), and one bulk refetch through POST /admin/api/refetch (the
    first 1,000 failed apps of the most common failure reason), timed.
 3. Timed in this process through handler.api, the Lambda entry point, with API Gateway
    (HTTP API, payload 2.0) events and the bearer admin token, ADMIN_WEB=full: medians of
@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 ADMIN_TOKEN = "bench-admin-token"
 UPLOAD_PASSWORD = "bench-upload-password"
 # The synthetic record of a year of operator actions (SQL), and the actions on the app
-# whose story is timed (through handler.record_actions).
+# whose story is timed (through handler.act).
 ACTION_REFETCHES = 100_000
 ACTION_SIGN_INS = 2_000
 STORY_ACTIONS = 120
@@ -198,14 +198,16 @@ def add_actions(handler, sql, story: str, common_reason: str) -> dict[str, float
     sql.run("SELECT setseed(0.5)")
     sql.run(ACTIONS_SQL, count=ACTION_REFETCHES)
     sql.run(SIGN_INS_SQL, count=ACTION_SIGN_INS)
-    operator = handler.Operator(actor="session 0123456789ab", source="203.0.113.9", by_cookie=True)
+    operator = handler.Operator(actor="session 0123456789ab", source="203.0.113.9")
     db = handler.api_connection()
     for i in range(STORY_ACTIONS):
-        action = ("refetch", "force refetch", "sign-in")[i % 3]
-        handler.record_actions(db, operator, action, [(story, "queued")])
+        record = handler.ActionRecord(
+            ("refetch", "force refetch", "sign-in")[i % 3], [(story, "queued")]
+        )
+        handler.act(db, operator, lambda session, record=record: (None, record))
     say(
         f"   {ACTION_REFETCHES:,} refetches of random apps and {ACTION_SIGN_INS:,} sign-ins"
-        f" (SQL), {STORY_ACTIONS} actions on {story} (handler.record_actions):"
+        f" (SQL), {STORY_ACTIONS} actions on {story} (handler.act):"
         f" {time.perf_counter() - started:.1f} s"
     )
     body = json.dumps({"filter": {"state": "failed", "reason": common_reason}})

@@ -81,6 +81,10 @@ def record_in_ledger(sql, name: str) -> None:
     sql.run("INSERT INTO schema_migrations (filename) VALUES (:f)", f=name)
 
 
+# Who the tests' own operator actions are recorded as.
+TEST_OPERATOR = handler.Operator("tests", "pytest")
+
+
 def refetch_apps(
     db: handler.SharedConnection,
     app_ids: list[str],
@@ -94,7 +98,9 @@ def refetch_apps(
     would)."""
     request = handler.RefetchRequest(app_ids=tuple(app_ids), apply=apply, force=force)
     selected: list[dict[str, str]] = []
-    handler.refetch_in_batches(db, request, lambda rows, _: selected.extend(rows), policy=policy)
+    handler.refetch_in_batches(
+        db, request, lambda rows, _: selected.extend(rows), TEST_OPERATOR, policy=policy
+    )
     return selected
 
 

@@ -21,7 +21,7 @@ import pytest
 from kit import ADMIN, configure_service
 
 import handler
-from helpers import Outcome, database_at, race, races
+from helpers import TEST_OPERATOR, Outcome, database_at, race, races
 from live import serving
 
 NAME = "pi-race"
@@ -105,10 +105,11 @@ def final_state(sql, name: str, tokens: dict[str, str | None]):
 
 def call(db: handler.SharedConnection, operation: str, name: str = NAME) -> dict:
     if operation == "add":
-        return handler.add_analyser(db, name)
+        return handler.add_analyser(db, TEST_OPERATOR, name)
     if operation == "revoke":
-        return handler.revoke_analyser(db, name)
-    return handler.rotate_analyser(db, name, 3600 if operation == "rotate-overlap" else 0)
+        return handler.revoke_analyser(db, TEST_OPERATOR, name)
+    overlap = 3600 if operation == "rotate-overlap" else 0
+    return handler.rotate_analyser(db, TEST_OPERATOR, name, overlap)
 
 
 REFUSALS = {

@@ -224,11 +224,9 @@ def test_batches_refetch_exactly_the_apps_one_read_selects(
     for n, state in enumerate(states):
         status, retryable = (state, True) if state != "failed-final" else ("failed", False)
         insert_app(sql, f"gen.{n:03d}", status=status, retryable=retryable, version=4)
-    rule = {"force": False, "timeout_minutes": 120}
+    rule = {"force": False, "timeout_minutes": 120, **handler.RefetchRequest().selection()}
     if failed:
-        oracle = sql.run(
-            handler.REFETCH_SELECT_FAILED, include_non_retryable=False, limit=limit, **rule
-        )
+        oracle = sql.run(handler.REFETCH_SELECT_FAILED, limit=limit, **rule)
     else:
         oracle = sql.run(handler.REFETCH_SELECT_ANALYSED, limit=limit, **rule)
     expected = [{"appid": appid, "status": status} for appid, status, _ in oracle]
@@ -242,6 +240,7 @@ def test_batches_refetch_exactly_the_apps_one_read_selects(
         handler.api_connection(),
         handler.RefetchRequest(failed=failed, limit=limit, apply=True),
         lambda rows, _: seen.extend(rows),
+        handler.Operator("test", "tests"),
         batch_size=batch,
     )
     # Only analysed or failed apps are selected, never one under a lease: each is queued.

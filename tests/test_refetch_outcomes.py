@@ -16,7 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import handler
-from helpers import LambdaContext, app_row, connect, insert_app, minutes_ago, run_cli
+from helpers import (
+    TEST_OPERATOR,
+    LambdaContext,
+    app_row,
+    connect,
+    insert_app,
+    minutes_ago,
+    run_cli,
+)
 
 PER_EXAMPLE = settings(
     max_examples=40,
@@ -78,6 +86,7 @@ def refetch(mode: str, apply: bool, force: bool) -> tuple[list[dict], handler.Re
         handler.api_connection(),
         request,
         lambda batch, _: rows.extend(batch),
+        TEST_OPERATOR,
         policy=handler.settings().policy,
     )
     return rows, progress
