@@ -72,7 +72,7 @@ def test_the_web_view_dispatcher_takes_every_admin_path_and_only_those():
         for route in handler.app.routes
         if isinstance(route, APIRoute) and route.endpoint is handler.admin
     }
-    assert mounted == {"/admin", "/admin/{rest:path}"}
+    assert mounted == {"/admin", "/admin/{rest:any_path}"}
     assert all(path == "/admin" or path.startswith("/admin/") for _, path in admin_routes())
     assert not any(path.startswith("/admin") for _, path in code_routes())
 

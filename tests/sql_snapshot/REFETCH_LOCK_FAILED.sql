@@ -7,6 +7,8 @@ SELECT appid, status, CASE
     ELSE 'queued'
 END AS outcome FROM apps
 WHERE appid = ANY(CAST(:appids AS text[])) AND (status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id')
+  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
+  AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
+                         AND lower(appid) COLLATE "C" < :prefix_end))
 ORDER BY appid
 FOR UPDATE

@@ -7,5 +7,7 @@ SELECT appid, status, CASE
     ELSE 'queued'
 END AS outcome FROM apps WHERE status = 'failed' AND (failure_retryable OR :include_non_retryable)
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
+  AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
+                         AND lower(appid) COLLATE "C" < :prefix_end)
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit

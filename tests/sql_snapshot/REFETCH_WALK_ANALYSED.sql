@@ -1,5 +1,6 @@
 
-SELECT appid, status, (status = 'analysed') AS selected, CASE
+SELECT appid, status, (status = 'analysed' AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
+                         AND lower(appid) COLLATE "C" < :prefix_end)) AS selected, CASE
     WHEN status = 'processing' AND :force THEN 'lease_broken'
     WHEN status = 'processing' AND NOT (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0)))

@@ -1,0 +1,1 @@
+SELECT EXISTS (SELECT 1 FROM operator_actions WHERE act = CAST(:act AS uuid))
