@@ -7415,6 +7415,10 @@ def _bulk_refetch_confirmed(args: argparse.Namespace) -> bool:
         return True
     which = "failed app" if args.failed else "analysed app"
     scope = f"up to {args.limit} of the most popular {which}s" if args.limit else f"every {which}"
+    if args.reason:
+        scope += f" of reason {args.reason}"
+    if args.prefix:
+        scope += f" whose bundle ID starts {args.prefix}"
     question = f"queue-refetch --apply without --appid re-queues {scope}."
     if sys.stdin.isatty() and sys.stderr.isatty():
         sys.stderr.write(f"{question} Go on? [y/N] ")

@@ -155,6 +155,32 @@ def insert_app(
     )
 
 
+# The states arrange() makes an app in.
+ARRANGED_STATES = ("queued", "live lease", "expired lease", "analysed", "failed", "failed for good")
+
+
+def arrange(sql, appid: str, state: str, reviews: int = 1) -> None:
+    """An app in one of ARRANGED_STATES, of `reviews` popularity."""
+    if state == "live lease":
+        insert_app(sql, appid, status="processing", processing_started=minutes_ago(5))
+    elif state == "expired lease":
+        insert_app(sql, appid, status="processing", processing_started=minutes_ago(500))
+    elif state == "analysed":
+        insert_app(sql, appid, status="analysed", version=4, analysed=minutes_ago(60 * 24))
+    elif state == "failed":
+        insert_app(sql, appid, status="failed", retryable=True, version=4)
+    elif state == "failed for good":
+        insert_app(sql, appid, status="failed", retryable=False, reason="paid_app", version=4)
+    else:
+        insert_app(sql, appid)
+    sql.run(
+        "UPDATE apps SET details = details || jsonb_build_object('reviews', CAST(:r AS text))"
+        " WHERE appid = :a",
+        r=str(reviews),
+        a=appid,
+    )
+
+
 def app_row(sql, appid: str) -> dict:
     columns = [
         "appid",

@@ -173,72 +173,80 @@ def test_an_operator_action_and_its_record_commit_together_or_not_at_all(walked,
 
 class Faults:
     """Counts the service's units of database work (every SharedConnection.transaction
-    and autocommit: run and records go through it) and makes the `fail_at`-th find the
+    and autocommit: run and records go through it) and makes the `armed`-th find the
     database gone, as a connection lost twice over would."""
 
     def __init__(self, monkeypatch):
-        self.count, self.fail_at = 0, 0
+        self.seen, self.armed = 0, 0
         for name in ("transaction", "autocommit"):
             real = getattr(handler.SharedConnection, name)
             monkeypatch.setattr(handler.SharedConnection, name, self._unit(real))
 
     def _unit(self, real: Callable) -> Callable:
         def unit(connection, work):
-            self.count += 1
-            if self.count == self.fail_at:
+            self.seen += 1
+            if self.seen == self.armed:
                 raise handler.DatabaseUnavailable("the walk: the database went away")
             return real(connection, work)
 
         return unit
 
-    def arm(self, fail_at: int) -> None:
-        self.count, self.fail_at = 0, fail_at
-
-
-def walk_with_the_database_lost(walk: Walk, faults: Faults) -> list[str]:
-    problems = []
-    for label in walk.labels:
-        unit = 1
-        while True:
-            call, before = walk.call(label)
-            faults.arm(unit)
-            answer = send(call)
-            reached = faults.count >= unit
-            faults.arm(0)
-            if answer["statusCode"] >= 500 and requests_own(everything(walk.sql)) != requests_own(
-                before
-            ):
-                problems.append(f"{label}: 5xx after unit {unit} failed, yet it changed")
-            if not reached:
-                break
-            unit += 1
-    return problems
-
-
-def test_a_request_answered_5xx_changed_nothing(walked, monkeypatch):
-    assert walk_with_the_database_lost(walked, Faults(monkeypatch)) == []
+    def arm(self, armed: int) -> None:
+        self.seen, self.armed = 0, armed
 
 
 class LostCommitReplies:
-    """The `lose`-th COMMIT a request sends commits, then its reply is lost: the
+    """The `armed`-th COMMIT a request sends commits, then its reply is lost: the
     connection breaks, as a network would break it after the server committed."""
 
     def __init__(self, monkeypatch):
-        self.commits, self.lose = 0, 0
+        self.seen, self.armed = 0, 0
         real = handler.Session.execute
 
         def execute(session, sql):
             real(session, sql)
             if sql == "COMMIT":
-                self.commits += 1
-                if self.commits == self.lose:
+                self.seen += 1
+                if self.seen == self.armed:
                     session.close()
                     raise pg8000.native.InterfaceError("the walk: the COMMIT's reply was lost")
 
         monkeypatch.setattr(handler.Session, "execute", execute)
 
-    def arm(self, lose: int) -> None:
-        self.commits, self.lose = 0, lose
+    def arm(self, armed: int) -> None:
+        self.seen, self.armed = 0, armed
+
+
+def each_fault(walk: Walk, label: str, fault: Faults | LostCommitReplies) -> Iterator[tuple]:
+    """The call of `label` on a fresh database, sent with the fault at its first unit,
+    then its second, ..., until it ends before the fault's turn: (the unit, the answer,
+    the rows before it, the records before it)."""
+    unit = 1
+    while True:
+        call, before = walk.call(label)
+        written = records(walk.sql)
+        fault.arm(unit)
+        answer = send(call)
+        reached = fault.seen >= unit
+        fault.arm(0)
+        yield unit, answer, before, written
+        if not reached:
+            return
+        unit += 1
+
+
+def walk_with_the_database_lost(walk: Walk, faults: Faults) -> list[str]:
+    problems = []
+    for label in walk.labels:
+        for unit, answer, before, _ in each_fault(walk, label, faults):
+            now = requests_own(everything(walk.sql))
+            if answer["statusCode"] >= 500 and now != requests_own(before):
+                problems.append(f"{label}: 5xx after unit {unit} failed, yet it changed")
+    return problems
+
+
+def test_a_request_answered_5xx_changed_nothing(walked, monkeypatch):
+    assert walk_with_the_database_lost(walked, Faults(monkeypatch)) == []
 
 
 def walk_with_commit_replies_lost(walk: Walk, lost: LostCommitReplies) -> list[str]:
@@ -248,22 +256,11 @@ def walk_with_commit_replies_lost(walk: Walk, lost: LostCommitReplies) -> list[s
         if not operator_write(call):
             continue
         written = records(walk.sql)
-        lost.arm(0)
         expected = send(call)["statusCode"], records(walk.sql) - written
-        commit = 1
-        while True:
-            call, _ = walk.call(label)
-            written = records(walk.sql)
-            lost.arm(commit)
-            answer = send(call)
-            reached = lost.commits >= commit
-            lost.arm(0)
+        for commit, answer, _, written in each_fault(walk, label, lost):
             got = answer["statusCode"], records(walk.sql) - written
             if got != expected:
                 problems.append(f"{label}: COMMIT {commit}'s reply lost: {got}, not {expected}")
-            if not reached:
-                break
-            commit += 1
     return problems
 
 

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 import handler
 from helpers import (
+    ARRANGED_STATES,
     TEST_OPERATOR,
     LambdaContext,
     app_row,
+    arrange,
     connect,
-    insert_app,
-    minutes_ago,
     run_cli,
 )
 
@@ -31,28 +31,7 @@ PER_EXAMPLE = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-STATES = ["queued", "live lease", "expired lease", "analysed", "failed", "failed for good"]
-
-
-def arrange(sql, appid: str, state: str, reviews: int = 1) -> None:
-    if state == "live lease":
-        insert_app(sql, appid, status="processing", processing_started=minutes_ago(5))
-    elif state == "expired lease":
-        insert_app(sql, appid, status="processing", processing_started=minutes_ago(500))
-    elif state == "analysed":
-        insert_app(sql, appid, status="analysed", version=4, analysed=minutes_ago(60 * 24))
-    elif state == "failed":
-        insert_app(sql, appid, status="failed", retryable=True, version=4)
-    elif state == "failed for good":
-        insert_app(sql, appid, status="failed", retryable=False, reason="paid_app", version=4)
-    else:
-        insert_app(sql, appid)
-    sql.run(
-        "UPDATE apps SET details = details || jsonb_build_object('reviews', CAST(:r AS text))"
-        " WHERE appid = :a",
-        r=str(reviews),
-        a=appid,
-    )
+STATES = list(ARRANGED_STATES)
 
 
 def empty(sql) -> None:

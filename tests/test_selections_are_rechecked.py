@@ -32,10 +32,9 @@ from hypothesis import strategies as st
 from kit import ADMIN, ROOT, configure_service
 
 import handler
-from helpers import LambdaContext, connect, gateway_event, insert_app, lock_waiters, minutes_ago
+from helpers import ARRANGED_STATES, LambdaContext, arrange, connect, gateway_event, lock_waiters
 
 APPS = ("sel.a", "sel.b", "sel.c", "other.d", "other.e")
-STATES = ("queued", "live lease", "expired lease", "analysed", "failed", "failed paid", "failed")
 MUTATIONS = {
     "untouched": [],
     "deleted": ["DELETE FROM app_analyses WHERE appid = :a", "DELETE FROM apps WHERE appid = :a"],
@@ -57,28 +56,6 @@ MUTATIONS = {
     ],
 }
 LEASE_MINUTES = 120  # PROCESSING_TIMEOUT_MINUTES's default: the live lease is 5 min old
-
-
-def arrange(sql, appid: str, state: str, reviews: int) -> None:
-    if state == "live lease":
-        insert_app(sql, appid, status="processing", processing_started=minutes_ago(5))
-    elif state == "expired lease":
-        insert_app(sql, appid, status="processing", processing_started=minutes_ago(500))
-    elif state == "analysed":
-        insert_app(sql, appid, status="analysed", version=4, analysed=minutes_ago(60 * 24))
-    elif state == "failed":
-        insert_app(sql, appid, status="failed", retryable=True, version=4)
-    elif state == "failed paid":
-        insert_app(sql, appid, status="failed", retryable=False, reason="paid_app", version=4)
-    else:
-        insert_app(sql, appid)
-    sql.run(
-        "UPDATE apps SET details = details || jsonb_build_object('reviews', CAST(:r AS text)),"
-        " analysis_claim_token = CASE WHEN status = 'processing' THEN gen_random_uuid() END"
-        " WHERE appid = :a",
-        r=str(reviews),
-        a=appid,
-    )
 
 
 ROW = (
@@ -337,7 +314,7 @@ def test_a_selection_changed_under_its_apply_gets_what_its_condition_says(
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(
-        states=st.lists(st.sampled_from(STATES), min_size=len(APPS), max_size=len(APPS)),
+        states=st.lists(st.sampled_from(ARRANGED_STATES), min_size=len(APPS), max_size=len(APPS)),
         order=st.permutations(range(len(APPS))),
         mutations=st.lists(
             st.sampled_from(sorted(MUTATIONS)), min_size=len(APPS), max_size=len(APPS)

@@ -526,8 +526,10 @@ def test_refetch_asks_once_then_queues_the_app_and_records_it(serve, tab, sql):
     assert tab.dialogs == ["confirm: Refetch com.example.gone?"]
     assert page.locator("main table").first.locator("td").first.text_content() == "queued"
     actions = cells(page, "Operator actions")
-    assert [row[3:] for row in actions[1:]] == [["refetch", "queued"]]
+    # Newest first: the refetch by this session, then the app's adding by the admin token.
+    assert [row[3:] for row in actions[1:]] == [["refetch", "queued"], ["add app", "queued"]]
     assert actions[1][1].startswith("session ") and actions[1][2] == "127.0.0.1"
+    assert actions[2][1] == "bearer token"
     assert app_row(sql, "com.example.gone")["status"] == "queued"
     assert tab.errors == []
 
