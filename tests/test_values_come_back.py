@@ -24,7 +24,7 @@ import pytest
 from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kit import ADMIN, configure_service
+from kit import ADMIN, UPLOAD_PASSWORD, configure_service
 
 import handler
 from helpers import LambdaContext, gateway_event
@@ -199,3 +199,52 @@ def test_every_value_handed_out_is_taken_back(
             r=revoked,
         )
     assert walk(sql) == []
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(apps=st.lists(st.tuples(st.one_of(VALID_IDS, ODD_IDS), st.integers(0, 10**6)), max_size=8))
+def test_every_app_a_claim_hands_out_takes_its_result(database_url, sql, monkeypatch, apps):
+    """The analysers' side: the bundle ID and the claim token GET /queue hands out are
+    taken back by POST /uploadAnalysis, whatever else the table holds (an old row's bundle
+    ID of any text is never handed out: sql/003 left it failed, for good)."""
+    configure_service(monkeypatch, database_url)
+    sql.run("ALTER TABLE apps DROP CONSTRAINT IF EXISTS apps_appid_valid")
+    sql.run("DELETE FROM app_analyses")
+    sql.run("DELETE FROM apps")
+    for appid, reviews in apps:
+        invalid = not handler.is_valid_bundle_id(appid)
+        sql.run(
+            "INSERT INTO apps (appid, details, status, analysis, analysed, analysisversion,"
+            " failure_reason, failure_retryable)"
+            " SELECT :a, jsonb_build_object('reviews', CAST(:r AS text)),"
+            " CASE WHEN :invalid THEN 'failed' ELSE 'queued' END,"
+            " CASE WHEN :invalid THEN '{\"success\": false}'::jsonb END,"
+            " CASE WHEN :invalid THEN now() END, CASE WHEN :invalid THEN 4 END,"
+            " CASE WHEN :invalid THEN 'invalid_bundle_id' END, CASE WHEN :invalid THEN false END"
+            " ON CONFLICT DO NOTHING",
+            a=appid,
+            r=str(reviews),
+            invalid=invalid,
+        )
+    ((queued,),) = sql.run("SELECT count(*) FROM apps WHERE status = 'queued'")
+    analyser = {"authorization": f"Bearer {UPLOAD_PASSWORD}"}
+    for _ in range(queued + 1):
+        claimed = handler.api(
+            gateway_event("GET", "/queue", "", analyser),
+            LambdaContext("analysis-queue-ApiFunction"),
+        )
+        assert claimed["statusCode"] == 200, claimed
+        if not claimed["body"]:
+            break
+        token = claimed["headers"][handler.CLAIM_TOKEN_HEADER.lower()]
+        headers = {
+            **analyser,
+            "content-type": "application/json",
+            handler.CLAIM_TOKEN_HEADER.lower(): token,
+        }
+        query = urlencode({"appId": claimed["body"], "analysisVersion": "4"})
+        event = gateway_event("POST", "/uploadAnalysis", query, headers, '{"success": true}')
+        stored = handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
+        assert stored["statusCode"] == 200, (claimed["body"], stored)
+    ((left,),) = sql.run("SELECT count(*) FROM apps WHERE status = 'queued'")
+    assert left == 0
