@@ -2175,6 +2175,9 @@ ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
 # Not dots alone: "." and ".." are path segments a browser or proxy folds away, so such an
 # analyser's /analysers/{name} routes could never be reached.
 ANALYSER_NAME = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,64}")
+# A name the table may hold (sql/022's CHECK, dots alone included: an older release, or
+# SQL by hand, may have added one): what rotating and revoking take back.
+STORED_ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-, not dots alone"
 DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -2232,10 +2235,14 @@ def last_ping(db: SharedConnection) -> tuple[float | None, int]:
 # -- named analysers
 
 
-def checked_analyser_name(name: object, refusal: str = "an analyser's name is") -> str:
-    """`name` if it is spelt as ANALYSER_NAME says; else BadInput (400 from a route, exit
-    2 from the CLI): `refusal` and the rule in words."""
-    if not isinstance(name, str) or not ANALYSER_NAME.fullmatch(name):
+def checked_analyser_name(
+    name: object, refusal: str = "an analyser's name is", stored: bool = False
+) -> str:
+    """`name` if it is spelt as ANALYSER_NAME says (with `stored`, for a name given back:
+    as STORED_ANALYSER_NAME says, as the table may hold it); else BadInput (400 from a
+    route, exit 2 from the CLI): `refusal` and the rule in words."""
+    rule = STORED_ANALYSER_NAME if stored else ANALYSER_NAME
+    if not isinstance(name, str) or not rule.fullmatch(name):
         raise BadInput(f"{refusal} {ANALYSER_NAME_WORDS}")
     return name
 
@@ -2264,7 +2271,7 @@ def rotate_analyser(
     db: SharedConnection, operator: Operator, name: str, overlap: int
 ) -> dict[str, Any]:
     """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
-    name, token = checked_analyser_name(name), new_analyser_token()
+    name, token = checked_analyser_name(name, stored=True), new_analyser_token()
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
         rows = session.records(
@@ -2289,7 +2296,7 @@ def rotate_analyser(
 def revoke_analyser(db: SharedConnection, operator: Operator, name: str) -> dict[str, Any]:
     """The analyser's tokens (current and previous) stop working with this commit. One
     revoked already keeps the time it was revoked at, and nothing is recorded again."""
-    name = checked_analyser_name(name)
+    name = checked_analyser_name(name, stored=True)
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
         rows = session.records(REVOKE_ANALYSER, name=name)
@@ -2486,7 +2493,7 @@ def requested_overlap(body: object) -> int:
 
 
 def _analyser_name_param(request: Request) -> str:
-    return checked_analyser_name(request.path_params["name"])
+    return checked_analyser_name(request.path_params["name"], stored=True)
 
 
 @app.post(
@@ -4464,11 +4471,16 @@ ORDER BY app_popularity(details) DESC, added, appid
 # it, which re-checks it on the locked row (REFETCH_LOCK). A filter added later joins it
 # here, and so is re-checked with the rest. :prefix (BUNDLE_ID_STARTS), the start of the
 # bundle ID ('' for any); :reason, one failure reason (NULL for any). An invalid bundle
-# ID is never valid again (apps' CHECK would refuse the UPDATE).
+# ID (a row older than sql/003, kept under its NOT VALID check) is never selected, in
+# whatever state that row is: it is never valid again, and the CHECK would refuse the
+# UPDATE, failing the whole batch (REFETCH_VALID_BUNDLE_ID is that CHECK's condition).
+REFETCH_VALID_BUNDLE_ID = """length(appid) BETWEEN 1 AND 255
+  AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\\.$'"""
 REFETCH_FAILED_ROWS = f"""status = 'failed' AND (failure_retryable OR :include_non_retryable)
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
-  AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND {BUNDLE_ID_STARTS}"""
-REFETCH_ANALYSED_ROWS = f"status = 'analysed' AND {BUNDLE_ID_STARTS}"
+  AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND {BUNDLE_ID_STARTS}
+  AND {REFETCH_VALID_BUNDLE_ID}"""
+REFETCH_ANALYSED_ROWS = f"status = 'analysed' AND {BUNDLE_ID_STARTS} AND {REFETCH_VALID_BUNDLE_ID}"
 REFETCH_SELECT_FAILED = f"""
 SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_FAILED_ROWS}
 ORDER BY app_popularity(details) DESC, added, appid
@@ -4671,8 +4683,14 @@ class RefetchRequest:
             raise BadInput(
                 f"{names['prefix']} must be the start of a bundle ID: letters, digits, . and -"
             )
-        if prefix and app_ids:
-            raise BadInput(f"{names['prefix']} selects by state: not with {names['app_ids']}")
+        by_state = [
+            field for field in ("failed", "include_non_retryable", "reason") if fields.get(field)
+        ]
+        if prefix:
+            by_state.append("prefix")
+        if app_ids and by_state:  # names select the apps: a state filter would be ignored
+            field = names[by_state[0]]
+            raise BadInput(f"{field} selects by state: not with {names['app_ids']}")
         return cls(app_ids=tuple(app_ids), prefix=prefix.strip().lower(), **fields)
 
     def selection(self) -> dict[str, Any]:
@@ -5558,14 +5576,15 @@ def require_actions() -> None:
 
 # Apps in bundle-ID order, byte by byte and in any letter case (apps_bundle_id_order,
 # sql/027; failures of one reason: apps_failed_by_reason, sql/028). A page starts after
-# the last bundle ID of the one before (never OFFSET, which reads every row it skips); a
-# prefix is a range of that order (BUNDLE_ID_STARTS).
+# the last bundle ID of the one before (never OFFSET, which reads every row it skips; the
+# first page has none: NULL, so an old row's empty bundle ID is listed too); a prefix is
+# a range of that order (BUNDLE_ID_STARTS).
 APPS_PAGE = f"""
 SELECT appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason,
        failure_retryable, analysisversion, analysed, processing_started,
        {CLAIM_HOLDER} AS claim_holder, app_popularity(details) AS popularity, added
 FROM apps
-WHERE lower(appid) COLLATE "C" > :after AND {BUNDLE_ID_STARTS}
+WHERE (CAST(:after AS text) IS NULL OR lower(appid) COLLATE "C" > :after) AND {BUNDLE_ID_STARTS}
   AND (CAST(:state AS text) IS NULL OR status = :state)
   AND (CAST(:reason AS text) IS NULL OR status = 'failed' AND failure_reason = :reason)
 ORDER BY lower(appid) COLLATE "C"
@@ -5657,11 +5676,11 @@ class AppFilter:
 
 
 def apps_page(
-    db: SharedConnection, where: AppFilter, after: str = "", limit: int | None = None
+    db: SharedConnection, where: AppFilter, after: str | None = None, limit: int | None = None
 ) -> dict[str, Any]:
     """One page of apps matching `where`, after the sort key `after` (the `next` of the
-    page before), and the cursor of the next page (None: this is the last). `limit`:
-    APPS_PAGE_SIZE unless given."""
+    page before; None: the first page), and the cursor of the next page (None: this is
+    the last). `limit`: APPS_PAGE_SIZE unless given."""
     limit = APPS_PAGE_SIZE if limit is None else limit
 
     def work(session: Session) -> list[dict[str, Any]]:
@@ -5933,7 +5952,7 @@ async function apps() {
   const rows = data.apps.map((a) => [appLink(a.appId), a.status, when(a.failure),
     when(a.analysisVersion), when(a.analysed), when(a.claimedBy)]);
   const next = new URLSearchParams(query);
-  next.set('after', data.next || '');
+  if (data.next !== null) next.set('after', data.next);
   const bulk = [];
   if (full && query.get('state') === 'failed' && data.apps.length) {
     const where = {state: 'failed', reason: query.get('reason') || null, q: query.get('q') || ''};
@@ -5947,7 +5966,7 @@ async function apps() {
   }
   show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk,
     table(['bundle ID', 'state', 'failure', 'version', 'analysed', 'leased to'], rows),
-    data.next ? el('a', {href: '/admin/apps?' + next, id: 'next'}, 'Next page') : null);
+    data.next !== null ? el('a', {href: '/admin/apps?' + next, id: 'next'}, 'Next page') : null);
 }
 
 async function app(id) {
@@ -6047,10 +6066,10 @@ function route() {
     return app(id).catch(failed);
   }
 }
-document.getElementById('sign-out').addEventListener('click', async () => {
-  await fetch('/admin/logout', {method: 'POST', credentials: 'same-origin',
-    headers: {'Content-Type': 'application/json'}, body: '{}'});
-  location.assign('/admin/login');
+// Signed out when the server says so (or finds no session left to end); on an error
+// (503, 403) the page says why and the session stays as it is.
+document.getElementById('sign-out').addEventListener('click', () => {
+  api('/admin/logout', {}).then(() => location.assign('/admin/login')).catch(failed);
 });
 document.addEventListener('visibilitychange', () => {
   if (document.visibilityState === 'visible' && location.pathname === '/admin') {
@@ -6153,11 +6172,11 @@ def _api_status(request: Request, operator: Operator, body: bytes) -> Response:
 
 def _api_apps(request: Request, operator: Operator, body: bytes) -> Response:
     """`after` is the `next` of the page before, taken back as it was given: a position
-    in the sort order (any text: a row older than sql/003 may hold any bundle ID), never
-    checked as a bundle ID."""
+    in the sort order (any text, "" too: a row older than sql/003 may hold any bundle
+    ID), never checked as a bundle ID."""
     query = dict(request.query_params)
-    after = query.get("after") or ""
-    if "\x00" in after:  # no row can hold it, so no page handed it out
+    after = query.get("after")  # absent: the first page; "" is a key (an old row's)
+    if after is not None and "\x00" in after:  # no row holds one, so no page gave it
         raise BadInput("after must be the `next` of the page before")
     page = apps_page(api_connection(), AppFilter.from_query(query), after=after)
     return JSONResponse({**page, "bulkLimit": BULK_REFETCH_LIMIT})
@@ -6266,14 +6285,14 @@ def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Resp
 
 def _api_rotate(request: Request, operator: Operator, body: bytes, name: str) -> Response:
     require_actions()
-    name = checked_analyser_name(name)
+    name = checked_analyser_name(name, stored=True)
     seconds = requested_overlap(_parse_json(body, "the body") if body else {})
     return JSONResponse(rotate_analyser(api_connection(), operator, name, seconds))
 
 
 def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) -> Response:
     require_actions()
-    name = checked_analyser_name(name)
+    name = checked_analyser_name(name, stored=True)
     _json_object(body, set())
     return JSONResponse(revoke_analyser(api_connection(), operator, name))
 
@@ -6303,13 +6322,14 @@ ADMIN_ROUTES = (
     ("POST", "/admin/api/analysers/{name}/rotate", _api_rotate, "write"),
     ("POST", "/admin/api/analysers/{name}/revoke", _api_revoke, "write"),
 )
-# A parameter that ends its path takes the rest of it, "/" included: an app's bundle ID,
-# kept from before sql/003, may hold one (its %2F arrives decoded).
+# A parameter that ends its path takes the rest of it, "/" included, or none of it: an
+# app's bundle ID, kept from before sql/003, may hold one (its %2F arrives decoded), or
+# be empty.
 _ADMIN_PATTERNS = tuple(
     (
         method,
         re.compile(
-            re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", re.sub(r"\{(\w+)\}\Z", r"(?P<\1>(?s:.+))", path))
+            re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", re.sub(r"\{(\w+)\}\Z", r"(?P<\1>(?s:.*))", path))
             + r"\Z"
         ),
         work,
@@ -6403,7 +6423,12 @@ async def admin(request: Request) -> Response:
 
 
 # == HTTP error answers =================================================================
-# What a route's exception is answered with: {"detail": "..."} and its status.
+# What a route's exception is answered with: {"detail": "..."} and its status. No error
+# answer is kept by a cache (NO_STORE): it says what happened to one request, and on an
+# admin route it may say what only an operator may see.
+
+# A 503 that says when to try again, kept by no cache.
+TRY_AGAIN = {**RETRY_AFTER, **NO_STORE}
 
 
 # Every 400 is said one way, as the routes say it: an HTTPException(400, detail), answered
@@ -6411,9 +6436,8 @@ async def admin(request: Request) -> Response:
 # not validate and a value PostgreSQL refused are answered through it.
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
-    return JSONResponse(
-        {"detail": error.detail}, status_code=error.status_code, headers=error.headers
-    )
+    headers = {**(error.headers or {}), **NO_STORE}
+    return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -6450,7 +6474,9 @@ async def _analyser_refused(request: Request, error: AnalyserRefused) -> Respons
 async def _database_down(request: Request, error: DatabaseUnavailable) -> Response:
     logger.warning("database unavailable", extra={"path": request.url.path})
     return JSONResponse(
-        {"detail": "database unavailable, try again shortly"}, status_code=503, headers=RETRY_AFTER
+        {"detail": "database unavailable, try again shortly"},
+        status_code=503,
+        headers=TRY_AGAIN,
     )
 
 
@@ -6462,7 +6488,7 @@ async def _database_error(request: Request, error: pg8000.native.DatabaseError) 
             "database busy", extra={"path": request.url.path, "error": _error_text(error)}
         )
         detail = "the database is busy (a lock or timeout), try again shortly"
-        return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_AFTER)
+        return JSONResponse({"detail": detail}, status_code=503, headers=TRY_AGAIN)
     if state in UNMIGRATED_SQLSTATES:
         logger.warning(
             "database not migrated",
@@ -6472,7 +6498,7 @@ async def _database_error(request: Request, error: pg8000.native.DatabaseError) 
             "the database is not migrated: it lacks a table, column or function this code"
             " uses (GET /healthz names its ledger file)"
         )
-        return JSONResponse({"detail": detail}, status_code=503, headers=RETRY_AFTER)
+        return JSONResponse({"detail": detail}, status_code=503, headers=TRY_AGAIN)
     if state[:2] in VALUE_SQLSTATE_CLASSES:
         logger.error(
             "input check missed a value",
@@ -6492,13 +6518,14 @@ async def _misconfigured(request: Request, error: ConfigError) -> Response:
     return JSONResponse(
         {"detail": "the service is misconfigured; its operators can see why in its logs"},
         status_code=503,
+        headers=NO_STORE,
     )
 
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, error: Exception) -> Response:
     logger.exception("unhandled error", extra={"path": request.url.path})
-    return JSONResponse({"detail": "internal error"}, status_code=500)
+    return JSONResponse({"detail": "internal error"}, status_code=500, headers=NO_STORE)
 
 
 # == Lambda entry points ================================================================
@@ -6535,7 +6562,8 @@ async def deployed_app(scope: dict[str, Any], receive: Callable, send: Callable)
     route is there so that unknown paths get the app's 404, and so does this one). The
     path is the one the app's router matches, after Mangum decoded the request's."""
     if scope["type"] == "http" and scope["path"] == app.openapi_url:
-        await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
+        not_found = JSONResponse({"detail": "Not Found"}, status_code=404, headers=NO_STORE)
+        await not_found(scope, receive, send)
         return
     await app(scope, receive, send)
 

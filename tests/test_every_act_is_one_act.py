@@ -310,6 +310,7 @@ def test_a_repeated_query_parameter_is_refused_on_every_route(walked):
         answer = send(call, query=repeated)
         assert answer["statusCode"] == 400, (call.label, answer)
         assert "appId given more than once" in answer["body"], call.label
+        assert answer["headers"].get("cache-control") == "no-store", call.label  # an error
         assert everything(walked.sql) == before, call.label
 
 

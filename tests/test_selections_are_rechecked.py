@@ -346,3 +346,59 @@ def test_a_selection_changed_under_its_apply_gets_what_its_condition_says(
                 assert state(now) == state(then), (appid, outcome, form, changes)
 
     case()
+
+
+ODD_IDS = ("com.odd.trailing.", "com.odd space", "com.odd\nnewline", "", "..", "ünïcode.app")
+
+
+@pytest.mark.private_database  # drops sql/003's CHECK to write old rows, then puts it back
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+def test_an_old_rows_invalid_bundle_id_is_never_selected(entry, database_url, sql, monkeypatch):
+    """Rows older than sql/003 keep bundle IDs its CHECK refuses (it is NOT VALID: it
+    guards writes only), in any state and with any failure reason. No selection by state
+    takes one: applied, it would fail its batch on the CHECK (a 500, nothing queued), and
+    without the CHECK it would hand out a bundle ID no analyser can upload for."""
+    configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    sql.run("ALTER TABLE apps DROP CONSTRAINT apps_appid_valid")
+    for n, appid in enumerate(ODD_IDS):
+        arrange(sql, appid, ("failed", "failed for good", "analysed")[n % 3], reviews=100 + n)
+    sql.run("UPDATE apps SET failure_reason = 'app_not_found' WHERE status = 'failed'")
+    sql.run(
+        "ALTER TABLE apps ADD CONSTRAINT apps_appid_valid CHECK (length(appid) BETWEEN 1 AND 255"
+        " AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\\.$') NOT VALID"
+    )
+    arrange(sql, "com.valid.failed", "failed", reviews=1)
+    arrange(sql, "com.valid.analysed", "analysed", reviews=1)
+    before = rows(sql)
+    selections = [{"failed": True, "include_non_retryable": True, "reason": None}]
+    if entry != "_api_refetch":
+        selections.append({"failed": False, "include_non_retryable": False, "reason": None})
+    for selection in selections:
+        form = {"app_ids": (), "prefix": "", "limit": None, "force": True, **selection}
+        if entry == "_api_refetch":
+            form["limit"] = handler.BULK_REFETCH_LIMIT
+        assert ENTRIES[entry](form) == Counter({"queued": 1}), form
+    after = rows(sql)
+    for appid in ODD_IDS:
+        assert state(after[appid]) == state(before[appid]), appid
+    assert {after[a]["status"] for a in ("com.valid.failed",)} == {"queued"}
+
+
+@pytest.mark.parametrize("flag", ["--failed", "--include-non-retryable", "--reason", "--prefix"])
+def test_a_state_filter_beside_named_apps_is_refused(flag, database_url, sql, monkeypatch):
+    """Named apps are the selection; a filter by state beside them would be ignored, so
+    it is refused (exit 2, nothing changed), as the report function and the web view
+    refuse it."""
+    configure_service(monkeypatch, database_url)
+    arrange(sql, "com.named.app", "analysed")
+    before = rows(sql)
+    extra = {"--reason": ["app_not_found"], "--prefix": ["com"]}.get(flag, [])
+    args = ["queue-refetch", "--appid", "com.named.app", "--failed", flag, *extra, "--apply"]
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        assert handler.main(list(dict.fromkeys(args))) == 2
+    assert "not with --appid" in printed.getvalue()
+    event = {"command": "queue-refetch", "appIds": ["com.named.app"], "failed": True, "apply": True}
+    with pytest.raises(handler.BadInput, match="not with appIds"):
+        handler.report(event, LambdaContext("analysis-queue-ReportFunction"))
+    assert rows(sql) == before

@@ -33,7 +33,7 @@ import pytest
 from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD
 
 import handler
-from helpers import app_row, insert_app, minutes_ago, run_cli
+from helpers import app_row, connect, insert_app, minutes_ago, run_cli
 from live import free_port
 from queue_status import arrange_every_state
 
@@ -329,6 +329,34 @@ def test_sign_in_takes_the_admin_token_and_refuses_another(serve, tab, sql):
     assert tab.session_cookies() == []
     page.context.add_cookies([{**second, "expires": -1}])
     page.goto(f"{base}/admin")
+    expect(page).to_have_url(f"{base}/admin/login")
+    assert tab.errors == []
+
+
+def test_a_sign_out_the_server_could_not_make_says_so_and_keeps_the_session(
+    serve, tab, sql, database_url
+):
+    """The page is signed out when the server says so: a sign-out answered 503 (its
+    session's row locked past the lock timeout) leaves the page where it was, saying why,
+    and the session still opens the web view."""
+    base = serve(LOCK_TIMEOUT_MS="100")
+    page = tab.page
+    sign_in(tab, base)
+    expect(page.locator("h1")).to_have_text("Overview")
+    holder = connect(database_url)
+    try:
+        holder.run("BEGIN")
+        holder.run("LOCK TABLE admin_sessions IN EXCLUSIVE MODE")  # reads go on; no UPDATE
+        page.get_by_role("button", name="Sign out").click()
+        expect(page.locator(".error")).to_contain_text("try again")
+    finally:
+        holder.run("ROLLBACK")
+        holder.close()
+    expect(page).to_have_url(f"{base}/admin")
+    assert "sign-out" not in [action for action, _ in operator_actions(sql)]
+    page.reload()
+    expect(page.locator("h1")).to_have_text("Overview")  # the session is alive
+    page.get_by_role("button", name="Sign out").click()
     expect(page).to_have_url(f"{base}/admin/login")
     assert tab.errors == []
 

@@ -7,6 +7,7 @@ SELECT appid, status, CASE
     ELSE 'queued'
 END AS outcome FROM apps
 WHERE appid = ANY(CAST(:appids AS text[])) AND (status = 'analysed' AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
-                         AND lower(appid) COLLATE "C" < :prefix_end))
+                         AND lower(appid) COLLATE "C" < :prefix_end) AND length(appid) BETWEEN 1 AND 255
+  AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\.$')
 ORDER BY appid
 FOR UPDATE

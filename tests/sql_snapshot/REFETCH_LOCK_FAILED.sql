@@ -9,6 +9,8 @@ END AS outcome FROM apps
 WHERE appid = ANY(CAST(:appids AS text[])) AND (status = 'failed' AND (failure_retryable OR :include_non_retryable)
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
-                         AND lower(appid) COLLATE "C" < :prefix_end))
+                         AND lower(appid) COLLATE "C" < :prefix_end)
+  AND length(appid) BETWEEN 1 AND 255
+  AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\.$')
 ORDER BY appid
 FOR UPDATE

@@ -6,6 +6,7 @@ SELECT appid, status, CASE
      OR processing_started > now() + make_interval(mins => GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0)))) THEN 'waiting'
     ELSE 'queued'
 END AS outcome FROM apps WHERE status = 'analysed' AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
-                         AND lower(appid) COLLATE "C" < :prefix_end)
+                         AND lower(appid) COLLATE "C" < :prefix_end) AND length(appid) BETWEEN 1 AND 255
+  AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\.$'
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit

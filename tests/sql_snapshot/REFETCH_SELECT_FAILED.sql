@@ -9,5 +9,7 @@ END AS outcome FROM apps WHERE status = 'failed' AND (failure_retryable OR :incl
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
                          AND lower(appid) COLLATE "C" < :prefix_end)
+  AND length(appid) BETWEEN 1 AND 255
+  AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\.$'
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit

@@ -1,6 +1,7 @@
 
 SELECT appid, status, (status = 'analysed' AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
-                         AND lower(appid) COLLATE "C" < :prefix_end)) AS selected, CASE
+                         AND lower(appid) COLLATE "C" < :prefix_end) AND length(appid) BETWEEN 1 AND 255
+  AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\.$') AS selected, CASE
     WHEN status = 'processing' AND :force THEN 'lease_broken'
     WHEN status = 'processing' AND NOT (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0)))
