@@ -1164,15 +1164,21 @@ INSERT INTO operator_actions (actor, source, action, app_id, analyser, outcome, 
 SELECT :actor, :source, :action, a.app_id, :analyser, a.outcome, CAST(:act AS uuid)
 FROM unnest(CAST(:app_ids AS text[]), CAST(:outcomes AS text[])) AS a(app_id, outcome)
 """
-# Whether an action's record committed: asked only when its transaction is tried again
-# after the connection was lost (a sequential read of a table of operator actions, on
-# that rare path alone, needs no index).
+# Every try of an action first takes this lock on the action's id, held to the end of
+# its transaction: a try made after the connection was lost waits for the one before it
+# to end (a COMMIT still under way on the server, past the client's socket timeout),
+# and only then asks whether it committed, by its record (operator_actions_act, sql/030).
+ACT_LOCK = "SELECT pg_advisory_xact_lock(:lock_class, hashtext(:act))"
 OPERATOR_ACTIONS_DONE = (
     "SELECT EXISTS (SELECT 1 FROM operator_actions WHERE act = CAST(:act AS uuid))"
 )
 
 
 # -- acting
+
+# The first key of ACT_LOCK's advisory locks: a space of its own (the ledger runner's is
+# a one-key lock; the sign-in limit's, SIGN_IN_LOCK_CLASS, another).
+ACT_LOCK_CLASS = 11_490
 
 # How a record names whoever sent the admin token (ADMIN_TOKEN), the credential of the
 # admin API and of curl against the web view's JSON.
@@ -1213,13 +1219,17 @@ def act(
     The transaction is tried again on a new connection when the first was lost
     (SharedConnection._attempt). Lost before its COMMIT, the first try rolled back, and
     the change is made afresh. Lost during the COMMIT, the first try may have committed:
-    its record, found by the action's id, says it did, and the answer is that try's, so
-    an action is never done twice (a second rotation would end the first one's overlap;
-    a second add would answer 409 and lose the token)."""
+    the second waits for it to end (ACT_LOCK), its record, found by the action's id, says
+    whether it did, and if so the answer is that try's, so an action is never done twice
+    (a second rotation would end the first one's overlap; a second add would answer 409
+    and lose the token). When no second try can be made (the database still gone), the
+    answer is 503 and the record alone says whether it happened: never the change
+    without it."""
     action_id = str(uuid.uuid4())
     tried: list[tuple[Any, ActionRecord | None]] = []  # each try's answer and record
 
     def work(session: Session) -> Any:
+        session.run(ACT_LOCK, lock_class=ACT_LOCK_CLASS, act=action_id)
         if tried:
             last_result, last_record = tried[-1]
             if last_record is not None:
@@ -1506,6 +1516,9 @@ class GuardedRoute(APIRoute):
             )
         plan = [(name, guard, bearers[0].call) for name, guard, bearers in guards]
         request_name = dependant.request_param_name
+        # The web view's dispatcher applies the query rule itself, once ADMIN_WEB and its
+        # own guard have answered (with the web view's headers): "Web view: routes".
+        own_dispatch = self.path == "/admin" or self.path.startswith("/admin/")
 
         async def handle(request: Request) -> Response:
             values: dict[str, Any] = {request_name: request} if request_name else {}
@@ -1513,7 +1526,8 @@ class GuardedRoute(APIRoute):
                 value = await guard(await bearer(request))
                 if name is not None:
                     values[name] = value
-            refuse_repeated_query(request)
+            if not own_dispatch:
+                refuse_repeated_query(request)
             response = await endpoint(**values)
             if not isinstance(response, Response):
                 raise TypeError(f"{self.path}: the endpoint answered no Response")
@@ -1923,6 +1937,11 @@ def _document(field: str, text: str | None, size: int | None) -> dict[str, Any]:
 # A 503 for database trouble (a lock, a timeout, a lost or read-only server) says when
 # to try again.
 RETRY_AFTER = {"Retry-After": "5"}
+# An answer no cache, anywhere, may keep: every error answer (it says what happened to
+# one request), and every answer only the admin token opens (a token in it, or what only
+# operators see). tests/test_every_act_is_one_act.py walks every route for both.
+NO_STORE = {"Cache-Control": "no-store"}
+TRY_AGAIN = {**RETRY_AFTER, **NO_STORE}
 
 # Lambda refuses a response over 6 MB, counted as the JSON document the runtime sends:
 # the body is a string in it, so every quote and backslash in the body is escaped again
@@ -2469,9 +2488,6 @@ def _analyser_errors(**answers: str) -> dict[str, dict]:
     return responses
 
 
-# An answer only the admin token opens (a token in it, or what only operators see): no
-# cache, anywhere, may keep it. tests/test_every_act_is_one_act.py walks every such route.
-NO_STORE = {"Cache-Control": "no-store"}
 ANALYSER_NAME_PATH = {
     "name": "name",
     "in": "path",
@@ -4676,10 +4692,11 @@ class RefetchRequest:
             isinstance(reason, str) and FAILURE_REASON_TEXT.fullmatch(reason)
         ):
             raise BadInput(f"{names['reason']} must be a failure reason such as app_not_found")
-        prefix = fields.pop("prefix", None) or ""
-        if not isinstance(prefix, str) or not (
-            prefix == "" or BUNDLE_ID_PREFIX.fullmatch(prefix.strip().lower())
-        ):
+        prefix = fields.pop("prefix", None)  # a `false` or `[]` is refused, never "any"
+        prefix = prefix.strip().lower() if isinstance(prefix, str) else prefix
+        if prefix is None:
+            prefix = ""
+        if not isinstance(prefix, str) or not (prefix == "" or BUNDLE_ID_PREFIX.fullmatch(prefix)):
             raise BadInput(
                 f"{names['prefix']} must be the start of a bundle ID: letters, digits, . and -"
             )
@@ -4691,7 +4708,7 @@ class RefetchRequest:
         if app_ids and by_state:  # names select the apps: a state filter would be ignored
             field = names[by_state[0]]
             raise BadInput(f"{field} selects by state: not with {names['app_ids']}")
-        return cls(app_ids=tuple(app_ids), prefix=prefix.strip().lower(), **fields)
+        return cls(app_ids=tuple(app_ids), prefix=prefix, **fields)
 
     def selection(self) -> dict[str, Any]:
         """The parameters of the condition it selects apps by (REFETCH_FAILED_ROWS,
@@ -5337,7 +5354,7 @@ async def healthz() -> JSONResponse:
         body = {"status": readiness.status, "detail": readiness.problem, "version": version}
         if readiness.status == NOT_MIGRATED:
             body["databaseLedger"] = readiness.ledger
-        return JSONResponse(body, status_code=503, headers=RETRY_AFTER)
+        return JSONResponse(body, status_code=503, headers=TRY_AGAIN)
     return JSONResponse({"status": "ok", "version": version})
 
 
@@ -5352,7 +5369,7 @@ async def healthz_analyser() -> JSONResponse:
         "minutesSinceLastPing": None if minutes is None else round(minutes, 1),
         "analysersLastHour": last_hour,
     }
-    return JSONResponse(body, status_code=200 if online else 503)
+    return JSONResponse(body, status_code=200 if online else 503, headers=NO_STORE)
 
 
 # == Web view: sessions and guards ======================================================
@@ -6427,9 +6444,6 @@ async def admin(request: Request) -> Response:
 # answer is kept by a cache (NO_STORE): it says what happened to one request, and on an
 # admin route it may say what only an operator may see.
 
-# A 503 that says when to try again, kept by no cache.
-TRY_AGAIN = {**RETRY_AFTER, **NO_STORE}
-
 
 # Every 400 is said one way, as the routes say it: an HTTPException(400, detail), answered
 # here; a BadInput from the code the routes share with the CLI, a request FastAPI could
@@ -6614,7 +6628,7 @@ def api(event: dict[str, Any], context: Any) -> dict[str, Any]:
     if isinstance(readable, str):
         return {
             "statusCode": 400,
-            "headers": {"content-type": "application/json"},
+            "headers": {"content-type": "application/json", **NO_STORE},
             "body": json.dumps({"detail": readable}),
             "isBase64Encoded": False,
         }

@@ -446,3 +446,16 @@ def test_a_document_claiming_the_services_own_source_is_refused(walked, credenti
     document["analysis_source"] = "trackerscan-ios"  # the analyser's own: stored
     upload.body = json.dumps(document).encode()
     assert send(upload)["statusCode"] == 200
+
+
+@pytest.mark.parametrize(("mode", "status"), [("off", 404), ("full", 401)])
+def test_the_web_views_own_door_answers_before_the_query_rule(
+    mode, status, database_url, monkeypatch
+):
+    """Under /admin the query rule comes after ADMIN_WEB and the route's guard, with the
+    web view's headers: off, every path is 404 as an unknown one; unsigned, 401."""
+    configure_service(monkeypatch, database_url, ADMIN_WEB=mode)
+    repeated = Call("repeated", "GET", "/admin/api/status", {}, {}, None, {str(status)})
+    answer = send(repeated, query="x=1&x=2")
+    assert answer["statusCode"] == status, answer
+    assert answer["headers"]["x-frame-options"] == "DENY"
