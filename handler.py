@@ -1164,11 +1164,12 @@ INSERT INTO operator_actions (actor, source, action, app_id, analyser, outcome, 
 SELECT :actor, :source, :action, a.app_id, :analyser, a.outcome, CAST(:act AS uuid)
 FROM unnest(CAST(:app_ids AS text[]), CAST(:outcomes AS text[])) AS a(app_id, outcome)
 """
-# Every try of an action first takes this lock on the action's id, held to the end of
-# its transaction: a try made after the connection was lost waits for the one before it
-# to end (a COMMIT still under way on the server, past the client's socket timeout),
-# and only then asks whether it committed, by its record (operator_actions_act, sql/030).
-ACT_LOCK = "SELECT pg_advisory_xact_lock(:lock_class, hashtext(:act))"
+# A lock on a key (text) of one class (each user's own: ACT_LOCK_CLASS, SIGN_IN_LOCK_CLASS),
+# held to the end of the transaction. Every try of an action first takes it on the
+# action's id: a try made after the connection was lost waits for the one before it to
+# end (a COMMIT still under way on the server, past the client's socket timeout), and
+# only then asks whether it committed, by its record (operator_actions_act, sql/030).
+XACT_LOCK = "SELECT pg_advisory_xact_lock(:lock_class, hashtext(:key))"
 OPERATOR_ACTIONS_DONE = (
     "SELECT EXISTS (SELECT 1 FROM operator_actions WHERE act = CAST(:act AS uuid))"
 )
@@ -1176,8 +1177,8 @@ OPERATOR_ACTIONS_DONE = (
 
 # -- acting
 
-# The first key of ACT_LOCK's advisory locks: a space of its own (the ledger runner's is
-# a one-key lock; the sign-in limit's, SIGN_IN_LOCK_CLASS, another).
+# XACT_LOCK's class for actions' ids: a space of its own (the ledger runner's lock is a
+# one-key lock; the sign-in limit's class is SIGN_IN_LOCK_CLASS).
 ACT_LOCK_CLASS = 11_490
 
 # How a record names whoever sent the admin token (ADMIN_TOKEN), the credential of the
@@ -1219,7 +1220,7 @@ def act(
     The transaction is tried again on a new connection when the first was lost
     (SharedConnection._attempt). Lost before its COMMIT, the first try rolled back, and
     the change is made afresh. Lost during the COMMIT, the first try may have committed:
-    the second waits for it to end (ACT_LOCK), its record, found by the action's id, says
+    the second waits for it to end (XACT_LOCK), its record, found by the action's id, says
     whether it did, and if so the answer is that try's, so an action is never done twice
     (a second rotation would end the first one's overlap; a second add would answer 409
     and lose the token). When no second try can be made (the database still gone), the
@@ -1229,7 +1230,7 @@ def act(
     tried: list[tuple[Any, ActionRecord | None]] = []  # each try's answer and record
 
     def work(session: Session) -> Any:
-        session.run(ACT_LOCK, lock_class=ACT_LOCK_CLASS, act=action_id)
+        session.run(XACT_LOCK, lock_class=ACT_LOCK_CLASS, key=action_id)
         if tried:
             last_result, last_record = tried[-1]
             if last_record is not None:
@@ -1275,9 +1276,15 @@ def act(
 BUNDLE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*")
 
 
+MAX_BUNDLE_ID_LENGTH = 255
+
+
 def is_valid_bundle_id(value: str) -> bool:
+    """sql/003's rule (its CHECK apps_appid_valid; REFETCH_VALID_BUNDLE_ID in SQL)."""
     return (
-        0 < len(value) <= 255 and BUNDLE_ID.fullmatch(value) is not None and not value.endswith(".")
+        0 < len(value) <= MAX_BUNDLE_ID_LENGTH
+        and BUNDLE_ID.fullmatch(value) is not None
+        and not value.endswith(".")
     )
 
 
@@ -1648,7 +1655,7 @@ def answer_asgi(cycle: HTTPCycle, asgi_app: Callable) -> dict[str, Any]:
 # -- bearer tokens
 
 analyser_bearer = HTTPBearer(auto_error=False, scheme_name="AnalyserPassword")
-# The admin token's security scheme: what only it opens, no cache may keep (NO_STORE).
+# The admin token's security scheme, as the OpenAPI document names it.
 ADMIN_SCHEME = "AdminToken"
 admin_bearer = HTTPBearer(auto_error=False, scheme_name=ADMIN_SCHEME)
 
@@ -4490,8 +4497,8 @@ ORDER BY app_popularity(details) DESC, added, appid
 # ID (a row older than sql/003, kept under its NOT VALID check) is never selected, in
 # whatever state that row is: it is never valid again, and the CHECK would refuse the
 # UPDATE, failing the whole batch (REFETCH_VALID_BUNDLE_ID is that CHECK's condition).
-REFETCH_VALID_BUNDLE_ID = """length(appid) BETWEEN 1 AND 255
-  AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\\.$'"""
+REFETCH_VALID_BUNDLE_ID = f"""length(appid) BETWEEN 1 AND {MAX_BUNDLE_ID_LENGTH}
+  AND appid ~ '^{BUNDLE_ID.pattern}$' AND appid !~ '\\.$'"""
 REFETCH_FAILED_ROWS = f"""status = 'failed' AND (failure_retryable OR :include_non_retryable)
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND {BUNDLE_ID_STARTS}
@@ -4848,20 +4855,22 @@ def refetch_in_batches(
         else:
             select = REFETCH_SELECT_FAILED if failed else REFETCH_SELECT_ANALYSED
 
-            def read(session: Session) -> list[dict[str, Any]]:
+            def read_selection(session: Session) -> list[dict[str, Any]]:
                 # Planned with the filter's values (as the web view's list): one reason's
                 # failures are read through apps_failed_by_reason, not every failed app.
                 session.execute(PLAN_WITH_VALUES)
                 return session.records(select, limit=limit + 1, **selection, **rule)
 
-            selected = db.transaction(read)
+            selected = db.transaction(read_selection)
         progress.more = limit is not None and len(selected) > limit
         selected = selected[:limit]
         progress.total = len(selected)
         for start in range(0, len(selected), batch_size):
             if out_of_time():
                 return progress
-            _, rows = batch(lambda session, rows=selected[start : start + batch_size]: (None, rows))
+            rows = selected[start : start + batch_size]
+            if apply:  # a dry run has read all it needs
+                _, rows = batch(lambda session, rows=rows: (None, rows))
             commit(rows, len(rows))
         progress.complete = True
         return progress
@@ -5395,12 +5404,6 @@ UPDATE admin_sessions SET ended = now()
 WHERE id_hash = :id_hash AND ended IS NULL AND expires > now()
 RETURNING 1
 """
-# The sign-in limit's decision and its record are one: every sign-in from an address
-# first takes this lock on the address, for the rest of its transaction, then counts the
-# refusals committed before it (a statement of its own, whose snapshot is taken after
-# the lock is held), then records itself. Sixteen guesses sent at once are counted one
-# after another, never all against the same count.
-SIGN_IN_LOCK_SOURCE = "SELECT pg_advisory_xact_lock(:lock_class, hashtext(:source))"
 OPERATOR_ACTIONS_REFUSED_SIGN_INS = """
 SELECT count(*) FROM operator_actions
 WHERE action = 'sign-in refused' AND source = :source
@@ -5455,15 +5458,24 @@ def session_actor(id_hash: bytes) -> str:
     return f"session {id_hash.hex()[:12]}"
 
 
-def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
-    """The hash of the session this cookie carries, if its signature holds under the
-    current admin token and it has neither ended nor expired; else None."""
+def signed_session(cookie: str | None) -> bytes | None:
+    """The hash of the session id this cookie carries, if its signature holds under the
+    current admin token (whether that session is live, only the database says); else
+    None."""
     session_id, _, signature = (cookie or "").partition(".")
     if not session_id or len(cookie or "") > 200:
         return None
     if not hmac.compare_digest(signature.encode(), _session_signature(session_id).encode()):
         return None
-    id_hash = _session_hash(session_id)
+    return _session_hash(session_id)
+
+
+def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
+    """The hash of the session this cookie carries, if it is signed (signed_session) and
+    has neither ended nor expired; else None."""
+    id_hash = signed_session(cookie)
+    if id_hash is None:
+        return None
     return id_hash if db.run(ADMIN_SESSIONS_SELECT_LIVE, id_hash=id_hash) else None
 
 
@@ -5477,8 +5489,11 @@ def session_cookie(value: str, secure: bool, max_age: int) -> str:
 # -- signing in
 
 
-# The first key of the sign-in limit's advisory locks (SIGN_IN_LOCK_SOURCE): its own space,
-# apart from the ledger runner's one-key lock.
+# The sign-in limit's decision and its record are one: every sign-in from an address
+# first takes a lock on the address (XACT_LOCK, of this class), for the rest of its
+# transaction, then counts the refusals committed before it (a statement of its own,
+# whose snapshot is taken after the lock is held), then records itself. Sixteen guesses
+# sent at once are counted one after another, never all against the same count.
 SIGN_IN_LOCK_CLASS = 26_026
 
 
@@ -5504,7 +5519,7 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
     actor = session_actor(id_hash) if accepted else "sign-in"
 
     def change(session: Session) -> tuple[None, ActionRecord]:
-        session.run(SIGN_IN_LOCK_SOURCE, lock_class=SIGN_IN_LOCK_CLASS, source=source)
+        session.run(XACT_LOCK, lock_class=SIGN_IN_LOCK_CLASS, key=source)
         ((refused,),) = session.run(
             OPERATOR_ACTIONS_REFUSED_SIGN_INS, source=source, minutes=SIGN_IN_WINDOW_MINUTES
         )
@@ -5531,8 +5546,9 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
 def sign_out(db: SharedConnection, operator: Operator, cookie: str | None) -> bool:
     """End the session `cookie` carries, whoever sent the request (a session or the
     bearer token beside it), and record it; False when it carries no live session (it
-    ended or expired already, or the cookie is not one), and nothing is written."""
-    id_hash = live_session(db, cookie)
+    ended or expired already, or the cookie is not one), and nothing is written. Whether
+    it is live is decided by the one statement that ends it (ADMIN_SESSIONS_END)."""
+    id_hash = signed_session(cookie)
     if id_hash is None:
         return False
 
@@ -6302,14 +6318,12 @@ def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Resp
 
 def _api_rotate(request: Request, operator: Operator, body: bytes, name: str) -> Response:
     require_actions()
-    name = checked_analyser_name(name, stored=True)
     seconds = requested_overlap(_parse_json(body, "the body") if body else {})
     return JSONResponse(rotate_analyser(api_connection(), operator, name, seconds))
 
 
 def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) -> Response:
     require_actions()
-    name = checked_analyser_name(name, stored=True)
     _json_object(body, set())
     return JSONResponse(revoke_analyser(api_connection(), operator, name))
 
