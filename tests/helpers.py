@@ -6,10 +6,14 @@ themselves are in kit.py; the fixtures in conftest.py.)"""
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import http.server
+import io
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -492,7 +496,10 @@ def run_python(code: str, *args: str, env: dict[str, str]) -> subprocess.Complet
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`python3 handler.py ARGS` in its own process with env, as an operator runs it."""
+    """`python3 handler.py ARGS` in its own process with env, as an operator runs it: for
+    what needs a process of its own (a signal, an exit code by signal, the embedded
+    PostgreSQL's lifecycle, a fresh import, a call from a thread). Otherwise call_cli,
+    which answers the same without a second's import."""
     return subprocess.run(
         [sys.executable, str(handler.HERE / "handler.py"), *args],
         env=env,
@@ -501,6 +508,62 @@ def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
         text=True,
         timeout=60,
         check=False,
+    )
+
+
+# main() installs these; call_cli puts back the test process's own after each call.
+CLI_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def call_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """handler.main(ARGS) in this process, answering as run_cli does (exit code, stdout,
+    stderr): os.environ is exactly env and the working directory the repository's for the
+    call, sys.argv handler.py's, stdin empty (not a terminal), stdout and stderr captured
+    (the logger's lines too: handler's logger writes to sys.stderr as it is at each
+    write), a SystemExit's code the exit code. Afterwards the environment, directory,
+    argv, the SIGTERM and SIGHUP handlers main() installed and Powertools' parameter cache
+    are as before, and the service's Runtime is built again at its next use. It needs a
+    database named (DATABASE_URL or DB_HOST in env: without one, serve and invoke would
+    start the embedded PostgreSQL in this process) and the main thread (signal handlers
+    are set there only): otherwise, run_cli."""
+    from aws_lambda_powertools.utilities import parameters
+
+    assert threading.current_thread() is threading.main_thread(), "call_cli: use run_cli"
+    assert env.get("DATABASE_URL") or env.get("DB_HOST"), "no database named: use run_cli"
+    saved_env, saved_cwd, saved_argv, saved_stdin = (
+        dict(os.environ),
+        os.getcwd(),
+        sys.argv,
+        sys.stdin,
+    )
+    saved_signals = {number: signal.getsignal(number) for number in CLI_SIGNALS}
+    out, err = io.StringIO(), io.StringIO()
+    parameters.clear_caches()  # a new process has read no secret yet
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        os.chdir(handler.HERE)
+        sys.argv, sys.stdin = [str(handler.HERE / "handler.py"), *args], io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = handler.main(list(args))
+            except SystemExit as exit_:
+                if exit_.code is None or isinstance(exit_.code, int):
+                    code = exit_.code or 0
+                else:  # sys.exit("text"): Python prints it and exits 1
+                    print(exit_.code, file=sys.stderr)
+                    code = 1
+    finally:
+        handler.use_runtime(None)
+        parameters.clear_caches()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv, sys.stdin = saved_argv, saved_stdin
+        for number, previous in saved_signals.items():
+            signal.signal(number, previous)
+    return subprocess.CompletedProcess(
+        [sys.executable, "handler.py", *args], code, out.getvalue(), err.getvalue()
     )
 
 

@@ -15,11 +15,11 @@ import handler
 from helpers import (
     LambdaContext,
     app_row,
+    call_cli,
     insert_app,
     json_lines,
     load_event,
     refetch_apps,
-    run_cli,
 )
 
 ANALYSER_ROUTES = [
@@ -63,7 +63,7 @@ def identity(sql, appid: str) -> dict:
 
 
 def cli(database_url: str, *args: str) -> subprocess.CompletedProcess:
-    return run_cli(*args, env={**os.environ, "DATABASE_URL": database_url})
+    return call_cli(*args, env={**os.environ, "DATABASE_URL": database_url})
 
 
 # --- managing credentials --------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The CLI as operators and the analyser hosts run it: a real process, a real database."""
+"""The CLI as operators and the analyser hosts run it, on a real database: handler.main
+in this process (helpers.call_cli), answering as `python3 handler.py` does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import pytest
 
 import handler
-from helpers import app_row, connect, days_ago, history, insert_app, minutes_ago, run_cli
+from helpers import app_row, call_cli, connect, days_ago, history, insert_app, minutes_ago
 from queue_status import arrange_every_state, assert_the_status_of_every_state
 
 
@@ -17,7 +18,7 @@ def cli(database_url: str, *args: str, unset=(), **extra: str) -> subprocess.Com
     env = {**os.environ, "DATABASE_URL": database_url, **extra}
     for name in unset:
         env.pop(name, None)
-    return run_cli(*args, env=env)
+    return call_cli(*args, env=env)
 
 
 def test_refetch_one_app_for_exact_app_mode(database_url, sql):

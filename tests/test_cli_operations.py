@@ -31,6 +31,7 @@ from helpers import (
     UNREACHABLE_DATABASE,
     LambdaContext,
     app_row,
+    call_cli,
     cfn_event,
     connect,
     env_json,
@@ -39,13 +40,12 @@ from helpers import (
     invoke_migrate,
     migrate,
     output_records,
-    run_cli,
     table_digest,
 )
 
 
 def cli(url: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
-    return run_cli(*args, env={**os.environ, "DATABASE_URL": url, **extra})
+    return call_cli(*args, env={**os.environ, "DATABASE_URL": url, **extra})
 
 
 def analysed_apps(sql, count: int, prefix: str = "bulk") -> None:

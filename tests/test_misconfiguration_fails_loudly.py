@@ -15,7 +15,15 @@ import pytest
 from kit import configure_service
 
 import handler
-from helpers import LambdaContext, ResponseURL, cfn_event, load_event, output_records, run_cli
+from helpers import (
+    LambdaContext,
+    ResponseURL,
+    call_cli,
+    cfn_event,
+    load_event,
+    output_records,
+    run_cli,
+)
 from live import free_port
 
 # (variable, bad value, what the message must say)
@@ -65,7 +73,7 @@ def test_serve_refuses_to_start(database_url, name, value, message):
 def test_cli_commands_refuse_to_start(database_url):
     env = {**os.environ, "DATABASE_URL": database_url, "STALE_ANALYSIS_DAYS": "0"}
     for args in (("queue-status",), ("priority-report",), ("queue-refetch",), ("migrate",)):
-        out = run_cli(*args, env=env)
+        out = call_cli(*args, env=env)
         assert out.returncode == 1, (args, out.stdout)
         assert "error: misconfigured: STALE_ANALYSIS_DAYS must be at least 1" in out.stderr
         assert out.stdout == ""
@@ -73,7 +81,7 @@ def test_cli_commands_refuse_to_start(database_url):
 
 def test_cli_names_a_missing_secret_id(database_url):
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DB_SECRET_ID")}
-    out = run_cli("queue-status", env={**env, "DB_HOST": "db.example.internal"})
+    out = call_cli("queue-status", env={**env, "DB_HOST": "db.example.internal"})
     assert out.returncode == 1
     assert "error: misconfigured: DB_SECRET_ID" in out.stderr
 

@@ -21,12 +21,12 @@ import legacy
 from helpers import (
     LambdaContext,
     app_row,
+    call_cli,
     connect,
     days_ago,
     insert_app,
     load_event,
     migrate,
-    run_cli,
     table_digest,
 )
 
@@ -273,7 +273,7 @@ def test_the_cli_refetch_records_the_source_or_legacy(database_url, sql, source)
         analysed=days_ago(1),
         analysis=analysis_with(source),
     )
-    done = run_cli(
+    done = call_cli(
         "queue-refetch",
         "--appid=com.example.app",
         "--apply",

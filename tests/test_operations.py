@@ -19,13 +19,13 @@ from mangum import Mangum
 import handler
 from helpers import (
     LambdaContext,
+    call_cli,
     days_ago,
     gateway_event,
     insert_app,
     invoke_api,
     json_answer,
     minutes_ago,
-    run_cli,
     run_python,
 )
 from queue_status import QUEUE_STATUS_KEYS
@@ -173,7 +173,7 @@ def _keys(value):
 
 def _status_json(database_url: str) -> dict:
     env = {**os.environ, "DATABASE_URL": database_url}
-    done = run_cli("queue-status", "--json", env=env)
+    done = call_cli("queue-status", "--json", env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

@@ -20,11 +20,11 @@ import handler
 from helpers import (
     LambdaContext,
     app_row,
+    call_cli,
     days_ago,
     history,
     insert_app,
     refetch_apps,
-    run_cli,
     table_digest,
 )
 from live import LiveServer
@@ -292,7 +292,7 @@ def test_cli_numbers_out_of_range_are_one_usage_error(tmp_path):
         ("priority-report", "--limit", "99999999999999999999"),
         ("queue-status", "--top", "0"),
     ):
-        done = run_cli(*args, env={"DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
+        done = call_cli(*args, env={"DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
         assert done.returncode == 2, args
         assert "Traceback" not in done.stderr, args
         assert done.stderr.splitlines()[-1].startswith("handler.py"), done.stderr

@@ -22,8 +22,8 @@ from helpers import (
     LambdaContext,
     app_row,
     arrange,
+    call_cli,
     connect,
-    run_cli,
 )
 
 PER_EXAMPLE = settings(
@@ -103,7 +103,7 @@ def test_the_dry_run_says_what_apply_does(database_url, sql, states, mode, force
 
 
 def cli(url: str, *args: str):
-    return run_cli(*args, env={**os.environ, "DATABASE_URL": url})
+    return call_cli(*args, env={**os.environ, "DATABASE_URL": url})
 
 
 @pytest.mark.parametrize("force", [False, True])
