@@ -2,14 +2,18 @@
 (built from the route and its OpenAPI document: its path parameters, its required query
 parameters, a body of its documented media type, each credential its security takes) and
 every route of the web view's own table (handler.ADMIN_ROUTES). The walks of tests/
-test_serve_routes.py and tests/test_every_act_is_one_act.py send them, so a route added
-later is walked the day it is added; one the builder cannot make a request for raises
-CannotBuild."""
+test_serve_routes.py, tests/test_lambda_runtime.py (Python 3.12, the built package) and
+tests/test_every_act_is_one_act.py send them, so a route added later is walked the day it
+is added; one the builder cannot make a request for raises CannotBuild. A walk fails on
+a 5xx, a 401 or a status the route does not document, and on an error a framework or
+the service logs, even after the answer began (ErrorLogs): one that runs after a 200 was
+sent (a background task's) is seen only there."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI
@@ -20,6 +24,38 @@ import handler
 
 APP_ID = "com.example.walk"
 NAMED = "walk-named"
+
+
+# Where the frameworks and the service log an error: Mangum's run of a request, uvicorn
+# and Starlette (beside the root, which a logger that propagates reaches), the service's
+# Powertools logger.
+LOGGERS = ("", "mangum", "uvicorn", "uvicorn.error", "starlette", "fastapi", "analysis-queue")
+
+
+class ErrorLogs(logging.Handler):
+    """Every record at ERROR or above logged while it is open, by any of LOGGERS."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not any(seen is record for seen in self.records):  # one logger's, then its parent's
+            self.records.append(record)
+
+    def take(self) -> list[str]:
+        """The messages logged since the last take, each with its logger's name."""
+        taken, self.records = self.records, []
+        return [f"{record.name} logged {record.getMessage()[:200]!r}" for record in taken]
+
+    def __enter__(self) -> ErrorLogs:
+        for name in LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in LOGGERS:
+            logging.getLogger(name).removeHandler(self)
 
 
 class CannotBuild(Exception):
@@ -36,6 +72,13 @@ class Call:
     body: bytes | None
     documented: set[str]  # the statuses the route's OpenAPI document lists
     static: bool = False  # an answer of fixed text: no database work to look for
+
+
+def status_problem(call: Call, status: int, text: str) -> list[str]:
+    """A 5xx, a 401 or a status the call's route does not document, as a problem line."""
+    if status >= 500 or status == 401 or str(status) not in call.documented:
+        return [f"{call.label}: answered {status} {text[:200]}"]
+    return []
 
 
 def admin_calls(values: Values) -> list[Call]:

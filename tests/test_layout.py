@@ -6,6 +6,7 @@ most 500 lines, its SQL at its head (each statement in the chapter of its first 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import re
 
 from kit import ROOT
@@ -366,3 +367,99 @@ def test_no_test_module_imports_another():
         if module.split(".")[0].startswith("test_")
     ]
     assert importing == []
+
+
+# --- the seams: where a framework is reached past its public API ------------------------
+
+SEAMS_PART = "# -- seams: the frameworks reached past their public API"
+
+
+def seams_lines(source: str = SOURCE) -> range:
+    """The lines of the HTTP scaffolding's seams part: its `# -- ` line to the next part's."""
+    lines = source.splitlines()
+    start = lines.index(SEAMS_PART) + 1
+    end = next(
+        number
+        for number, line in enumerate(lines[start:], start=start + 1)
+        if PART.match(line) or BANNER.match(line)
+    )
+    return range(start, end)
+
+
+def own_names(module: ast.Module) -> set[str]:
+    """Every name handler.py defines: functions, classes, and attributes it assigns."""
+    names = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def private_names_reached(source: str, allowed: range) -> list[str]:
+    """`module._name`, `object._name` or `from module._part import ...` outside `allowed`
+    (lines), where _name is not one of the file's own: a private name of the standard
+    library or of a dependency."""
+    module = ast.parse(source)
+    own = own_names(module)
+    found = []
+    for node in ast.walk(module):
+        if getattr(node, "lineno", None) in allowed:
+            continue
+        names = []
+        if isinstance(node, ast.Attribute) and node.attr not in own:
+            names.append(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            names += [*(node.module or "").split("."), *(alias.name for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names += [part for alias in node.names for part in alias.name.split(".")]
+        found += [
+            f"{node.lineno}: {name}"
+            for name in names
+            if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+        ]
+    return found
+
+
+def test_no_private_name_of_a_dependency_outside_the_seams():
+    assert private_names_reached(SOURCE, seams_lines()) == []
+
+
+def test_a_private_name_reached_outside_the_seams_is_caught():
+    source = """
+import asyncio
+from uvicorn.protocols.http import _helpers
+from starlette.routing import _private
+
+class Mine:
+    def _own(self):
+        self._state = asyncio._get_running_loop()
+        return self._own, self._state
+"""
+    assert private_names_reached(source, range(0)) == [
+        "3: _helpers",
+        "4: _private",
+        "8: _get_running_loop",
+    ]
+    assert private_names_reached(source, range(3, 9)) == []
+
+
+def pins() -> dict[str, str]:
+    """Every `name==version` of the service's lock and the tests' requirements."""
+    text = (ROOT / "requirements.lock").read_text() + (ROOT / "tests/requirements.txt").read_text()
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s;\\]+)", text, re.MULTILINE))
+
+
+def test_the_seams_were_checked_against_the_pinned_versions():
+    """handler.SEAMS_CHECKED_AGAINST names the versions the seams part was read against:
+    a pin or an install of another version fails here, so an upgrade rereads the seams
+    (and changes SEAMS_CHECKED_AGAINST) on purpose."""
+    import handler
+
+    pinned = pins()
+    for name, checked in handler.SEAMS_CHECKED_AGAINST.items():
+        assert (name, pinned.get(name)) == (name, checked), "the pin differs: reread the seams"
+        assert (name, importlib.metadata.version(name)) == (name, checked), "installed differs"

@@ -7,13 +7,15 @@ its documented media type, each credential its security takes), sends each to th
 served as `serve` serves it (a Runtime with worker threads), and records the thread of
 every database call and secret read the service makes: one on the event loop's thread
 fails the walk. A route added later is walked too; one the walk cannot build a request for
-(CannotBuild), or whose request does not succeed or does no database work, fails it. The
-walk is shown failing for a route that calls the database inline.
+(CannotBuild), or whose request does not succeed, does no database work, or makes a
+framework or the service log an error (route_walk.ErrorLogs), fails it. The same calls go
+through handler.api as Lambda's runtime sends them. Each walk is shown failing for a
+route that calls the database inline, and for one whose background task fails after its
+200 was sent.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 from urllib.parse import urlencode
@@ -24,7 +26,8 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from kit import ADMIN_TOKEN, UPLOAD_PASSWORD, configure_service
-from route_walk import APP_ID, Call, CannotBuild, Values, calls_for
+from route_walk import APP_ID, Call, CannotBuild, ErrorLogs, Values, calls_for, status_problem
+from starlette.background import BackgroundTask
 
 import handler
 from helpers import LambdaContext, gateway_event, insert_app
@@ -67,12 +70,13 @@ class Recorder:
         return seen
 
 
-def answer_problems(call: Call, status: int, text: str, seen: list[tuple[str, int]]) -> list[str]:
-    """What is wrong with a call's answer: a 5xx, a 401 or an undocumented status, or no
-    database work done."""
-    problems = []
-    if status >= 500 or status == 401 or str(status) not in call.documented:
-        problems.append(f"{call.label}: answered {status} {text[:200]}")
+def answer_problems(
+    call: Call, status: int, text: str, seen: list[tuple[str, int]], logged: list[str]
+) -> list[str]:
+    """What is wrong with a call's answer: a 5xx, a 401 or an undocumented status, an
+    error logged, or no database work done."""
+    problems = status_problem(call, status, text)
+    problems += [f"{call.label}: {line}" for line in logged]
     if not call.static and not any(what.startswith("SharedConnection") for what, _ in seen):
         problems.append(f"{call.label}: did no database work")
     return problems
@@ -84,15 +88,24 @@ def walk(app: FastAPI, values: Values, monkeypatch) -> list[str]:
     calls = calls_for(app, values)
     recorder = Recorder(monkeypatch)
     problems = []
-    with serving(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+    with (
+        ErrorLogs() as logs,
+        serving(app) as server,
+        httpx.Client(base_url=server.url, timeout=60) as http,
+    ):
         loop_thread = server.thread.ident
         recorder.take()
+        logs.take()
         for call in calls:
             answer = http.request(
                 call.method, call.path, params=call.params, headers=call.headers, content=call.body
             )
             seen = recorder.take()
-            problems += answer_problems(call, answer.status_code, answer.text, seen)
+            # The answer is read, so anything the app runs after it (a background task)
+            # has ended by the next request, whose take() would see its errors: the
+            # server serves one request at a time here, and the next waits for it.
+            logged = logs.take()
+            problems += answer_problems(call, answer.status_code, answer.text, seen, logged)
             on_loop = sorted({what for what, thread in seen if thread == loop_thread})
             if on_loop:
                 problems.append(f"{call.label}: {', '.join(on_loop)} on the event loop")
@@ -101,22 +114,23 @@ def walk(app: FastAPI, values: Values, monkeypatch) -> list[str]:
 
 def walk_through_api(app: FastAPI, values: Values, monkeypatch) -> list[str]:
     """Send calls_for(app) to handler.api as Lambda's runtime calls it, `app` as the
-    deployed app, with the Runtime of a Lambda container (no worker threads: nothing a
-    request does waits, and handler.answer_asgi steps it without a task); what went
-    wrong, one line per request. A route that needs a task before it waits (anyio,
-    asyncio.timeout) answers 500 here."""
+    deployed app, with the Runtime of a Lambda container (no worker threads: a
+    request's blocking work runs inline); what went wrong, one line per request."""
     calls = calls_for(app, values)
     recorder = Recorder(monkeypatch)
     monkeypatch.setattr(handler, "deployed_app", app)
     problems = []
-    for call in calls:
-        headers = {name.lower(): value for name, value in call.headers.items()}
-        event = gateway_event(
-            call.method, call.path, urlencode(call.params), headers, call.body, base64_body=True
-        )
-        recorder.take()
-        answer = handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
-        problems += answer_problems(call, answer["statusCode"], answer["body"], recorder.take())
+    with ErrorLogs() as logs:
+        for call in calls:
+            headers = {name.lower(): value for name, value in call.headers.items()}
+            event = gateway_event(
+                call.method, call.path, urlencode(call.params), headers, call.body, base64_body=True
+            )
+            recorder.take()
+            answer = handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
+            problems += answer_problems(
+                call, answer["statusCode"], answer["body"], recorder.take(), logs.take()
+            )
     return problems
 
 
@@ -194,24 +208,37 @@ def test_the_walk_catches_a_route_that_calls_the_database_on_the_loop(
     ]
 
 
-def test_the_walk_through_handler_api_catches_a_route_that_needs_a_task(
-    database_url, sql, monkeypatch
-):
-    configure_service(monkeypatch, database_url)
-    insert_app(sql, APP_ID)
+def copy_with_a_failing_background_task() -> FastAPI:
+    """handler.app's routes, and one that answers 200, then runs a background task that
+    fails: an error only the log shows."""
     copy = copy_of_the_app()
 
-    @copy.get("/probe/timeout")
-    async def timed() -> PlainTextResponse:
-        async with asyncio.timeout(5):  # needs a task: there is none before a wait
-            await handler.blocking(lambda: handler.api_connection().run("SELECT 1"))
-        return PlainTextResponse("ok")
+    async def fails_late() -> None:
+        raise RuntimeError("the background task failed after the answer")
+
+    @copy.get("/probe/late")
+    async def late() -> PlainTextResponse:
+        await handler.blocking(lambda: handler.api_connection().run("SELECT 1"))
+        return PlainTextResponse("ok", background=BackgroundTask(fails_late))
+
+    return copy
+
+
+def test_the_walks_catch_an_error_logged_after_the_answer_began(database_url, sql, monkeypatch):
+    configure_service(monkeypatch, database_url)
+    insert_app(sql, APP_ID)
+    copy = copy_with_a_failing_background_task()
 
     # The app's own routes, walked beside it, answer as they should.
-    assert walk_through_api(copy, Values(sql), monkeypatch) == [
-        'GET /probe/timeout (anyone): answered 500 {"detail":"internal error"}',
-        "GET /probe/timeout (anyone): did no database work",
+    values = Values(sql)
+    through_api = walk_through_api(copy, values, monkeypatch)
+    served = walk(copy, values, monkeypatch)
+    late = "GET /probe/late (anyone):"
+    assert through_api == [
+        f"{late} analysis-queue logged 'unhandled error'",
+        f"{late} mangum.http logged 'An error occurred running the application.'",
     ]
+    assert served == [f"{late} analysis-queue logged 'unhandled error'"]
 
 
 def test_the_walk_refuses_a_route_it_cannot_build_a_request_for(database_url, sql):
