@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
 import shutil
 
@@ -11,6 +13,7 @@ from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
 
 import handler
 from helpers import app_row, history, insert_app, table_digest
+from live import serving
 
 EXAMPLE_ANALYSIS = {
     "success": True,
@@ -589,6 +592,96 @@ def test_bad_add_app_requests(client, sql, label, body, status):
     )
     assert answer.status_code == status
     assert sql.run("SELECT count(*) FROM apps") == [[0]]
+
+
+def chunked_upload(size: int) -> list[bytes]:
+    """An upload of exactly `size` bytes (a document the service stores), in three chunks."""
+    document = json.dumps({"success": True, "bundleID": "com.example.app", "pad": ""})
+    body = document[:-2] + "x" * (size - len(document)) + document[-2:]
+    step = -(-size // 3)
+    return [body[start : start + step].encode() for start in range(0, size, step)]
+
+
+def asgi_request(path: str, headers: dict[str, str], chunks: list[bytes]) -> tuple[int, bytes]:
+    """handler.app asked as an HTTP server asks it for a body sent with Transfer-Encoding:
+    chunked: no Content-Length, each chunk an http.request message of its own. (status,
+    body)"""
+    path, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [
+            (name.lower().encode(), value.encode())
+            for name, value in {**headers, "Transfer-Encoding": "chunked"}.items()
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+    }
+    messages = [{"type": "http.request", "body": chunk, "more_body": True} for chunk in chunks]
+    messages.append({"type": "http.request", "body": b"", "more_body": False})
+    status, body = [], []
+
+    async def run() -> None:
+        answered = asyncio.Event()
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await answered.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            elif message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    answered.set()
+
+        await handler.app(scope, receive, send)
+
+    asyncio.run(run())
+    return status[0], b"".join(body)
+
+
+def test_a_chunked_body_past_the_limit_is_413_and_stores_nothing(database_url, sql, monkeypatch):
+    """Without a Content-Length the limit is the body's total: 180 (or 101) bytes in
+    three chunks under MAX_BODY_BYTES=100 are a 413 that stores nothing, through the app
+    (each chunk a message of its own) and under `serve` (uvicorn on loopback,
+    Transfer-Encoding: chunked); 100 bytes in chunks are stored."""
+    configure_service(monkeypatch, database_url, MAX_BODY_BYTES="100")
+    insert_app(sql, "com.example.app")
+    path = "/uploadAnalysis?appId=com.example.app&analysisVersion=4"
+    headers = {**ANALYSER, "Content-Type": "application/json"}
+    before = table_digest(sql)
+    for size in (180, 101):
+        status, body = asgi_request(path, headers, chunked_upload(size))
+        assert (status, json.loads(body)) == (413, {"detail": "body larger than 100 bytes"})
+        assert table_digest(sql) == before
+    with serving(handler.app) as server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        try:
+            connection.request(
+                "POST", path, body=iter(chunked_upload(180)), headers=headers, encode_chunked=True
+            )
+            answer = connection.getresponse()
+            assert (answer.status, json.loads(answer.read())) == (
+                413,
+                {"detail": "body larger than 100 bytes"},
+            )
+        finally:
+            connection.close()
+    assert table_digest(sql) == before
+    status, body = asgi_request(path, headers, chunked_upload(100))
+    assert status == 200, body
+    assert app_row(sql, "com.example.app")["status"] == "analysed"
 
 
 def test_database_down_is_503_without_a_stack_trace(client, monkeypatch):

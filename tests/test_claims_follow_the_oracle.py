@@ -68,9 +68,11 @@ def test_each_candidate_class(client, sql):
     insert_app(
         sql, "failed.retry.recent", status="failed", retryable=True, version=4, analysed=days_ago(1)
     )
-    insert_app(
-        sql, "failed.final.old", status="failed", retryable=False, version=1, analysed=days_ago(900)
-    )
+    for appid in ("failed.final.old", "failed.final.flagged"):
+        insert_app(sql, appid, status="failed", retryable=False, version=1, analysed=days_ago(900))
+    # The retry gate holds whatever the promoter's flag says: a row flagged due (by a
+    # promotion while it was retryable, or by another program) is judged by the rule.
+    sql.run("UPDATE apps SET due = true WHERE appid = 'failed.final.flagged'")
     handed_out = set()
     while True:
         appid = claim(client)
@@ -86,6 +88,14 @@ def test_each_candidate_class(client, sql):
         "failed.retry.old",
         "failed.retry.stale",
     }
+    # Asked for by name (the exact app mode), no other app is a candidate either.
+    others = sql.run(
+        "SELECT appid FROM apps WHERE appid <> ALL(:handed_out) ORDER BY appid",
+        handed_out=sorted(handed_out),
+    )
+    assert len(others) == 6
+    for (appid,) in others:
+        assert claim(client, appid) == "", appid
 
 
 def test_popularity_then_age_then_bundle_id(client, sql):
