@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from claims_db import connect
+from claims_data import connect
 
 PROBE_INTERVAL = 0.005
 MONITOR_INTERVAL = 0.02

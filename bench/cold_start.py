@@ -1,60 +1,28 @@
-"""Cold start of the BUILT function package and layer: Lambda's Init, and `import handler`.
+"""Cold start of the BUILT function package and layer: Lambda's Init, at the function's CPU share.
 
-    python bench/cold_start.py [--runs 9] [--emulator-runs 5] [--memory 512,1024]
-                               [--python /path/to/python3.12] [--build-dir DIR]
-    python bench/cold_start.py --vs REF [--emulator-runs 9] [--runs 9] [--vs-name NAME]
+    python3 bench/cold_start.py [--emulator-runs 5] [--memory 512,1024,1769]
+    python3 bench/cold_start.py --vs REF [--emulator-runs 9] [--runs 31]
 
 Builds the function package and the layer with the real Makefile (`make
-build-ApiFunction`, `make build-DependenciesLayer`, pip from PyPI; ALLOW_MISSING_RDS_CA=1)
-unless --build-dir holds a build. Then, in one run:
+build-ApiFunction`, `make build-DependenciesLayer`; ALLOW_MISSING_RDS_CA=1) unless
+--build-dir holds a build. Each run starts a new Runtime Interface Emulator with
+handler.api under awslambdaric, /var/task and /opt read-only (tests/lambda_emulator.py),
+in a cgroup whose CPU quota is what Lambda gives the function: MemorySize/1769 of one
+vCPU, for the MemorySize template.yaml gives ApiFunction (and each --memory size); `full`
+has no quota. Init is the emulator's `INIT REPORT(durationMs: ...)`; Init's CPU time is
+the cgroup's CPU time over the first request less a warm request's. The first request
+(GET /ping, events/ping.json) reads the analysers' token from Secrets Manager (moto's
+server on 127.0.0.1), as deployed, and the database (an embedded PostgreSQL): its
+duration less a warm one's is first_secret_request_extra_ms. Medians over the runs.
 
-1. Init as Lambda measures it: handler.api run by awslambdaric under the Runtime Interface
-   Emulator, /var/task and /opt read-only (tests/lambda_emulator.py), one fresh emulator
-   per run, its `INIT REPORT(durationMs: ...)` line; at full CPU, and under a cgroup CPU
-   quota equal to the CPU Lambda gives the function: MemorySize/1769 of one vCPU, for the
-   MemorySize template.yaml gives ApiFunction (and for each --memory size). Then its first
-   requests (GET /ping, events/ping.json) on an embedded PostgreSQL: the first one's
-   duration (the emulator's INVOKE RTDONE) less a warm one's. As deployed, the tokens are
-   read from Secrets Manager (moto's server on 127.0.0.1); `share-plain` has them in the
-   environment instead (as `sam local` does), for comparison. Prints
-   `init_configured_share_ms` (target <= 1000), `init_configured_memory_mb`,
-   `init_full_ms`, `first_secret_request_extra_ms` (target <= 150), and
-   `init_configured_share_plain_ms` and `first_request_extra_ms` (tokens in the
-   environment): medians, at the configured share unless named otherwise.
-2. `import handler` in a fresh interpreter of the runtime's Python (3.12), one process per
-   run, in three trees:
-   * shipped: the build as it is, made read-only, PYTHONDONTWRITEBYTECODE=1 (what Lambda
-     does with /var/task and /opt: nothing compiled at a cold start is kept);
-   * warm: a writable copy without the shipped bytecode, imported once first so Python
-     writes its own (the best case: every later process starts warm);
-   * no_bytecode: a read-only copy without any bytecode (as layers were built before
-     bytecode was shipped: every cold start compiles fastapi, pydantic and the rest).
-   Runs alternate between the trees; medians are reported, then `name=value` lines:
-   cold_import_vs_warm (shipped / warm, target <= 1.15) and no_bytecode_vs_shipped.
-
-With --vs REF, instead, what a change costs a cold start: the function package of the
-commit REF is built too, by REF's own Makefile (the layer is this tree's: REF must have
-the same requirements.lock), and the two packages, `before` (REF) and `after` (this
-tree), take turns (before first in even runs, after first in odd ones) at the CPU share
-of the template's MemorySize, as deployed (tokens from Secrets Manager):
-* Init, one new emulator per run (--emulator-runs per tree);
-* `import handler` of each shipped tree, read-only, in a fresh interpreter in a cgroup
-  with the same quota (--runs per tree).
-Prints the medians of each and of the run-by-run differences (after less before), each
-difference with a 95 % interval of its median:
-`init_<NAME>_extra_ms` (target <= 10 for the web view), `init_cpu_<NAME>_extra_ms` (Init's
-CPU time) and `init_<NAME>_extra_from_cpu_ms` (that over the share), and
-`import_<NAME>_extra_ms`, `import_cpu_<NAME>_extra_ms`, and `import_<NAME>_new_modules`
-(modules `import handler` loads in the after tree and not in the before one, named in
-the lines above it); NAME is --vs-name (web_view).
-Then handler.py's own part of `import handler`, which a change to handler.py alone
-moves, with far less noise than a whole import: in --runs more fresh interpreters per
-tree under the same quota, -X importtime's self time of handler (reading and running its
-bytecode, without the libraries it imports): `import_self_<NAME>_extra_ms`. And the same
-without the noise of new processes at all: the
-two trees' bytecode of handler.py unmarshalled and run (its top level) in turn, at least
-30 times each, in one interpreter that has imported the libraries once:
-`module_cpu_<NAME>_extra_ms` and `module_<NAME>_extra_at_share_ms` (that over the share).
+With --vs REF, instead: what a change costs a cold start. REF's function package is
+built by REF's own Makefile (the layer is this tree's: REF must have the same
+requirements.lock); the two packages, before (REF) and after (this tree), take turns,
+one new emulator each, at the template's CPU share. Printed: the median of the
+run-by-run differences of Init and of Init's CPU time, each with a 95 % interval of that
+median; then handler.py's own part (its bytecode unmarshalled and its top level run, the
+two trees in turn, --runs times each in one interpreter that has the libraries): the
+figure that resolves a few milliseconds, where a whole Init cannot.
 """
 
 from __future__ import annotations
@@ -85,20 +53,6 @@ from lambda_emulator import (  # noqa: E402
     prepare_kit,
 )
 
-PROBE = """
-import importlib.machinery, json, sys, time
-compiled = []
-original = importlib.machinery.SourceFileLoader.source_to_code
-def counting(self, data, path, *args, **kwargs):
-    compiled.append(path)
-    return original(self, data, path, *args, **kwargs)
-importlib.machinery.SourceFileLoader.source_to_code = counting
-sys.path[:0] = [sys.argv[1], sys.argv[2]]
-started, cpu = time.perf_counter(), time.process_time()
-import handler
-print(json.dumps({"seconds": time.perf_counter() - started, "compiled": len(compiled),
-                  "cpu_seconds": time.process_time() - cpu, "modules": sorted(sys.modules)}))
-"""
 # handler.py's own code, the bytecode of each of two shipped trees (argv 3 and 4), executed
 # again and again in one interpreter in which the libraries are already imported: what a
 # change to handler.py alone adds to `import handler` (unmarshalling its bytecode and
@@ -123,8 +77,6 @@ for run in range(int(sys.argv[5]) + 1):
             seen[tree].append(time.process_time() - started)
 print(json.dumps(seen))
 """
-# Runs a command in the cgroups named by $CGROUP_PROCS (a CpuQuota's), from its start.
-IN_CGROUP = 'for procs in $CGROUP_PROCS; do echo $$ > "$procs"; done; exec "$@"'
 
 
 def find_python(explicit: str | None) -> str:
@@ -134,60 +86,6 @@ def find_python(explicit: str | None) -> str:
     if not found:
         sys.exit("no Python 3.12 found: pass --python /path/to/python3.12")
     return found
-
-
-def copy_tree(function: Path, layer: Path, destination: Path, bytecode: bool) -> tuple[Path, Path]:
-    ignore = None if bytecode else shutil.ignore_patterns("__pycache__")
-    shutil.copytree(function, destination / "fn", ignore=ignore)
-    shutil.copytree(layer, destination / "layer", ignore=ignore)
-    return destination / "fn", destination / "layer"
-
-
-def read_only(*trees: Path) -> None:
-    for tree in trees:
-        for path in [tree, *tree.rglob("*")]:
-            path.chmod(path.stat().st_mode & ~0o222)
-
-
-def files(*trees: Path) -> list[str]:
-    return sorted(str(p) for tree in trees for p in tree.rglob("*"))
-
-
-# A line of `python -X importtime` for handler: its self time (µs), without the modules
-# it imports.
-HANDLER_SELF = re.compile(r"import time:\s+(\d+) \|\s+\d+ \|\s+handler$", re.MULTILINE)
-
-
-def import_once(
-    python: str,
-    function: Path,
-    layer: Path,
-    write_bytecode: bool,
-    quota: CpuQuota | None = None,
-    importtime: bool = False,
-) -> dict:
-    """One fresh interpreter's `import handler`; with importtime, under -X importtime, and
-    `handler_self_ms`: handler.py's own part of it (its bytecode read and run)."""
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    if not write_bytecode:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-    options = ["-X", "importtime"] if importtime else []
-    command = [python, "-s", *options, "-c", PROBE, str(function), str(layer / "python")]
-    if quota is not None:
-        env["CGROUP_PROCS"] = " ".join(map(str, quota.procs))
-        command = ["sh", "-c", IN_CGROUP, "import-probe", *command]
-    done = subprocess.run(
-        command,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    seen = json.loads(done.stdout)
-    if importtime:
-        seen["handler_self_ms"] = int(HANDLER_SELF.findall(done.stderr)[-1]) / 1000
-    return seen
 
 
 RTDONE = re.compile(r"INVOKE RTDONE\(status: (\w+), produced bytes: \d+, duration: ([0-9.]+)ms")
@@ -246,11 +144,10 @@ def cold_start_once(python, kit, function, layer, variables, memory_mb, quota, l
 
 
 @contextmanager
-def backing_services(work: Path) -> Iterator[tuple[dict[str, str], dict[str, str]]]:
+def backing_services(work: Path) -> Iterator[dict[str, str]]:
     """An embedded PostgreSQL at the head of the ledger and moto's Secrets Manager on
-    127.0.0.1; yields the API function's variables with the tokens in the environment
-    (`plain`, as `sam local` has them) and as deployed (`secret`: read from Secrets
-    Manager)."""
+    127.0.0.1; yields the API function's variables as deployed (the tokens read from
+    Secrets Manager)."""
     from moto.server import ThreadedMotoServer
 
     import handler
@@ -272,46 +169,45 @@ def backing_services(work: Path) -> Iterator[tuple[dict[str, str], dict[str, str
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
         ).create_secret(Name=SECRET_NAME, SecretString="local-upload-password")
-        plain = {**env_json("ApiFunction"), "DATABASE_URL": url}
         secret = {
-            **plain,
+            **env_json("ApiFunction"),
+            "DATABASE_URL": url,
             "UPLOAD_PASSWORD": "",
             "UPLOAD_PASSWORD_SECRET": f"secretsmanager:{SECRET_NAME}",
             "AWS_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}",
             "AWS_EC2_METADATA_DISABLED": "true",
         }
-        yield plain, secret
+        yield secret
     finally:
         moto.stop()
         server.cleanup()
 
 
-def emulator_figures(python, function, layer, runs, more_memory, work) -> None:
+def run_emulators(python, settings, runs, work) -> dict[tuple, list[dict]]:
+    """One new emulator per setting (name, function, memory, quota MB or None) per run,
+    the settings in turn (reversed in odd runs), as deployed (tokens from Secrets Manager)."""
     kit = prepare_kit(python)
-    configured = template_memory_mb()
-    with backing_services(work) as (plain, secret):
-        # As deployed, the API reads its tokens (and the database's) from Secrets Manager.
-        settings = [("full", configured, secret, None), ("share", configured, secret, configured)]
-        settings += [("share-plain", configured, plain, configured)]
-        settings += [("share", m, secret, m) for m in more_memory]
-        seen: dict[tuple, list[dict]] = {}
+    seen: dict[tuple, list[dict]] = {}
+    with backing_services(work) as secret:
         for run in range(runs):
-            for name, memory, variables, quota_mb in settings:
+            for name, function, layer, memory, quota_mb in settings[:: 1 if run % 2 == 0 else -1]:
                 quota = CpuQuota(quota_mb / MB_PER_VCPU if quota_mb else None)
                 try:
                     figures = cold_start_once(
-                        python,
-                        kit,
-                        function,
-                        layer,
-                        variables,
-                        memory,
-                        quota,
+                        python, kit, function, layer, secret, memory, quota,
                         work / f"emulator-{name}-{memory}-{run}.log",
-                    )
+                    )  # fmt: skip
                 finally:
                     quota.close()
                 seen.setdefault((name, memory), []).append(figures)
+    return seen
+
+
+def emulator_figures(python, function, layer, runs, more_memory, work) -> None:
+    configured = template_memory_mb()
+    settings = [("full", function, layer, configured, None)]
+    settings += [("share", function, layer, m, m) for m in [configured, *more_memory]]
+    seen = run_emulators(python, settings, runs, work)
 
     def median(key, field) -> float:
         return statistics.median(f[field] for f in seen[key])
@@ -321,25 +217,23 @@ def emulator_figures(python, function, layer, runs, more_memory, work) -> None:
         inits = [f["init"] for f in figures]
         share = "full CPU" if name == "full" else f"{memory / MB_PER_VCPU:.0%} of a CPU"
         print(
-            f"  {name:12} {memory:5} MB ({share}): Init median {statistics.median(inits):.0f} ms"
+            f"  {name:6} {memory:5} MB ({share}): Init median {statistics.median(inits):.0f} ms"
             f" (range {min(inits):.0f}-{max(inits):.0f}), first request"
             f" +{median((name, memory), 'extra'):.0f} ms over a warm one;"
             f" Init's CPU time {median((name, memory), 'init_cpu'):.0f} ms"
         )
-    print(f"init_configured_memory_mb={configured}")
-    print(f"init_configured_share_ms={median(('share', configured), 'init'):.0f}")
-    print(f"init_full_ms={median(('full', configured), 'init'):.0f}")
-    # What Init takes at the configured share when nothing else competes for the CPU
-    # (it is CPU-bound): its CPU time over the share. On a busy machine the wall-clock
-    # figures above are longer than Lambda's; this one is not.
+    # Init is CPU-bound: its CPU time over the share is what it takes when nothing else
+    # competes for the CPU, as on Lambda; the wall-clock figures are longer on a busy machine.
     cpu = median(("full", configured), "init_cpu")
-    print(f"init_cpu_ms={cpu:.0f}")
-    print(f"init_configured_share_from_cpu_ms={cpu / (configured / MB_PER_VCPU):.0f}")
-    print(f"init_configured_share_plain_ms={median(('share-plain', configured), 'init'):.0f}")
-    print(f"first_secret_request_extra_ms={median(('share', configured), 'extra'):.0f}")
-    print(f"first_request_extra_ms={median(('share-plain', configured), 'extra'):.0f}")
+    print(f"init_configured_memory_mb={configured}")
+    print(f"init_configured_share_ms={median(('share', configured), 'init'):.0f} target<=1000")
+    print(f"init_configured_share_from_cpu_ms={cpu / (configured / MB_PER_VCPU):.0f} target<=1000")
+    print(f"init_cpu_ms={cpu:.0f} reported")
+    print(f"init_full_ms={median(('full', configured), 'init'):.0f} reported")
+    extra = median(("share", configured), "extra")
+    print(f"first_secret_request_extra_ms={extra:.0f} target<=150")
     for memory in more_memory:
-        print(f"init_{memory}mb_share_ms={median(('share', memory), 'init'):.0f}")
+        print(f"init_{memory}mb_share_ms={median(('share', memory), 'init'):.0f} reported")
 
 
 def build_function_at(ref: str, python: str, base: Path) -> Path:
@@ -395,264 +289,84 @@ def paired_range(after: list[float], before: list[float]) -> str:
     k and n-1-k of the differences, k = n/2 - 0.98 sqrt(n)): how far apart the trees may be."""
     differences = sorted(a - b for a, b in zip(after, before, strict=True))
     k = max(0, int(len(differences) / 2 - 0.98 * len(differences) ** 0.5))
-    return f"{differences[k]:+.1f} to {differences[-1 - k]:+.1f}"
+    return f"{differences[k]:+.1f}..{differences[-1 - k]:+.1f}"
 
 
-def vs_figures(python, ref, trees, layer, runs, import_runs, name, work) -> None:
-    """Init of two function packages on one layer, `before` (ref) and `after` (this tree),
-    at the template's CPU share: one new emulator per run, the trees alternating (before
-    first in even runs, after first in odd ones); then `import handler` of each shipped
-    tree, read-only, in a fresh interpreter under the same quota, alternating too."""
-    kit = prepare_kit(python)
+def vs_figures(python, ref, trees, layer, runs, module_runs, work) -> None:
+    """Init of two function packages on one layer, before (ref) and after (this tree),
+    at the template's CPU share, in turn; then handler.py's own bytecode of each."""
     configured = template_memory_mb()
     share = configured / MB_PER_VCPU
-    seen: dict[str, list[dict]] = {tree: [] for tree in trees}
-    with backing_services(work) as (_, secret):
-        for run in range(runs):
-            for tree in list(trees)[:: 1 if run % 2 == 0 else -1]:
-                quota = CpuQuota(share)
-                try:
-                    figures = cold_start_once(
-                        python,
-                        kit,
-                        trees[tree],
-                        layer,
-                        secret,
-                        configured,
-                        quota,
-                        work / f"emulator-vs-{tree}-{run}.log",
-                    )
-                finally:
-                    quota.close()
-                seen[tree].append(figures)
+    settings = [(tree, function, layer, configured, configured) for tree, function in trees.items()]
+    seen = run_emulators(python, settings, runs, work)
 
     def series(tree: str, field: str) -> list[float]:
-        return [f[field] for f in seen[tree]]
+        return [f[field] for f in seen[(tree, configured)]]
 
     print(
-        f"Init (the emulator's INIT REPORT) at {share:.0%} of a CPU (MemorySize {configured}),"
-        f" {runs} emulators per tree, alternating; before = {ref}, after = this tree:"
+        f"Init at {share:.0%} of a CPU (MemorySize {configured}), {runs} emulators per tree"
+        f" in turn; before = {ref}, after = this tree:"
     )
     for tree in trees:
         inits = series(tree, "init")
         print(
-            f"  {tree:7} Init median {statistics.median(inits):.0f} ms"
-            f" (range {min(inits):.0f}-{max(inits):.0f}), Init's CPU time"
+            f"  {tree:7} Init median {statistics.median(inits):.0f} ms (range"
+            f" {min(inits):.0f}-{max(inits):.0f}), Init's CPU time"
             f" {statistics.median(series(tree, 'init_cpu')):.0f} ms"
         )
-    for field, what in (("init", "Init"), ("init_cpu", "Init's CPU time")):
+    print(f"init_before_ms={statistics.median(series('before', 'init')):.0f} reported")
+    print(f"init_after_ms={statistics.median(series('after', 'init')):.0f} reported")
+    for field, name in (("init", "init_extra_ms"), ("init_cpu", "init_cpu_extra_ms")):
         after, before = series("after", field), series("before", field)
         print(
-            f"  after less before, run by run: {what} median {paired(after, before):+.1f} ms,"
-            f" 95 % interval of the median {paired_range(after, before)} ms"
+            f"{name}={paired(after, before):.1f} interval={paired_range(after, before)} target<=0"
         )
-    extra_cpu = paired(series("after", "init_cpu"), series("before", "init_cpu"))
-    print(f"init_before_ms={statistics.median(series('before', 'init')):.0f}")
-    print(f"init_after_ms={statistics.median(series('after', 'init')):.0f}")
-    print(f"init_{name}_extra_ms={paired(series('after', 'init'), series('before', 'init')):.1f}")
-    print(f"init_cpu_{name}_extra_ms={extra_cpu:.1f}")
-    print(f"init_{name}_extra_from_cpu_ms={extra_cpu / share:.1f}")
 
-    # `import handler` of the shipped trees (bytecode as built), read-only, one layer.
-    copies = work / "vs-imports"
-    copies.mkdir()
-    shipped = {tree: copies / tree for tree in trees}
-    for tree, function in trees.items():
-        shutil.copytree(function, shipped[tree])
-    shutil.copytree(layer, copies / "layer")
-    read_only(*shipped.values(), copies / "layer")
-    before = files(copies)
-    imports: dict[str, list[dict]] = {tree: [] for tree in trees}
-    for run in range(import_runs):
-        for tree in list(trees)[:: 1 if run % 2 == 0 else -1]:
-            quota = CpuQuota(share)
-            try:
-                imports[tree].append(
-                    import_once(python, shipped[tree], copies / "layer", False, quota)
-                )
-            finally:
-                quota.close()
-    # handler.py's own part of the import, cold: -X importtime's self time of handler in
-    # each fresh interpreter (its own runs: -X importtime slows every import a little).
-    own: dict[str, list[float]] = {tree: [] for tree in trees}
-    for run in range(import_runs):
-        for tree in list(trees)[:: 1 if run % 2 == 0 else -1]:
-            quota = CpuQuota(share)
-            try:
-                seen = import_once(python, shipped[tree], copies / "layer", False, quota, True)
-                own[tree].append(seen["handler_self_ms"])
-            finally:
-                quota.close()
-    assert files(copies) == before, "a read-only tree was written"
-
-    def ms(tree: str, field: str) -> list[float]:
-        return [f[field] * 1000 for f in imports[tree]]
-
-    print(
-        f"`import handler`, shipped trees read-only, {share:.0%} of a CPU,"
-        f" {import_runs} fresh interpreters per tree, alternating:"
-    )
-    for tree in trees:
-        wall = ms(tree, "seconds")
-        print(
-            f"  {tree:7} median {statistics.median(wall):.0f} ms"
-            f" (range {min(wall):.0f}-{max(wall):.0f}), CPU time"
-            f" {statistics.median(ms(tree, 'cpu_seconds')):.0f} ms, modules compiled:"
-            f" {sorted({f['compiled'] for f in imports[tree]})}"
-        )
-    for field, what in (("seconds", "import"), ("cpu_seconds", "its CPU time")):
-        after, before = ms("after", field), ms("before", field)
-        print(
-            f"  after less before, run by run: {what} median {paired(after, before):+.1f} ms,"
-            f" 95 % interval of the median {paired_range(after, before)} ms"
-        )
-    modules = {tree: set(imports[tree][0]["modules"]) for tree in trees}
-    added = sorted(modules["after"] - modules["before"])
-    print(
-        f"  modules loaded by `import handler`: before {len(modules['before'])}, after"
-        f" {len(modules['after'])}; only after: {added or 'none'}; only before:"
-        f" {sorted(modules['before'] - modules['after']) or 'none'}"
-    )
-    print(f"import_before_ms={statistics.median(ms('before', 'seconds')):.0f}")
-    print(f"import_after_ms={statistics.median(ms('after', 'seconds')):.0f}")
-    print(f"import_{name}_extra_ms={paired(ms('after', 'seconds'), ms('before', 'seconds')):.1f}")
-    cpu_extra = paired(ms("after", "cpu_seconds"), ms("before", "cpu_seconds"))
-    print(f"import_cpu_{name}_extra_ms={cpu_extra:.1f}")
-    print(f"import_{name}_new_modules={len(added)}")
-    print(
-        f"handler.py's own part of `import handler` (-X importtime's self time of handler),"
-        f" {import_runs} more fresh interpreters per tree, alternating, same quota:"
-    )
-    for tree in trees:
-        print(
-            f"  {tree:7} median {statistics.median(own[tree]):.1f} ms"
-            f" (range {min(own[tree]):.1f}-{max(own[tree]):.1f})"
-        )
-    print(
-        f"  after less before, run by run: median {paired(own['after'], own['before']):+.1f}"
-        f" ms, 95 % interval of the median {paired_range(own['after'], own['before'])} ms"
-    )
-    print(f"import_self_{name}_extra_ms={paired(own['after'], own['before']):.1f}")
-
-    runs = max(30, import_runs)
+    # handler.py's bytecode as each build ships it, in one interpreter with the libraries.
     done = subprocess.run(
         [
-            python,
-            "-s",
-            "-c",
-            MODULE_PROBE,
-            str(shipped["after"]),
-            str(copies / "layer" / "python"),
-            str(shipped["before"]),
-            str(shipped["after"]),
-            str(runs),
+            python, "-s", "-c", MODULE_PROBE, str(trees["after"]), str(layer / "python"),
+            str(trees["before"]), str(trees["after"]), str(module_runs),
         ],
         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
     body = {tree: [t * 1000 for t in times] for tree, times in json.loads(done.stdout).items()}
-    print(
-        f"handler.py's own bytecode (unmarshal and top level), {runs} times per tree in one"
-        " interpreter with the libraries imported, alternating, CPU time:"
-    )
+    print(f"handler.py's own bytecode run {module_runs} times per tree in turn, CPU time:")
     for tree in trees:
-        print(
-            f"  {tree:7} median {statistics.median(body[tree]):.1f} ms"
-            f" (range {min(body[tree]):.1f}-{max(body[tree]):.1f})"
-        )
-    print(
-        f"  after less before, run by run: median {paired(body['after'], body['before']):+.1f}"
-        f" ms, 95 % interval of the median {paired_range(body['after'], body['before'])} ms"
-    )
-    module_extra = paired(body["after"], body["before"])
-    print(f"module_cpu_{name}_extra_ms={module_extra:.1f}")
-    print(f"module_{name}_extra_at_share_ms={module_extra / share:.1f}")
+        print(f"  {tree:7} median {statistics.median(body[tree]):.1f} ms")
+    extra = paired(body["after"], body["before"])
+    interval = paired_range(body["after"], body["before"])
+    print(f"module_cpu_extra_ms={extra:.1f} interval={interval} target<=0")
+    print(f"module_extra_at_share_ms={extra / share:.1f} reported")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=9, help="`import handler` runs per tree")
     parser.add_argument("--emulator-runs", type=int, default=5, help="emulators per setting")
-    parser.add_argument(
-        "--memory", default="", help="more MemorySize values to measure Init at, e.g. 1024,1769"
-    )
+    parser.add_argument("--memory", default="", help="more MemorySize values, e.g. 512,1024")
+    parser.add_argument("--runs", type=int, default=31, help="--vs: runs of handler.py's body")
     parser.add_argument("--python", help="the Lambda runtime's Python (3.12)")
     parser.add_argument("--build-dir", type=Path, help="reuse a build (fn/ and layer/ in it)")
-    parser.add_argument("--emulator-only", action="store_true", help="skip `import handler`")
-    parser.add_argument(
-        "--vs",
-        metavar="REF",
-        help="instead: Init and `import handler` of this tree against the commit REF's,"
-        " alternating, at the template's CPU share (the layer must be the same)",
-    )
-    parser.add_argument(
-        "--vs-name",
-        default="web_view",
-        help="what --vs measures, in the names it prints (init_<NAME>_extra_ms)",
-    )
+    parser.add_argument("--vs", metavar="REF", help="instead: this tree against REF's package")
     args = parser.parse_args()
     if args.vs and not same_layer(args.vs):
         sys.exit(f"{args.vs} has another requirements.lock: its layer differs from this tree's")
     python = find_python(args.python)
-    version = subprocess.run(
-        [python, "--version"], capture_output=True, text=True, check=True
-    ).stdout.strip()
     work = Path(tempfile.mkdtemp(prefix="cold-start-"))
     try:
         if args.build_dir:
             function, layer = args.build_dir / "fn", args.build_dir / "layer"
         else:
-            print(f"building with the Makefile ({version}) ...", file=sys.stderr)
+            print("building with the Makefile ...", file=sys.stderr)
             function, layer = build(python, work / "build")
         if args.vs:
             print(f"building {args.vs}'s function package ...", file=sys.stderr)
             trees = {"before": build_function_at(args.vs, python, work / "vs"), "after": function}
-            vs_figures(
-                python, args.vs, trees, layer, args.emulator_runs, args.runs, args.vs_name, work
-            )
-            return 0
-        emulator_figures(
-            python,
-            function,
-            layer,
-            args.emulator_runs,
-            [int(m) for m in args.memory.split(",") if m.strip()],
-            work,
-        )
-        if args.emulator_only:
-            return 0
-        trees = {
-            "shipped": copy_tree(function, layer, work / "shipped", bytecode=True),
-            "warm": copy_tree(function, layer, work / "warm", bytecode=False),
-            "no_bytecode": copy_tree(function, layer, work / "no_bytecode", bytecode=False),
-        }
-        read_only(*trees["shipped"], *trees["no_bytecode"])
-        before = files(*trees["shipped"], *trees["no_bytecode"])
-        import_once(python, *trees["warm"], write_bytecode=True)  # Python writes its own
-        seconds: dict[str, list[float]] = {name: [] for name in trees}
-        compiled: dict[str, set[int]] = {name: set() for name in trees}
-        for _ in range(args.runs):
-            for name, (fn, lib) in trees.items():
-                seen = import_once(python, fn, lib, write_bytecode=name == "warm")
-                seconds[name].append(seen["seconds"])
-                compiled[name].add(seen["compiled"])
-        assert files(*trees["shipped"], *trees["no_bytecode"]) == before, "a tree was written"
-        medians = {name: statistics.median(values) for name, values in seconds.items()}
-        print(f"{version}, {args.runs} fresh interpreters per tree, `import handler`:")
-        for name, median in medians.items():
-            spread = f"{min(seconds[name]):.3f}-{max(seconds[name]):.3f}"
-            print(
-                f"  {name:12} median {median:.3f} s (range {spread} s),"
-                f" modules compiled from source per run: {sorted(compiled[name])}"
-            )
-        print(f"cold_import_vs_warm={medians['shipped'] / medians['warm']:.2f}")
-        print(f"no_bytecode_vs_shipped={medians['no_bytecode'] / medians['shipped']:.2f}")
-        print(f"import_shipped_s={medians['shipped']:.3f}")
-        print(f"import_warm_s={medians['warm']:.3f}")
-        print(f"import_no_bytecode_s={medians['no_bytecode']:.3f}")
+            vs_figures(python, args.vs, trees, layer, args.emulator_runs, args.runs, work)
+        else:
+            memory = [int(m) for m in args.memory.split(",") if m.strip()]
+            emulator_figures(python, function, layer, args.emulator_runs, memory, work)
     finally:
         for path in [work, *work.rglob("*")]:
             if path.exists() and not path.is_symlink():

@@ -1,23 +1,28 @@
 """One request's Python, this tree's handler.py against another commit's, in one process.
 
     python3 bench/handler_ab.py --vs REF [--path /queue] [--blocks 200] [--calls 25]
+    python3 bench/handler_ab.py --vs REF --before-file /tmp/handler_before.py
 
-Both versions of handler.py are imported into this process (as handler_a, REF's, and
-handler_b, this tree's) and each answers through its own handler.api with a Runtime whose
-API connection answers at once (bench/claim_layers.answering_runtime: the database taken
-out, as claim_layers.py's part 1 does). Calls go in blocks of --calls, the two versions'
-blocks in a shuffled order, so both see the same load; medians in microseconds and their
-ratio (b/a < 1: this tree is faster). A small change to the request path (a few
-microseconds) shows here when it drowns in a whole claim's round trip.
+Both versions of handler.py are imported into this process (handler_a, REF's or
+--before-file, and handler_b, this tree's). Each answers through its own handler.api, as
+Lambda calls it, with a Runtime whose API connection answers every statement at once
+(answering_runtime: the database taken out, so only the request's Python is left). The
+calls go in rounds: each round one block of --calls calls per version, the versions in a
+shuffled order, so that both see the same load. Each call's CPU time (this thread's,
+time.thread_time: what Lambda bills, unmoved by waiting on other processes) and wall time
+are kept.
 
-No database is written; the settings come from bench/claims_workers (UPLOAD_PASSWORD and
-a DATABASE_URL that is never connected to).
+Printed: each version's median CPU µs per request, and the ratio b/a (below 1: this tree
+is faster) as the median of the rounds' ratios (each round's block medians), with a
+95 % interval of that median: a difference inside the interval is not resolved. No
+database is connected to.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import random
 import statistics
 import subprocess
@@ -26,10 +31,32 @@ import tempfile
 import time
 from pathlib import Path
 
-import claim_layers
-import claims_workers
+import claims
 
 ROOT = Path(__file__).resolve().parent.parent
+CLAIMED_APP = "com.example.bench.app123"
+
+
+def answering_runtime(handler):
+    """A handler.Runtime whose API connection answers every statement at once with the
+    claimed row, its promoter caught up (a clock that stands still)."""
+
+    class AnsweringConnection(handler.SharedConnection):
+        def autocommit(self, work):
+            return [{"appid": CLAIMED_APP}]
+
+        def transaction(self, work):
+            return [{"appid": CLAIMED_APP}]
+
+    class AnsweringRuntime(handler.Runtime):
+        def api_connection(self):
+            return self.answering
+
+    config = handler.load_settings(dict(os.environ))
+    runtime = AnsweringRuntime(config)
+    runtime.answering = AnsweringConnection(lambda: {}, clock=lambda: 0.0)
+    runtime.answering.promoter.caught_up_at[config.policy] = 0.0
+    return runtime
 
 
 def load(path: Path, name: str):
@@ -37,46 +64,82 @@ def load(path: Path, name: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    module.use_runtime(claim_layers.answering_runtime(module))
+    module.use_runtime(answering_runtime(module))
     return module
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """A 95 % interval of the median, distribution-free (order statistics k and n-1-k,
+    k = n/2 - 0.98 sqrt(n))."""
+    ordered = sorted(values)
+    k = max(0, int(len(ordered) / 2 - 0.98 * len(ordered) ** 0.5))
+    return ordered[k], ordered[-1 - k]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vs", required=True, help="the commit to compare with (git rev)")
+    parser.add_argument("--before-file", type=Path, help="REF's handler.py, already written")
     parser.add_argument("--path", default="/queue", help="the request's path")
-    parser.add_argument("--blocks", type=int, default=200, help="blocks per version")
+    parser.add_argument("--blocks", type=int, default=200, help="rounds (a block per version)")
     parser.add_argument("--calls", type=int, default=25, help="calls per block")
     args = parser.parse_args(argv)
-    claims_workers._service_env("postgresql://bench@127.0.0.1:1/never-connected", None)
-    source = subprocess.run(
-        ["git", "show", f"{args.vs}:handler.py"], cwd=ROOT, check=True, capture_output=True
-    ).stdout
+    claims.service_env("postgresql://bench@127.0.0.1:1/never-connected")
     with tempfile.TemporaryDirectory() as scratch:
-        other = Path(scratch) / "handler.py"
-        other.write_bytes(source)
+        other = args.before_file
+        if other is None:
+            other = Path(scratch) / "handler.py"
+            other.write_bytes(
+                subprocess.run(
+                    ["git", "show", f"{args.vs}:handler.py"],
+                    cwd=ROOT,
+                    check=True,
+                    capture_output=True,
+                ).stdout
+            )
         versions = {"a": load(other, "handler_a"), "b": load(ROOT / "handler.py", "handler_b")}
-        context = versions["a"].LocalContext(25, "bench-ab")
-        for module in versions.values():
-            for _ in range(300):  # warm: the first calls build what is built lazily
-                answer = module.api(claims_workers.api_gateway_v2_event(args.path), context)
-            if answer["statusCode"] >= 500:
-                raise SystemExit(f"{args.path} answered {answer['statusCode']}: {answer['body']}")
-        times: dict[str, list[float]] = {key: [] for key in versions}
-        order = random.Random(1)
-        for _ in range(args.blocks):
-            keys = list(versions)
-            order.shuffle(keys)
-            for key in keys:
-                module = versions[key]
-                for _ in range(args.calls):
-                    event = claims_workers.api_gateway_v2_event(args.path)
-                    started = time.perf_counter()
-                    module.api(event, context)
-                    times[key].append(time.perf_counter() - started)
-    a, b = (statistics.median(times[key]) * 1e6 for key in ("a", "b"))
-    print(f"{args.path}: {args.vs} {a:.1f} µs, this tree {b:.1f} µs, ratio {b / a:.3f}")
-    print(f"ab_{args.path.strip('/').split('/')[0]}_ratio={b / a:.3f}")
+        return measure(versions, args)
+
+
+def measure(versions: dict, args: argparse.Namespace) -> int:
+    context = versions["a"].LocalContext(25, "bench-ab")
+    for module in versions.values():
+        for _ in range(300):  # warm: the first calls build what is built lazily
+            answer = module.api(claims.gateway_event(args.path), context)
+        if answer["statusCode"] >= 500:
+            raise SystemExit(f"{args.path} answered {answer['statusCode']}: {answer['body']}")
+    cpu: dict[str, list[float]] = {key: [] for key in versions}
+    wall: dict[str, list[float]] = {key: [] for key in versions}
+    ratios = []
+    order = random.Random(1)
+    for _ in range(args.blocks):
+        keys = list(versions)
+        order.shuffle(keys)
+        block = {}
+        for key in keys:
+            module = versions[key]
+            times = []
+            for _ in range(args.calls):
+                event = claims.gateway_event(args.path)
+                started, used = time.perf_counter(), time.thread_time()
+                module.api(event, context)
+                times.append(time.thread_time() - used)
+                wall[key].append(time.perf_counter() - started)
+            cpu[key] += times
+            block[key] = statistics.median(times)
+        ratios.append(block["b"] / block["a"])
+    a, b = (statistics.median(cpu[key]) * 1e6 for key in ("a", "b"))
+    wall_a, wall_b = (statistics.median(wall[key]) * 1e6 for key in ("a", "b"))
+    low, high = interval(ratios)
+    ratio = statistics.median(ratios)
+    name = args.path.strip("/").split("/")[0]
+    print(
+        f"{args.path}: {args.vs} {a:.1f} µs CPU ({wall_a:.1f} wall), this tree {b:.1f} µs CPU"
+        f" ({wall_b:.1f} wall); {args.blocks} rounds of {args.calls} calls each"
+    )
+    print(f"ab_{name}_before_cpu_us={a:.1f}")
+    print(f"ab_{name}_after_cpu_us={b:.1f}")
+    print(f"ab_{name}_ratio={ratio:.3f} interval={low:.3f}-{high:.3f} (b/a: reported)")
     return 0
 
 

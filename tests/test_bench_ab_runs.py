@@ -1,14 +1,22 @@
 """The request-path benchmarks run (docs/benchmarks.md cites their figures): a short run
 of bench/handler_ab.py, this tree against its own HEAD, prints both medians and a ratio
-line; a small run of bench/claim_layers.py prints every layer of its table."""
+line; a small run of bench/claims.py prints every figure of the results table."""
 
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
 from kit import ROOT
+
+from helpers import connect
+
+
+def figures(stdout: str) -> dict[str, str]:
+    """The `name=value ...` lines of a bench script: {name: the rest of the line}."""
+    return dict(re.findall(r"^(\w+)=(.*)$", stdout, re.MULTILINE))
 
 
 def test_handler_ab_compares_two_versions_of_one_request():
@@ -22,27 +30,43 @@ def test_handler_ab_compares_two_versions_of_one_request():
     )
     lines = run.stdout.splitlines()
     assert lines[0].startswith("/queue: HEAD ") and "this tree" in lines[0], run.stdout
-    name, value = lines[-1].split("=")
-    assert name == "ab_queue_ratio" and float(value) > 0, run.stdout
+    found = figures(run.stdout)
+    for name in ("ab_queue_before_cpu_us", "ab_queue_after_cpu_us", "ab_queue_ratio"):
+        assert float(found[name].split()[0]) > 0, run.stdout
 
 
-def test_claim_layers_prints_every_layer(server_url):
-    """bench/claim_layers.py (docs/benchmarks.md, "Where a claim's time goes"), run small
-    on the suite's server: a figure for every row of its table, and its database dropped."""
-    small = ["--apps", "2000", "--claims", "20", "--python-calls", "20", "--profile-claims", "10"]
-    run = subprocess.run(
-        [sys.executable, "bench/claim_layers.py", *small, "--server-url", server_url],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    figures = dict(line.split("=") for line in run.stdout.splitlines() if line.startswith("layer_"))
-    rows = (
-        "claim powertools api_own cycle starlette_fastapi route claim_next_app session"
-        " prepared_sql sql_over_floor python floor over_floor"
+def test_claims_prints_every_figure_with_its_target(server_url):
+    """bench/claims.py (docs/benchmarks.md, "Results"), run small on the suite's server:
+    every figure of its TARGETS printed as `name=value target...` or `... reported`,
+    the oracle and double-claim checks passed; its database dropped afterwards."""
+    small = (
+        "--apps 2000 --no-baseline --rounds 2 --claims 20 --clients 2 --duration 0.5"
+        " --windows 1 --import-runs 1 --first-read-runs 1 --http-claims 3 --bump-claims 10"
+        " --mass-max-requests 20"
     ).split()
-    for name in rows:
-        assert not math.isnan(float(figures[f"layer_{name}_us"])), name
-    assert run.stdout.splitlines()[-1] == "-- dropped bench_layers_2000", run.stdout[-500:]
+    try:
+        run = subprocess.run(
+            [sys.executable, "bench/claims.py", *small, "--server-url", server_url],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+    finally:
+        admin = connect(server_url)
+        try:
+            admin.run("DROP DATABASE IF EXISTS bench_2000 WITH (FORCE)")
+        finally:
+            admin.close()
+    found = figures(run.stdout)
+    names = (
+        "claim_vs_floor claim_sql_vs_floor throughput16_vs_floor import_vs_libs reports_max_s"
+        " app_status_max_ms first_public_read_extra_ms http_claim_ms bump_later_vs_floor"
+        " mass_slowest_request_ms peak_rss_mb upgrade_total_s upgrade_longest_lock_s"
+    ).split()
+    for name in names:
+        value, verdict = found[name].split(" ", 1)
+        assert not math.isnan(float(value)), name
+        assert verdict.startswith("target") or verdict == "reported", (name, verdict)
+    assert "oracle, double claims, Seq Scans: all passed" in run.stdout, run.stdout[-3000:]
