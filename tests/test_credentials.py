@@ -296,9 +296,18 @@ def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
         "get-app.json": 200,
         "healthz-analyser.json": 200,
     }
-    assert app_row(sql, "com.example.app")["status"] in ("analysed", "failed", "processing")
+    assert app_row(sql, "com.example.app")["status"] == "analysed"
+    sql.run("INSERT INTO apps (appid, details) VALUES ('com.example.waiting', '{}')")
     status = handler.report(load_event("schedule.json"), LambdaContext())
-    assert status["backlog_total"] >= 0
+    assert status["counts"] == {"queued": 1, "processing": 0, "analysed": 1, "failed": 0}
+    assert status["backlog"] == {
+        "queued": 1,
+        "lease_expired": 0,
+        "outdated_version": 0,
+        "stale": 0,
+        "retry_failed": 0,
+    }
+    assert status["backlog_total"] == 1
     refetch = handler.report(
         {"command": "queue-refetch", "appIds": ["com.example.app"], "apply": True},
         LambdaContext(),

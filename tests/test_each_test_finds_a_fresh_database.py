@@ -7,7 +7,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import pytest
-from kit import TEMPLATE_DB, Databases
+from kit import SHARED_DB, TEMPLATE_DB, Databases
 
 import handler
 from helpers import connect, insert_app, ledger
@@ -178,7 +178,8 @@ def test_a_schema_change_makes_the_shared_database_again(
 
 
 # Two tests in a row on the shared database: the first leaves rows everywhere, the second
-# (run after it, in file order) finds none of them.
+# (run after it, in file order) finds none of them. Run alone, the second finds the
+# shared database as a session's first test does.
 FIRST = {}
 
 
@@ -190,8 +191,12 @@ def test_one_test_leaves_rows_everywhere(database_url, shared_database):
     sql.run("SELECT 1 FROM apps FOR UPDATE")  # and a session left open
 
 
-def test_the_next_test_finds_the_migrated_database(database_url, sql):
-    assert database_url == FIRST.get("url", database_url)  # the same database, emptied
+def test_the_next_test_finds_the_migrated_database(database_url, shared_database, sql):
+    # The shared database (not a copy of its own), the one the first test left rows in.
+    assert database_url == shared_database.url
+    assert urlsplit(database_url).path == f"/{SHARED_DB}"
+    if FIRST:
+        assert FIRST["url"] == database_url
     for table in ("apps", "app_analyses", "analyser_heartbeats"):
         assert sql.run(f"SELECT count(*) FROM {table}") == [[0]], table
     assert sql.run(

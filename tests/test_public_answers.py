@@ -102,6 +102,35 @@ def test_the_admin_token_still_opens_the_admin_view(database_url, sql):
         assert "claimedBy" in view and "analysedBy" in view
 
 
+@pytest.mark.parametrize("status", ["failed", "processing", "queued", "analysed"])
+@pytest.mark.parametrize("success", [False, True])
+def test_what_is_stored_decides_what_is_public_in_every_status(database_url, sql, status, success):
+    """A stored failure record (the analyser's own log) is admin-only whatever the app's
+    status: failed, claimed again for a retry (processing), queued again by a refetch, or
+    in a row another program wrote (analysed); a stored success is public in each."""
+    log = "login as someone@example.com password hunter2: usb error"
+    if success:
+        stored = {"success": True, "bundleID": "com.example.failed", "trackers": {}}
+    else:
+        stored = {"success": False, "logs": log, "reason": "analysis_failed", "retryable": True}
+    insert_app(sql, "com.example.failed", status="failed", retryable=True, analysis=stored)
+    sql.run(
+        "UPDATE apps SET status = :status, processing_started = CASE :status"
+        " WHEN 'processing' THEN now() END, failure_reason = CASE :status WHEN 'failed'"
+        " THEN failure_reason END, failure_retryable = CASE :status WHEN 'failed'"
+        " THEN failure_retryable END",
+        status=status,
+    )
+    public = get_app({})
+    assert public["statusCode"] == 200, public
+    view = json.loads(public["body"])
+    assert view["status"] == status
+    assert view["analysis"] == (stored if success else None)
+    assert "hunter2" not in public["body"]
+    admin = json.loads(get_app({"authorization": f"Bearer {ADMIN_TOKEN}"})["body"])
+    assert admin["analysis"] == stored
+
+
 # --- every state the database can be in -------------------------------------------------
 
 NAMED_TOKEN = {"Authorization": "Bearer aqa_" + "n" * 43}
