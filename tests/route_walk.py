@@ -74,6 +74,21 @@ class Call:
     static: bool = False  # an answer of fixed text: no database work to look for
 
 
+def route_table(app: FastAPI) -> set[str]:
+    """ "METHOD path" for every route of app's table and of the web view's own."""
+    return {
+        f"{method} {route.path_format}"
+        for route in app.routes
+        if isinstance(route, APIRoute) and route.endpoint is not handler.admin
+        for method in route.methods
+    } | {f"{method} {path}" for method, path, _, _ in handler.ADMIN_ROUTES}
+
+
+def routes_walked(calls: list[Call]) -> set[str]:
+    """ "METHOD path" of every route the calls reach (route_table's form)."""
+    return {call.label.split(" (")[0] for call in calls}
+
+
 def status_problem(call: Call, status: int, text: str) -> list[str]:
     """A 5xx, a 401 or a status the call's route does not document, as a problem line."""
     if status >= 500 or status == 401 or str(status) not in call.documented:

@@ -7,8 +7,10 @@ reaching a listener on 127.0.0.1 in both cases, and as tests/expected_answers.py
 (EVENT_RUN, which `make sam-local` checks `sam local` against too).
 
 Each side gets a new, unmigrated database of its own and the events of EVENT_RUN in its
-order. Where the machine lacks something this needs (Python 3.12, mount namespaces), the
-test fails saying so.
+order. Then the route walk (tests/route_walk.py) goes through the built package: every
+route of the table answers on Python 3.12, the runtime's version, without a 5xx, an
+undocumented status or an error in the function's log. Where the machine lacks something
+this needs (Python 3.12, mount namespaces), the test fails saying so.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+from urllib.parse import urlencode
 
 import pytest
 from expected_answers import EVENT_RUN, mismatches
-from kit import configure_function
+from kit import ADMIN_TOKEN, UPLOAD_PASSWORD, configure_function, configure_service
 from lambda_emulator import (
     KIT_REQUIREMENTS,
     SAM_REQUIREMENTS,
@@ -29,9 +32,19 @@ from lambda_emulator import (
     lambda_python,
     prepare_kit,
 )
+from route_walk import APP_ID, Values, calls_for, route_table, routes_walked, status_problem
 
 import handler
-from helpers import EVENTS, LambdaContext, ResponseURL, env_json, load_event
+from helpers import (
+    EVENTS,
+    LambdaContext,
+    ResponseURL,
+    connect,
+    env_json,
+    gateway_event,
+    insert_app,
+    load_event,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("lambda_container"),
@@ -167,6 +180,56 @@ def test_every_event_answers_in_the_emulator_as_in_process_and_as_expected(
             assert ours[1] == ours[2], (step.event, log)
     # And Lambda's init ran the shipped bytecode read-only: nothing could be written.
     assert "Read-only file system" not in logs["ApiFunction"]
+
+
+# What the function's log shows of an error: Powertools' JSON lines, the runtime client's
+# and Python's own.
+LOGGED_ERROR = re.compile(r'"level": ?"(ERROR|CRITICAL)"|\[ERROR\]|Traceback \(most recent call')
+
+
+def test_every_route_answers_on_the_runtimes_python(
+    runtime_parts, databases, tmp_path, monkeypatch
+):
+    url = databases.create()
+    configure_service(monkeypatch, url, ADMIN_WEB="full")  # the walk signs in, in process
+    sql = connect(url)
+    try:
+        insert_app(sql, APP_ID)
+        calls = calls_for(handler.app, Values(sql))
+    finally:
+        sql.close()
+    python, kit, function_dir, layer_dir = runtime_parts
+    handler_name, memory_mb, timeout_s = FUNCTIONS["ApiFunction"]
+    variables = {
+        **env_json("ApiFunction"),
+        "DATABASE_URL": url,
+        "UPLOAD_PASSWORD": UPLOAD_PASSWORD,
+        "ADMIN_TOKEN": ADMIN_TOKEN,
+        "ADMIN_WEB": "full",
+    }
+    problems = []
+    with Emulator(
+        kit,
+        python,
+        function_dir,
+        layer_dir,
+        handler_name,
+        variables,
+        function_name="analysis-queue-ApiFunction",
+        memory_mb=memory_mb,
+        timeout_s=timeout_s,
+        log_path=tmp_path / "walk.log",
+    ) as emulator:
+        for call in calls:
+            headers = {name.lower(): value for name, value in call.headers.items()}
+            query = urlencode(call.params)
+            event = gateway_event(call.method, call.path, query, headers, call.body, True)
+            answer = emulator.invoke(event)
+            problems += status_problem(call, answer["statusCode"], str(answer.get("body")))
+        log = emulator.log()
+    assert routes_walked(calls) == route_table(handler.app)
+    assert problems == [], log[-3000:]
+    assert [line for line in log.splitlines() if LOGGED_ERROR.search(line)] == []
 
 
 def dockerd_flags(text: str) -> set[str]:

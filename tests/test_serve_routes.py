@@ -26,7 +26,17 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from kit import ADMIN_TOKEN, UPLOAD_PASSWORD, configure_service
-from route_walk import APP_ID, Call, CannotBuild, ErrorLogs, Values, calls_for, status_problem
+from route_walk import (
+    APP_ID,
+    Call,
+    CannotBuild,
+    ErrorLogs,
+    Values,
+    calls_for,
+    route_table,
+    routes_walked,
+    status_problem,
+)
 from starlette.background import BackgroundTask
 
 import handler
@@ -159,14 +169,7 @@ def walkable(request, database_url, sql, monkeypatch) -> Values:
 
 def test_no_route_does_database_work_on_the_event_loop(walkable, monkeypatch):
     calls = calls_for(handler.app, walkable)
-    routes = {call.label.split(" (")[0] for call in calls}
-    table = {
-        f"{method} {route.path_format}"
-        for route in handler.app.routes
-        if isinstance(route, APIRoute) and route.endpoint is not handler.admin
-        for method in route.methods
-    } | {f"{method} {path}" for method, path, _, _ in handler.ADMIN_ROUTES}
-    assert routes == table  # every route of the table, none left out
+    assert routes_walked(calls) == route_table(handler.app)  # every route, none left out
     assert walk(handler.app, walkable, monkeypatch) == []
 
 
