@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -334,11 +335,16 @@ def test_custom_resource_answers_before_the_lambda_timeout(
 def test_custom_resource_without_time_left_answers_at_once(database_url, sql_dir, response_url):
     sql_dir("900_lambda_note.sql", "CREATE TABLE lambda_note (id integer);\n")
     before = ledger(database_url)
+    running = set(threading.enumerate())
     invoke_migrate(cfn_event("cfn-update.json", response_url), remaining_ms=5_000)
     reply = response_url.reply()
     assert reply["Status"] == "FAILED"
     assert reply["Reason"] == "migration failed: TimeoutError: no time left to run the migrations"
-    time.sleep(0.5)  # a runner left behind would have applied the file by now
+    # Every thread the invocation started has ended (a runner left behind would have
+    # applied the file by then), and the ledger is as it was.
+    for thread in set(threading.enumerate()) - running:
+        thread.join(60)
+        assert not thread.is_alive(), thread
     assert ledger(database_url) == before
 
 
