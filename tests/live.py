@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -17,6 +16,25 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+class ReadyServer(uvicorn.Server):
+    """uvicorn's Server, saying when it listens (`ready`, set once its startup is done,
+    or once it stopped without starting: `started` tells which)."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        self.ready.set()
+
+    def run(self, sockets=None) -> None:
+        try:
+            super().run(sockets=sockets)
+        finally:
+            self.ready.set()
+
+
 class LiveServer:
     def __init__(self, app):
         self.port = free_port()
@@ -24,16 +42,13 @@ class LiveServer:
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
         )
-        self.server = uvicorn.Server(config)
+        self.server = ReadyServer(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
+        if not self.server.ready.wait(30) or not self.server.started:
+            raise RuntimeError("uvicorn did not start")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -73,7 +88,9 @@ class TcpProxy:
     that lost its route (no reply, no reset). `cut_reply_after(marker)` loses one reply:
     the next time a client sends bytes holding `marker` (and then `more` further chunks),
     they reach the server, and the connection is cut before the server's answer comes
-    back, as a network cut right after a COMMIT left would."""
+    back, as a network cut right after a COMMIT left would: the proxy cuts the client off
+    once the server's answer has reached it (so the server has acted on those bytes), and
+    drops that answer."""
 
     def __init__(self, target: dict):
         self.target = target
@@ -104,7 +121,7 @@ class TcpProxy:
             self.cuts += 1
             return True
 
-    def _forward(self, client: socket.socket, upstream: socket.socket, dropped) -> None:
+    def _forward(self, client: socket.socket, upstream: socket.socket, dropped, answered) -> None:
         """Client to server, watching for the chunk after which the reply is lost."""
         try:
             while data := client.recv(65536):
@@ -114,20 +131,26 @@ class TcpProxy:
                 if not self.blackhole.is_set():
                     upstream.sendall(data)
                 if cut:
-                    time.sleep(0.5)  # the server has the chunk and acts on it
+                    # The server has the chunk and acts on it: its answer comes back (to
+                    # be dropped here), or the connection is cut without it after a bound.
+                    answered.wait(30)
                     client.shutdown(socket.SHUT_RDWR)
                     client.close()
                     return
         except OSError:
             pass
 
-    def _reply(self, upstream: socket.socket, client: socket.socket, dropped) -> None:
+    def _reply(self, upstream: socket.socket, client: socket.socket, dropped, answered) -> None:
         try:
             while data := upstream.recv(65536):
-                if not self.blackhole.is_set() and not dropped.is_set():
+                if dropped.is_set():
+                    answered.set()
+                elif not self.blackhole.is_set():
                     client.sendall(data)
         except OSError:
             pass
+        finally:
+            answered.set()  # the server closed: nothing more will come
 
     def _upstream(self) -> socket.socket:
         if "unix_sock" in self.target:
@@ -159,12 +182,12 @@ class TcpProxy:
                 continue
             upstream = self._upstream()
             self.sockets.append(upstream)
-            dropped = threading.Event()
+            dropped, answered = threading.Event(), threading.Event()
             for pump, pair in (
                 (self._forward, (client, upstream)),
                 (self._reply, (upstream, client)),
             ):
-                threading.Thread(target=pump, args=(*pair, dropped), daemon=True).start()
+                threading.Thread(target=pump, args=(*pair, dropped, answered), daemon=True).start()
 
     def __enter__(self) -> TcpProxy:
         threading.Thread(target=self._serve, daemon=True).start()
