@@ -1,13 +1,16 @@
 """Does the queue model (tests/test_queue_follows_its_rules.py) catch each of the edge
-fixes taken out?
+fixes taken out, and does each guarantee's own test (the one docs/testing.md names for
+it) catch its slip?
 
 For every mutation below, a copy of the checkout gets handler.py with that one fix undone,
 and the model test runs there (or, for a fix outside the model's reach, the tests named
-with it). A mutation those tests do not fail is reported as MISSED. Prints one line per
-mutation and exits 1 if any was missed.
+with it: the file docs/testing.md names for that guarantee). A mutation those tests do
+not fail is reported as MISSED. Prints one line per mutation and exits 1 if any was
+missed.
 
     python3 bench/model_mutations.py            # every mutation
     python3 bench/model_mutations.py refetch    # the ones whose name contains "refetch"
+    python3 bench/model_mutations.py "compared with" "per chunk"   # either word group
 
 It runs against DATABASE_URL when set, else the copy's own embedded PostgreSQL, with the
 "mutations" hypothesis profile (tests/conftest.py): a run stops at its first failing
@@ -120,6 +123,32 @@ MUTATIONS = {
     "an analyser's own failure reason is stored as the app's reason": (
         "        reason = written if written in ANALYSER_FAILURE_REASONS else ANALYSIS_FAILED\n",
         "        reason = written\n",
+        "tests/test_public_answers.py",
+    ),
+    "a secret from the store is compared with ==": (
+        "    if hmac.compare_digest(given, expected.encode()):\n",
+        "    if given == expected.encode():\n",
+        "tests/test_secrets_stay_secret.py",
+    ),
+    "the web view's session signature is compared with !=": (
+        "    if not hmac.compare_digest(signature.encode(),"
+        " _session_signature(session_id).encode()):",
+        "    if signature.encode() != _session_signature(session_id).encode():",
+        "tests/test_secrets_stay_secret.py",
+    ),
+    "the body limit is checked per chunk": (
+        "            if size > limit:\n",
+        "            if len(chunk) > limit:\n",
+        "tests/test_api.py",
+    ),
+    "the claim hands out failures that will not be retried": (
+        "    OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))\n",
+        "    OR ((status = 'analysed' OR status = 'failed')\n",
+        "tests/test_claims_follow_the_oracle.py",
+    ),
+    "the public answer hides failure records by status": (
+        '    withheld = row["failure_record"] and not admin\n',
+        '    withheld = row["status"] == "failed" and not admin\n',
         "tests/test_public_answers.py",
     ),
 }
