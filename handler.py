@@ -2101,20 +2101,23 @@ SET last_seen = now(), source_address = EXCLUDED.source_address,
     user_agent = EXCLUDED.user_agent, pings = analyser_heartbeats.pings + 1
 """
 # Heartbeats: the shared password's (by X-Analyser-Id, or address and User-Agent) and
-# the named analysers' (their own row, not revoked: a revoked analyser's requests get
-# 401, so it is active nowhere). Ages come from the database's clock, the one that wrote
-# the times; a time the service cannot have written (infinite, or in the future) is not
-# a heartbeat. An analyser is active when it sent one in the last hour: the figure of
+# the named analysers' (their own row). Ages come from the database's clock, the one that
+# wrote the times; a time the service cannot have written (infinite, or in the future) is
+# not a heartbeat. The last ping is every analyser's, a since revoked one's too (it did
+# ping then). An analyser is active when it sent one in the last hour and is not revoked
+# (a revoked analyser's requests get 401, so it is active nowhere): the figure of
 # ActiveAnalysers, /healthz/analyser and queue-status alike, and each named analyser's
 # `online` (ANALYSER_ACTIVITY).
 ACTIVE_HEARTBEAT = "({0} > now() - interval '1 hour' AND {0} <= now())"
 LAST_PING = f"""
 WITH seen AS (
-    SELECT last_seen FROM analyser_heartbeats
-    UNION ALL SELECT last_seen FROM analysers WHERE revoked IS NULL AND last_seen IS NOT NULL
+    SELECT last_seen, true AS current FROM analyser_heartbeats
+    UNION ALL
+    SELECT last_seen, revoked IS NULL FROM analysers WHERE last_seen IS NOT NULL
 )
 SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_ping,
-       count(*) FILTER (WHERE {ACTIVE_HEARTBEAT.format("last_seen")}) AS analysers_last_hour
+       count(*) FILTER (WHERE current AND {ACTIVE_HEARTBEAT.format("last_seen")})
+           AS analysers_last_hour
 FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
 """
 # Named analysers' credentials (sql/022): a token is known by its SHA-256 only. A request
@@ -4406,7 +4409,7 @@ def queue_metrics(status: QueueStatus) -> dict[str, float]:
         "AnalysedLastHour": throughput["analysed_1h"],
         "FailedLastHour": throughput["failed_1h"],
         "OutdatedResultsLast24h": throughput["outdated_24h"],
-        # Analysers that sent a heartbeat in the last hour (LAST_PING: revoked ones not),
+        # Analysers that sent a heartbeat in the last hour, not revoked (LAST_PING),
         # one dead host of several shows as a drop (template.yaml alarms on it).
         "ActiveAnalysers": status.analysers_last_hour,
     }
@@ -6256,18 +6259,23 @@ def _json_object(body: bytes, allowed: set[str]) -> dict[str, Any]:
 
 
 def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
-    """{"appIds": [...]} or {"filter": {"state": "failed", "reason", "q"}}, and "force":
-    the named apps, or the failed apps the filter matches (at most BULK_REFETCH_LIMIT, the
-    most popular first), refetched as `queue-refetch --apply` does (the filter is its
-    --failed --include-non-retryable --reason --prefix), each batch with its record. The
+    """{"appIds": [...]} or {"filter": {"state": "failed", "reason", "q"}}, and "force"
+    and "dryRun": the named apps, or the failed apps the filter matches (at most
+    BULK_REFETCH_LIMIT, the most popular first), refetched as `queue-refetch --apply` does
+    (the filter is its --failed --include-non-retryable --reason --prefix), each batch with
+    its record; with "dryRun": true, what that would do, as `queue-refetch` without
+    --apply says it, changing and recording nothing. The
     filter is the selection's condition, re-checked on each app under its lock: an app
     that no longer matches is "skipped". A named app whose bundle ID is not a valid one (a
     row older than sql/003, as the apps list shows it) is never valid again: "invalid"."""
     require_actions()
-    asked = _json_object(body, {"appIds", "filter", "force"})
-    force = asked.get("force", False)
-    if ("appIds" in asked) == ("filter" in asked) or not isinstance(force, bool):
-        raise BadInput('give "appIds" or "filter" (one of them), and "force" true or false')
+    asked = _json_object(body, {"appIds", "filter", "force", "dryRun"})
+    force, dry_run = asked.get("force", False), asked.get("dryRun", False)
+    flags_are_booleans = isinstance(force, bool) and isinstance(dry_run, bool)
+    if ("appIds" in asked) == ("filter" in asked) or not flags_are_booleans:
+        raise BadInput(
+            'give "appIds" or "filter" (one of them), and "force" and "dryRun" true or false'
+        )
     invalid: list[str] = []
     if "filter" in asked:
         where = asked["filter"]
@@ -6292,7 +6300,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
             invalid = [a for a in app_ids if not is_valid_bundle_id(a)]
             app_ids = [a for a in app_ids if a not in invalid]
         fields = {"app_ids": app_ids}
-    request_ = RefetchRequest.checked(REFETCH_EVENT_NAMES, apply=True, force=force, **fields)
+    request_ = RefetchRequest.checked(REFETCH_EVENT_NAMES, apply=not dry_run, force=force, **fields)
     done: list[dict[str, str]] = []
     progress = RefetchProgress()
     if request_.app_ids or "filter" in asked:
@@ -6305,6 +6313,7 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
         )
     return JSONResponse(
         {
+            "applied": not dry_run,
             "selected": progress.selected,
             "outcomes": progress.outcomes,
             "unknown": sorted(set(unknown_app_ids(request_.app_ids, done))),

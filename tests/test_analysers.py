@@ -408,3 +408,18 @@ def test_active_analysers_agree_everywhere_and_revoked_ones_drop_out(client, sql
     assert figures() == (2, 2, 2, 1)
     sql.run("UPDATE analysers SET last_seen = now() + interval '1 day' WHERE name = 'pi-1'")
     assert figures() == (1, 1, 1, 0)
+
+
+def test_the_last_ping_counts_an_analyser_revoked_since(client, sql):
+    """The last ping is every analyser's: one that pinged and was then revoked did ping,
+    so queue-status, /healthz/analyser and the report never say "never" after it; it is
+    no longer active (analysersLastHour)."""
+    token = add(client, "pi-gone")
+    assert client.get("/ping", headers=token).status_code == 200
+    assert client.delete("/analysers/pi-gone", headers=ADMIN).status_code == 200
+    health = client.get("/healthz/analyser").json()
+    status = handler.queue_status(handler.api_connection(), handler.settings().policy)
+    assert health["analysersLastHour"] == status.analysers_last_hour == 0
+    assert health["minutesSinceLastPing"] is not None
+    assert 0 <= status.minutes_since_last_ping < 5
+    assert "Last analyser ping: never" not in handler.format_queue_status(status)

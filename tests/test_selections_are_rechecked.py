@@ -402,3 +402,59 @@ def test_a_state_filter_beside_named_apps_is_refused(flag, database_url, sql, mo
     with pytest.raises(handler.BadInput, match="not with appIds"):
         handler.report(event, LambdaContext("analysis-queue-ReportFunction"))
     assert rows(sql) == before
+
+
+def post_refetch(body: dict[str, Any]) -> dict[str, Any]:
+    headers = {**{k.lower(): v for k, v in ADMIN.items()}, "content-type": "application/json"}
+    event = gateway_event("POST", "/admin/api/refetch", "", headers, json.dumps(body))
+    answer = handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
+    assert answer["statusCode"] == 200, answer
+    return json.loads(answer["body"])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"appIds": list(APPS), "force": True},
+        {"filter": {"state": "failed", "reason": None, "q": "sel."}},
+    ],
+    ids=["named", "filter"],
+)
+def test_the_admin_apis_dry_run_says_what_the_apply_does_and_changes_nothing(
+    body, database_url, sql, monkeypatch
+):
+    """POST /admin/api/refetch with "dryRun": true answers the outcomes the same request
+    without it then has, and changes and records nothing (as queue-refetch without
+    --apply)."""
+    configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    for appid, state in zip(APPS, ARRANGED_STATES, strict=False):
+        arrange(sql, appid, state)
+    arrange(sql, "sel.f", "failed for good")
+    before = sql.run("SELECT * FROM apps ORDER BY appid"), sql.run("TABLE operator_actions")
+
+    dry = post_refetch({**body, "dryRun": True})
+    assert (sql.run("SELECT * FROM apps ORDER BY appid"), sql.run("TABLE operator_actions")) == (
+        before
+    )
+    applied = post_refetch(body)
+    assert (dry["applied"], applied["applied"]) == (False, True)
+    assert {k: v for k, v in dry.items() if k != "applied"} == {
+        k: v for k, v in applied.items() if k != "applied"
+    }
+    assert applied["outcomes"]["queued"] >= 1  # the apply changed apps
+    assert sql.run("TABLE operator_actions") != before[1]
+
+
+@pytest.mark.parametrize("flag", ["force", "dryRun"])
+@pytest.mark.parametrize("value", [1, 0, "true", None])
+def test_the_admin_apis_flags_are_booleans_or_refused(flag, value, database_url, sql, monkeypatch):
+    configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    arrange(sql, "sel.a", "failed")
+    before = sql.run("SELECT * FROM apps")
+    headers = {**{k.lower(): v for k, v in ADMIN.items()}, "content-type": "application/json"}
+    body = json.dumps({"appIds": ["sel.a"], flag: value})
+    event = gateway_event("POST", "/admin/api/refetch", "", headers, body)
+    answer = handler.api(event, LambdaContext("analysis-queue-ApiFunction"))
+    assert answer["statusCode"] == 400
+    assert '"dryRun" true or false' in json.loads(answer["body"])["detail"]
+    assert sql.run("SELECT * FROM apps") == before
