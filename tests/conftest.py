@@ -23,9 +23,13 @@ import pytest  # noqa: E402
 from hypothesis import Phase  # noqa: E402
 from hypothesis import settings as hypothesis_settings  # noqa: E402
 from kit import (  # noqa: E402
+    HYPOTHESIS_PROFILE,
+    NO_DATABASE,
+    NO_DATABASE_URL,
     SHARED_DB,
     TEMPLATE_DB,
     Databases,
+    NoDatabase,
     SharedDatabase,
     configure_service,
     connect,
@@ -47,7 +51,7 @@ hypothesis_settings.register_profile(
     max_examples=60,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
-hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+hypothesis_settings.load_profile(HYPOTHESIS_PROFILE)
 
 
 def pytest_configure(config):
@@ -56,6 +60,29 @@ def pytest_configure(config):
         "private_database: database_url is a migrated database of the test's own, not the"
         " shared one (for a test that changes the schema, grants or database settings)",
     )
+
+
+@pytest.fixture(autouse=True)
+def no_database_guard(request, monkeypatch):
+    """For a test marked no_database (kit.NoDatabase): it fails, by name, if it asks for a
+    database fixture or opens a PostgreSQL connection; DATABASE_URL names nothing while it
+    runs. Other tests: nothing."""
+    if request.node.get_closest_marker(NO_DATABASE) is None:
+        yield None
+        return
+    guard = NoDatabase(request.node.nodeid, request.fixturenames)
+    if guard.asked_for():
+        pytest.fail(guard.message(f"asks for {', '.join(guard.asked_for())}"), pytrace=False)
+    import pg8000.core
+
+    monkeypatch.setattr(pg8000.core.CoreConnection, "__init__", guard.refuse)
+    monkeypatch.setenv("DATABASE_URL", NO_DATABASE_URL)
+    yield guard
+    guard.fixturenames = request.fixturenames  # with those it asked for by getfixturevalue
+    if guard.asked_for():
+        pytest.fail(guard.message(f"asks for {', '.join(guard.asked_for())}"), pytrace=False)
+    if guard.attempts:
+        pytest.fail(guard.message("opened a PostgreSQL connection"), pytrace=False)
 
 
 @pytest.fixture(scope="session")

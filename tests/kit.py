@@ -401,3 +401,68 @@ def time_passes() -> None:
     """As far as the promoter can tell, PROMOTE_EVERY_SECONDS have passed: its next call
     runs again (in production the clock does this)."""
     handler.runtime().clock.advance(handler.PROMOTE_EVERY_SECONDS)
+
+
+# --- tests marked no_database ------------------------------------------------------------
+
+# A test marked `@pytest.mark.no_database` uses no PostgreSQL: its outcome cannot depend on
+# the server's version, so CI's second pass (the machine's PostgreSQL) leaves it out
+# (-m "not no_database"). conftest.py keeps the mark honest through NoDatabase.
+NO_DATABASE = "no_database"
+# Every fixture that hands out a server or a database (each needs server_url or
+# database_url, so a fixture built on one of them has it among its test's fixturenames).
+DATABASE_FIXTURES = frozenset(
+    {
+        "server_url",
+        "template_url",
+        "databases",
+        "empty_database",
+        "shared_database",
+        "database_url",
+        "is_volatile",
+        "sql",
+        "client",
+    }
+)
+# DATABASE_URL while a test marked no_database runs: nothing listens there, so a process
+# it starts that reaches for a database fails too.
+NO_DATABASE_URL = "postgresql://no_database@127.0.0.1:9/marked_no_database"
+
+
+class NoDatabase:
+    """The mark no_database kept for one test (`nodeid`, whose fixtures are
+    `fixturenames`): asked_for() names the database fixtures it asks for (conftest.py fails
+    the test naming them); refuse() stands in for pg8000's connection while it runs, so a
+    connection it opens fails it by name, here and (attempts) when it ends, even if the
+    code under test caught the failure."""
+
+    def __init__(self, nodeid: str, fixturenames: list[str]):
+        self.nodeid = nodeid
+        self.fixturenames = fixturenames
+        self.attempts = 0
+
+    def asked_for(self) -> list[str]:
+        return sorted(DATABASE_FIXTURES.intersection(self.fixturenames))
+
+    def message(self, what: str) -> str:
+        return f"{self.nodeid} is marked {NO_DATABASE} but {what}: take the mark off"
+
+    def refuse(self, *args, **kwargs) -> None:
+        import pytest
+
+        self.attempts += 1
+        pytest.fail(self.message("opened a PostgreSQL connection"), pytrace=False)
+
+
+# --- generated tests: example counts by profile ----------------------------------------
+
+# conftest.py loads this Hypothesis profile: dev (everyday), ci (thorough: .ci/run's first
+# pass), or mutations (bench/model_mutations.py).
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "dev")
+
+
+def examples(thorough: int) -> int:
+    """A test's own example count, for a test that sets one: `thorough` under the ci and
+    mutations profiles, a fifth of it (at least one) under dev, as the profiles' own
+    counts are (300 and 60)."""
+    return thorough if HYPOTHESIS_PROFILE != "dev" else max(1, thorough // 5)

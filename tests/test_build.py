@@ -25,6 +25,9 @@ from packaging.utils import canonicalize_name
 import handler
 from sam_template import LAMBDA_PYTHON, make, sam_dir_checksum
 
+# Uses no PostgreSQL (conftest.py holds it to that): CI's second pass leaves it out.
+pytestmark = pytest.mark.no_database
+
 REPO = handler.HERE
 # Markers as the Lambda runtime evaluates them.
 LAMBDA_ENVIRONMENT = {

@@ -218,6 +218,7 @@ class Dripping(threading.Thread):
             self.listener.close()
 
 
+@pytest.mark.no_database
 def test_a_reply_that_never_completes_gives_up_within_the_limits(monkeypatch):
     monkeypatch.setattr(handler, "CFN_REPLY_TIMEOUT_SECONDS", 1)
     monkeypatch.setattr(handler, "CFN_REPLY_PAUSES", (0.1, 0.1))

@@ -22,6 +22,9 @@ import handler
 from markdown_pages import DOCS, FENCE, ROOT, prose, table_column
 from sam_template import load_template
 
+# Uses no PostgreSQL (conftest.py holds it to that): CI's second pass leaves it out.
+pytestmark = pytest.mark.no_database
+
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)", re.DOTALL)

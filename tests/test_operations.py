@@ -78,6 +78,7 @@ def _to_crlf(path: Path) -> None:
     path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
 
 
+@pytest.mark.no_database
 def test_the_build_id_changes_exactly_with_handler_or_sql(tmp_path):
     base = _version_of(_package(tmp_path / "base"))
     assert base == _version_of(_package(tmp_path / "same"))  # the same code: the same id

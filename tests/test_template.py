@@ -40,6 +40,9 @@ from sam_template import (
     translate,
 )
 
+# Uses no PostgreSQL (conftest.py holds it to that): CI's second pass leaves it out.
+pytestmark = pytest.mark.no_database
+
 EVENTS = REPO / "events"
 
 RUNTIME = "python3.12"

@@ -27,6 +27,9 @@ from sam_template import (
     translate,
 )
 
+# Uses no PostgreSQL (conftest.py holds it to that): CI's second pass leaves it out.
+pytestmark = pytest.mark.no_database
+
 DOCS = handler.HERE / "docs" / "monitoring.md"
 PUBLIC_ROUTES = {"GET /apps/{appId}", "GET /healthz", "GET /healthz/analyser", "$default"}
 WEB_VIEW_ROUTES = {"ANY /admin", "ANY /admin/{proxy+}"}
