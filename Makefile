@@ -2,10 +2,10 @@
 # SAM copies the repository to a scratch directory, runs `make build-<LogicalId>`
 # there and sets ARTIFACTS_DIR to the directory it packages for that resource.
 #
-# Functions: the package holds ONLY handler.py, its bytecode and sql/ (no caches, no
-# dotfiles), so its content hash, which is the S3 key `sam deploy` uploads it under and
-# so MigrationFunction's auto-published version, changes exactly when handler.py or
-# sql/ change. Everything else (dependencies, the RDS CA bundle) is in the layer.
+# Functions: the package holds ONLY handler.py, its bytecode, sql/ and the web view's
+# files in web/ (no caches, no dotfiles), so its content hash, which is the S3 key `sam
+# deploy` uploads it under and so MigrationFunction's auto-published version, changes
+# exactly when handler.py, sql/ or web/ change. Everything else (dependencies, the RDS CA bundle) is in the layer.
 #
 # Layer: requirements.lock (requirements.txt with every transitive dependency pinned
 # and hashed, `make lock`), installed as manylinux wheels for the Lambda runtime with
@@ -54,10 +54,11 @@ build-ApiFunction build-MigrationFunction build-ReportFunction: function-package
 
 function-package:
 	mkdir -p "$(ARTIFACTS_DIR)"
-	rm -rf "$(ARTIFACTS_DIR)/handler.py" "$(ARTIFACTS_DIR)/sql"
+	rm -rf "$(ARTIFACTS_DIR)/handler.py" "$(ARTIFACTS_DIR)/sql" "$(ARTIFACTS_DIR)/web"
 	cp handler.py "$(ARTIFACTS_DIR)/handler.py"
 	cp -R sql "$(ARTIFACTS_DIR)/sql"
-	find "$(ARTIFACTS_DIR)/sql" -mindepth 1 \( -name '__pycache__' -o -name '.*' -o -name '*.pyc' \) -prune -exec rm -rf {} +
+	cp -R web "$(ARTIFACTS_DIR)/web"
+	find "$(ARTIFACTS_DIR)/sql" "$(ARTIFACTS_DIR)/web" -mindepth 1 \( -name '__pycache__' -o -name '.*' -o -name '*.pyc' \) -prune -exec rm -rf {} +
 	rm -rf "$(ARTIFACTS_DIR)/__pycache__"
 	$(call compile_bytecode,$(ARTIFACTS_DIR)/handler.py,/var/task)
 

@@ -230,6 +230,8 @@ def _error_text(error: BaseException) -> str:
 # Every environment variable is read here, and only here.
 
 HERE = Path(__file__).resolve().parent
+# The web view's page, stylesheet and script, shipped beside handler.py and sql/.
+WEB_DIR = HERE / "web"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -5028,14 +5030,18 @@ def ledger_file_names() -> tuple[str, ...]:
 @functools.cache
 def package_version() -> dict[str, str]:
     """What this code is, as /healthz says it: `build`, a hash of the package's content
-    (handler.py and the ledger files, line endings as migration_files reads them), and
-    `ledger`, its last ledger file (a deploy applies it before this code takes requests).
-    Computed once per process on first use, never at import."""
+    (handler.py, the ledger files and the web view's files, line endings as
+    migration_files reads them), and `ledger`, its last ledger file (a deploy applies it
+    before this code takes requests). Computed once per process on first use, never at
+    import."""
     files = migration_files()
     digest = hashlib.sha256(b"handler.py\0")
     digest.update(Path(__file__).read_bytes().replace(b"\r\n", b"\n"))
     for migration in files:
         digest.update(f"\0sql/{migration.name}\0{migration.checksum}".encode())
+    for page in sorted(WEB_DIR.glob("*")) if WEB_DIR.is_dir() else []:
+        digest.update(f"\0web/{page.name}\0".encode())
+        digest.update(page.read_bytes().replace(b"\r\n", b"\n"))
     return {"build": digest.hexdigest()[:12], "ledger": files[-1].name if files else ""}
 
 
@@ -5849,279 +5855,25 @@ def app_story(db: SharedConnection, app_id: str, policy: QueuePolicy) -> dict[st
 # script puts everything an analyser, the website or an operator wrote into the page as
 # text (textContent), never as HTML, and it is the only script (CSP: script-src 'self').
 
-ADMIN_SHELL = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Analysis queue</title>
-<link rel="stylesheet" href="/admin/static/admin.css">
-<script src="/admin/static/admin.js" defer></script>
-</head><body data-mode="{mode}">
-<nav><a href="/admin">Overview</a> <a href="/admin/apps">Apps</a>
-<a href="/admin/apps?state=failed">Failures</a> <a href="/admin/analysers">Analysers</a>
-<button id="sign-out" type="button">Sign out</button></nav>
-<main id="main"><p>Loading…</p></main>
-</body></html>
-"""
-ADMIN_SIGN_IN = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>Sign in: analysis queue</title>
-<link rel="stylesheet" href="/admin/static/admin.css">
-</head><body>
-<main><h1>Analysis queue</h1>{message}
-<form method="post" action="/admin/login">
-<label>Admin token <input name="token" type="password" autocomplete="off"
-required autofocus></label> <button type="submit">Sign in</button>
-</form></main>
-</body></html>
-"""
+# The page, its sign-in form, its stylesheet and its script are the files of web/
+# (WEB_DIR), read at their first use and kept: nothing is read at import. The two pages
+# are str.format templates ({mode}, {message}).
+
+
+@functools.cache
+def web_file(name: str) -> str:
+    """web/<name>'s text, read once per process."""
+    return (WEB_DIR / name).read_text(encoding="utf-8")
+
+
 SIGN_IN_REFUSED = '<p class="error">That is not the admin token.</p>'
 SIGN_IN_LIMITED = (
     "Too many refused sign-ins from this address: try again within"
     f" {SIGN_IN_WINDOW_MINUTES} minutes."
 )
-ADMIN_CSS = """body{font:15px/1.4 system-ui,sans-serif;margin:0;color:#222}
-nav{background:#234;padding:.6em 1em}nav a{color:#fff;margin-right:1em}
-nav button{float:right}main{padding:1em 1.5em;max-width:80em}
-table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;
-padding:.25em .6em;text-align:left;vertical-align:top}th{background:#eee}
-pre{background:#f6f6f6;padding:.6em;white-space:pre-wrap;word-break:break-all;max-height:30em;
-overflow:auto}.why{border-left:.4em solid #c80;padding:.4em .8em;background:#fff8e8}
-.why.candidate{border-color:#080;background:#eefbe8}.error{color:#b00}
-.token{font-family:monospace;background:#ffe;padding:.4em;border:1px solid #cc8}
-form.filters label{margin-right:1em}.note{color:#666}
-"""
-ADMIN_JS = r"""'use strict';
-// The web view: each page is drawn from /admin/api/*. Data only ever becomes text.
-const main = document.getElementById('main');
-const full = document.body.dataset.mode === 'full';
-
-function el(tag, props, ...children) {
-  const node = document.createElement(tag);
-  for (const [key, value] of Object.entries(props || {})) {
-    if (key === 'onclick') node.addEventListener('click', value);
-    else if (key === 'className') node.className = value;
-    else node.setAttribute(key, value);
-  }
-  for (const child of children) {
-    if (child === null || child === undefined) continue;
-    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
-  }
-  return node;
-}
-// A part a page leaves out is null: left out here too (replaceChildren would write "null").
-function show(...nodes) { main.replaceChildren(...nodes.filter((node) => node !== null)); }
-function table(headers, rows) {
-  return el('table', {}, el('tr', {}, ...headers.map((h) => el('th', {}, h))),
-    ...rows.map((row) => el('tr', {}, ...row.map((cell) => el('td', {}, cell)))));
-}
-function appLink(id) { return el('a', {href: '/admin/apps/' + encodeURIComponent(id)}, id); }
-function when(value) { return value === null || value === undefined ? '-' : String(value); }
-
-async function api(path, body) {
-  const init = {credentials: 'same-origin', headers: {}};
-  if (body !== undefined) {
-    init.method = 'POST';
-    init.headers['Content-Type'] = 'application/json';
-    init.body = JSON.stringify(body);
-  }
-  const answer = await fetch(path, init);
-  if (answer.status === 401) { location.assign('/admin/login'); throw new Error('signed out'); }
-  const data = await answer.json();
-  if (!answer.ok) throw new Error(data.detail || ('HTTP ' + answer.status));
-  return data;
-}
-function failed(error) { show(el('p', {className: 'error'}, error.message)); }
-
-// An action: asks once, says what it did.
-async function act(question, path, body, done) {
-  if (!confirm(question)) return;
-  const out = document.getElementById('outcome');
-  try { done(await api(path, body)); } catch (error) {
-    out.replaceChildren(el('p', {className: 'error'}, error.message));
-  }
-}
-function said(text) {
-  const out = document.getElementById('outcome');  // gone if the page was drawn as an error
-  if (out) out.replaceChildren(el('p', {}, text));
-}
-function refetched(result) {
-  const o = result.outcomes;
-  return `${result.selected} selected: ${o.queued} queued now, ${o.waiting} waiting for` +
-    ` a lease to end, ${o.lease_broken} with the lease broken, ${o.skipped} left as they were.`;
-}
-
-async function overview() {
-  const data = await api('/admin/api/status');
-  const s = data.status;
-  const age = Math.round((Date.now() - Date.parse(data.counted)) / 1000);
-  show(el('h1', {}, 'Overview'),
-    el('p', {className: 'note', id: 'counted'}, `Counted ${age} s ago (${data.counted}).`),
-    el('h2', {}, 'Apps by state'),
-    table(['state', 'apps'], Object.entries(s.counts).map(([k, v]) =>
-      [el('a', {href: '/admin/apps?state=' + k}, k), v])),
-    el('h2', {}, 'Failures by reason'),
-    table(['reason', 'apps'], s.failed_by_reason.map((r) =>
-      [el('a', {href: '/admin/apps?state=failed&reason=' + encodeURIComponent(r.reason)},
-        r.reason), r.apps])),
-    el('h2', {}, 'Backlog'),
-    table(['backlog', 'ETA (hours)', 'analysers in the last hour'],
-      [[s.backlog_total, when(s.eta_hours), s.analysers_last_hour]]),
-    el('h2', {}, 'Next up, in claim order'),
-    table(['bundle ID', 'popularity', 'added', 'why'], s.top_backlog.map((a) =>
-      [appLink(a.appid), when(a.popularity), when(a.added), a.reason])),
-    el('h2', {}, 'Held back'),
-    table(Object.keys(s.held_back), [Object.values(s.held_back)]),
-    el('h2', {}, 'Policy in force'),
-    table(Object.keys(s.policy), [Object.values(s.policy)]));
-}
-
-async function apps() {
-  const query = new URLSearchParams(location.search);
-  const data = await api('/admin/api/apps?' + query);
-  const field = (name, label) => el('label', {}, label + ' ',
-    el('input', {name, value: query.get(name) || '', size: 24}));
-  const state = el('select', {name: 'state'}, el('option', {value: ''}, 'any state'),
-    ...['queued', 'processing', 'analysed', 'failed'].map((s) => {
-      const option = el('option', {value: s}, s);
-      if (query.get('state') === s) option.setAttribute('selected', '');
-      return option;
-    }));
-  const filters = el('form', {className: 'filters', method: 'get', action: '/admin/apps'},
-    el('label', {}, 'State ', state), field('reason', 'Failure reason'),
-    field('q', 'Bundle ID starts with'), el('button', {type: 'submit'}, 'Filter'));
-  const rows = data.apps.map((a) => [appLink(a.appId), a.status, when(a.failure),
-    when(a.analysisVersion), when(a.analysed), when(a.claimedBy)]);
-  const next = new URLSearchParams(query);
-  if (data.next !== null) next.set('after', data.next);
-  const bulk = [];
-  if (full && query.get('state') === 'failed' && data.apps.length) {
-    const where = {state: 'failed', reason: query.get('reason') || null, q: query.get('q') || ''};
-    for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
-      bulk.push(el('button', {type: 'button', onclick: () => act(
-        `${label} every failed app with reason ${where.reason || '(any)'} and bundle ID` +
-        ` starting ${where.q || '(anything)'}, up to ${data.bulkLimit}?`,
-        '/admin/api/refetch', {filter: where, force}, (r) => said(refetched(r)))},
-      `${label} all matching (up to ${data.bulkLimit})`), ' ');
-    }
-  }
-  show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk,
-    table(['bundle ID', 'state', 'failure', 'version', 'analysed', 'leased to'], rows),
-    data.next !== null ? el('a', {href: '/admin/apps?' + next, id: 'next'}, 'Next page') : null);
-}
-
-async function app(id) {
-  const data = await api('/admin/api/apps/' + encodeURIComponent(id));
-  const a = data.app;
-  const why = el('div', {className: 'why' + (data.why.candidate ? ' candidate' : ''), id: 'why'},
-    el('strong', {}, data.why.candidate ? 'Handed out now. ' : 'Not handed out now. '),
-    data.why.why, data.why.from ? ` From ${data.why.from}.` : '');
-  const buttons = [];
-  if (full) {
-    for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
-      buttons.push(el('button', {type: 'button', onclick: () => act(`${label} ${a.appId}?`,
-        '/admin/api/refetch', {appIds: [a.appId], force}, (r) => {
-          const text = refetched(r);
-          route().then(() => said(text));  // the page drawn again, then what was done
-        })}, label), ' ');
-    }
-  }
-  const log = data.history.filter((h) => h.failure_log !== null);
-  show(el('h1', {}, a.appId), why, el('div', {id: 'outcome'}), ...buttons,
-    table(['state', 'failure', 'version', 'analysed', 'added', 'leased to', 'since',
-      'lease attempts', 'analysed by'],
-      [[a.status, when(data.failureReason), when(a.analysisVersion), when(a.analysed),
-        when(a.added), when(a.claimedBy), when(a.processingStarted), data.leaseAttempts,
-        when(a.analysedBy)]]),
-    el('h2', {}, 'Details'), el('pre', {}, JSON.stringify(a.details, null, 2)),
-    el('h2', {}, 'Current result'),
-    el('pre', {id: 'analysis'}, JSON.stringify(a.analysis, null, 2)),
-    el('h2', {}, 'History, newest first'),
-    table(['analysed', 'version', 'source', 'success', 'reason', 'analyser'],
-      data.history.map((h) => [when(h.analysed), when(h.analysisversion),
-        when(h.analysis_source), String(h.success), when(h.reason), when(h.analyser)])),
-    log.length ? el('h2', {}, 'Last failure log') : null,
-    log.length ? el('pre', {}, JSON.stringify(log[0].failure_log, null, 2)) : null,
-    el('h2', {}, 'Operator actions'),
-    table(['when', 'who', 'from', 'what', 'outcome'], data.actions.map((x) =>
-      [x.at, x.actor, x.source, x.action, when(x.outcome)])));
-}
-
-async function analysers() {
-  const data = await api('/admin/api/analysers');
-  const rows = data.analysers.map((a) => {
-    const cells = [a.name, when(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
-      when(a.results24h), when(a.failures24h), when(a.revoked)];
-    if (full && !a.revoked) {
-      // How long the old token keeps working after a rotation.
-      const overlap = el('select', {'aria-label': 'overlap'},
-        ...['24h', '7d', '1h', '0'].map((o) => el('option', {value: o}, o === '0' ? 'none' : o)));
-      cells.push(el('span', {},
-        el('button', {type: 'button', onclick: () => act(`Rotate the token of ${a.name}? The` +
-          ` old one keeps working for ${overlap.selectedOptions[0].text}.`,
-          '/admin/api/analysers/' + encodeURIComponent(a.name) + '/rotate',
-          {overlap: overlap.value}, newToken)}, 'Rotate'), ' overlap ', overlap, ' ',
-        el('button', {type: 'button', onclick: () => act(`Revoke ${a.name}? Its tokens stop` +
-          ' working at once.', '/admin/api/analysers/' + encodeURIComponent(a.name) + '/revoke',
-          {}, () => route())}, 'Revoke')));
-    }
-    return cells;
-  });
-  // A pattern is compiled with the v flag, where a literal - in a class must be escaped.
-  const name = el('input', {name: 'name', required: '', pattern: '[A-Za-z0-9._:@\\-]{1,64}'});
-  const add = el('form', {id: 'add-analyser'}, el('label', {}, 'Name ', name), ' ',
-    el('button', {type: 'submit'}, 'Add analyser'));
-  add.addEventListener('submit', (event) => {
-    event.preventDefault();
-    act(`Add the analyser ${name.value}?`, '/admin/api/analysers', {name: name.value}, newToken);
-  });
-  const headers = ['name', 'last seen', 'online', 'holds', 'results 24 h', 'failures 24 h',
-    'revoked'];
-  show(el('h1', {}, 'Analysers'), full ? add : null, el('div', {id: 'outcome'}),
-    table(full ? [...headers, ''] : headers, rows));
-}
-// A new token, shown once: here, in this answer, never again.
-function newToken(result) {
-  analysers().then(() => document.getElementById('outcome').replaceChildren(
-    el('p', {}, `The token of ${result.name}, shown this once:`),
-    el('p', {className: 'token', id: 'new-token'}, result.token)));
-}
-
-let refresh = null;
-function route() {
-  clearInterval(refresh);
-  const path = location.pathname;
-  if (path === '/admin') {
-    refresh = setInterval(() => {
-      if (document.visibilityState === 'visible') overview().catch(failed);
-    }, 30000);
-    return overview().catch(failed);
-  }
-  if (path === '/admin/apps') return apps().catch(failed);
-  if (path === '/admin/analysers') return analysers().catch(failed);
-  if (path.startsWith('/admin/apps/')) {
-    let id;
-    try { id = decodeURIComponent(path.slice('/admin/apps/'.length)); } catch (error) {
-      return failed(new Error('not an app address: ' + path));
-    }
-    return app(id).catch(failed);
-  }
-}
-// Signed out when the server says so (or finds no session left to end); on an error
-// (503, 403) the page says why and the session stays as it is.
-document.getElementById('sign-out').addEventListener('click', () => {
-  api('/admin/logout', {}).then(() => location.assign('/admin/login')).catch(failed);
-});
-document.addEventListener('visibilitychange', () => {
-  if (document.visibilityState === 'visible' && location.pathname === '/admin') {
-    overview().catch(failed);
-  }
-});
-route();
-"""
 ADMIN_ASSETS = {
-    "/admin/static/admin.css": ("text/css; charset=utf-8", ADMIN_CSS),
-    "/admin/static/admin.js": ("text/javascript; charset=utf-8", ADMIN_JS),
+    "/admin/static/admin.css": ("text/css; charset=utf-8", "admin.css"),
+    "/admin/static/admin.js": ("text/javascript; charset=utf-8", "admin.js"),
 }
 
 
@@ -6139,19 +5891,18 @@ ADMIN_ASSETS = {
 
 
 def _admin_page(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
-    return Response(
-        ADMIN_SHELL.format(mode=settings().admin_web), media_type="text/html; charset=utf-8"
-    )
+    page = web_file("admin.html").format(mode=settings().admin_web)
+    return Response(page, media_type="text/html; charset=utf-8")
 
 
 def _admin_asset(request: Request, operator: None, body: bytes) -> Response:
-    media_type, text = ADMIN_ASSETS[request.scope["path"]]
-    return Response(text, media_type=media_type)
+    media_type, name = ADMIN_ASSETS[request.scope["path"]]
+    return Response(web_file(name), media_type=media_type)
 
 
 def _sign_in_page(message: str = "", status_code: int = 200) -> Response:
     return Response(
-        ADMIN_SIGN_IN.format(message=message),
+        web_file("sign-in.html").format(message=message),
         status_code=status_code,
         media_type="text/html; charset=utf-8",
     )

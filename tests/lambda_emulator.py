@@ -378,6 +378,7 @@ def build(python: str, base: Path) -> tuple[Path, Path]:
     for name in ("handler.py", "Makefile", "requirements.txt", "requirements.lock"):
         shutil.copy2(REPO / name, checkout / name)
     shutil.copytree(REPO / "sql", checkout / "sql")
+    shutil.copytree(REPO / "web", checkout / "web")
     for target, out in (("build-ApiFunction", "fn"), ("build-DependenciesLayer", "layer")):
         done = subprocess.run(
             [

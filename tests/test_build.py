@@ -115,7 +115,7 @@ def checkout(destination) -> None:
     destination.mkdir(parents=True)
     for name in ("handler.py", "Makefile", "requirements.txt", "requirements.lock", "README.md"):
         shutil.copy2(REPO / name, destination / name)
-    for name in ("sql", "docs"):
+    for name in ("sql", "web", "docs"):
         shutil.copytree(REPO / name, destination / name)
 
 
@@ -167,13 +167,14 @@ def test_layer_and_function_ship_unchecked_hash_bytecode_for_3_12(builds):
 
 
 @pytest.mark.slow  # the `builds` fixture: the real Makefile and pip
-def test_the_function_package_is_handler_and_sql_only(builds):
+def test_the_function_package_is_handler_sql_and_web_only(builds):
     """The real build of a checkout with README.md and docs/ ships neither: editing the
     documentation never changes the deployed package (nor re-runs migrations)."""
     _, function = builds[0]
     shipped = {p.relative_to(function).as_posix() for p in function.rglob("*") if p.is_file()}
     ledger = {f"sql/{p.name}" for p in (REPO / "sql").glob("*.sql")}
-    assert shipped == {"handler.py", "__pycache__/handler.cpython-312.pyc"} | ledger
+    page = {f"web/{p.name}" for p in (REPO / "web").iterdir()}
+    assert shipped == {"handler.py", "__pycache__/handler.cpython-312.pyc"} | ledger | page
     assert not any(name.endswith(".md") for name in shipped)
 
 

@@ -55,10 +55,11 @@ def test_healthz_says_the_version_when_it_is_not_ok(database_url, monkeypatch, s
 
 
 def _package(directory: Path) -> Path:
-    """A copy of what the Makefile packages: handler.py and sql/."""
+    """A copy of what the Makefile packages: handler.py, sql/ and web/."""
     directory.mkdir()
     shutil.copy2(handler.HERE / "handler.py", directory / "handler.py")
     shutil.copytree(handler.SQL_DIR, directory / "sql")
+    shutil.copytree(handler.WEB_DIR, directory / "web")
     return directory
 
 
@@ -79,7 +80,7 @@ def _to_crlf(path: Path) -> None:
 
 
 @pytest.mark.no_database
-def test_the_build_id_changes_exactly_with_handler_or_sql(tmp_path):
+def test_the_build_id_changes_exactly_with_handler_sql_or_web(tmp_path):
     base = _version_of(_package(tmp_path / "base"))
     assert base == _version_of(_package(tmp_path / "same"))  # the same code: the same id
 
@@ -88,7 +89,7 @@ def test_the_build_id_changes_exactly_with_handler_or_sql(tmp_path):
     (other_files / "sql" / "notes.txt").write_text("not a ledger file\n")
     crlf = _package(tmp_path / "crlf")  # a Windows checkout (core.autocrlf)
     _to_crlf(crlf / "handler.py")
-    for path in (crlf / "sql").glob("*.sql"):
+    for path in [*(crlf / "sql").glob("*.sql"), *(crlf / "web").iterdir()]:
         _to_crlf(path)
     for unchanged in (other_files, crlf):
         assert _version_of(unchanged) == base, unchanged.name
@@ -101,8 +102,11 @@ def test_the_build_id_changes_exactly_with_handler_or_sql(tmp_path):
     first.write_text(first.read_text() + "\n-- changed\n")
     added = _package(tmp_path / "added")
     (added / "sql" / "999_next.sql").write_text("SELECT 1;\n")
+    web_edited = _package(tmp_path / "web-edited")
+    with (web_edited / "web" / "admin.css").open("a") as f:
+        f.write("p{color:red}\n")
     builds = {base["build"]}
-    for changed in (edited, sql_edited, added):
+    for changed in (edited, sql_edited, added, web_edited):
         version = _version_of(changed)
         assert version["build"] not in builds, changed.name
         builds.add(version["build"])

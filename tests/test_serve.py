@@ -22,14 +22,14 @@ import handler
 from live import free_port
 
 
-# A checkout of its own for each test (handler.py, sql/, events/ in a temporary folder),
+# A checkout of its own for each test (handler.py, sql/, web/, events/ in a temporary folder),
 # so that its .local/pgdata is not the developer's; removed, with anything running in it
 # stopped, whatever the test's outcome.
 @pytest.fixture
 def checkout():
     base = Path(tempfile.mkdtemp(prefix="queue-co-"))
     shutil.copy(handler.HERE / "handler.py", base)
-    for folder in ("sql", "events"):
+    for folder in ("sql", "web", "events"):
         shutil.copytree(handler.HERE / folder, base / folder)
     try:
         yield base

@@ -107,7 +107,7 @@ def source_copy(tmp_path: Path) -> Path:
     ):
         if (REPO / name).is_file():
             shutil.copy2(REPO / name, src / name)
-    for name in ("sql", "events", "docs"):
+    for name in ("sql", "web", "events", "docs"):
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     if not (src / "handler.py").exists():
@@ -339,7 +339,7 @@ def test_api_url_output(transformed):
 # --------------------------------------------------------------------------- migration re-run
 
 
-def test_function_package_holds_only_handler_and_sql(source_copy, tmp_path):
+def test_function_package_holds_only_handler_sql_and_web(source_copy, tmp_path):
     (source_copy / "sql" / "__pycache__").mkdir()
     (source_copy / "sql" / "__pycache__" / "x.cpython-312.pyc").write_bytes(b"\0")
     (source_copy / "sql" / ".DS_Store").write_bytes(b"\0")
@@ -352,7 +352,8 @@ def test_function_package_holds_only_handler_and_sql(source_copy, tmp_path):
     bytecode = {"__pycache__/handler.cpython-312.pyc"} if LAMBDA_PYTHON else set()
     expected = {"handler.py", *bytecode} | {
         p.relative_to(source_copy).as_posix()
-        for p in (source_copy / "sql").rglob("*")
+        for folder in ("sql", "web")
+        for p in (source_copy / folder).rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")
     }
     assert built == expected
@@ -418,6 +419,11 @@ def _add_sql(src: Path) -> None:
     (src / "sql" / "999_new.sql").write_text("SELECT 1;\n")
 
 
+def _edit_web(src: Path) -> None:
+    with (src / "web" / "admin.js").open("a") as f:
+        f.write("\n// changed\n")
+
+
 def _rename_sql(src: Path) -> None:
     last = sorted((src / "sql").glob("*.sql"))[-1]
     last.rename(last.with_name("zz_" + last.name))
@@ -437,10 +443,11 @@ def _rename_sql(src: Path) -> None:
         (_edit_sql, True),
         (_add_sql, True),
         (_rename_sql, True),
+        (_edit_web, True),
     ],
     ids=lambda v: v.__name__.lstrip("_") if callable(v) else str(v),
 )
-def test_package_hash_changes_exactly_with_handler_or_sql(source_copy, tmp_path, change, moves):
+def test_package_hash_changes_exactly_with_handler_sql_or_web(source_copy, tmp_path, change, moves):
     before = build_function_hash(source_copy, tmp_path / "before")
     assert build_function_hash(source_copy, tmp_path / "again") == before  # deterministic
     change(source_copy)

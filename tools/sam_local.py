@@ -332,6 +332,7 @@ def sam_build(python: str) -> None:
             shutil.copy2(REPO / name, source / name)
         shutil.copy2(REPO / "template.yaml", source / "template.yaml")
         shutil.copytree(REPO / "sql", source / "sql")
+        shutil.copytree(REPO / "web", source / "web")
         env = {**SAM_ENV, "ALLOW_MISSING_RDS_CA": "1", "LAMBDA_PYTHON": python}
         run(
             [SAM, "build", "--template-file", source / "template.yaml", "--build-dir", BUILD_DIR],
