@@ -21,7 +21,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from kit import ADMIN, ANALYSER, configure_service, time_passes
+from kit import ADMIN, ANALYSER, configure_service, examples, time_passes
 
 import handler
 from helpers import is_candidate, refetch_apps
@@ -239,7 +239,7 @@ def test_a_mixed_fleet_is_fenced_by_identity(client, sql, database_url, monkeypa
     run_state_machine_as_test(
         FleetModel,
         settings=settings(
-            max_examples=60,
+            max_examples=examples(60),  # 60 at ci, 12 at dev
             stateful_step_count=30,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],

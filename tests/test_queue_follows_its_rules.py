@@ -45,7 +45,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from kit import ADMIN, ANALYSER, configure_service, time_passes
+from kit import ADMIN, ANALYSER, configure_service, examples, time_passes
 
 import handler
 from helpers import lease_expired, refetch_apps
@@ -723,7 +723,7 @@ def test_queue_model(client, sql, database_url, monkeypatch):
     run_state_machine_as_test(
         QueueModel,
         settings=settings(
-            max_examples=100,
+            max_examples=examples(100),  # 100 at ci, 20 at dev
             stateful_step_count=30,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
