@@ -5383,10 +5383,11 @@ async def healthz() -> JSONResponse:
 
 @app.get("/healthz/analyser", openapi_extra={"responses": HEALTH_RESPONSES})
 async def healthz_analyser() -> JSONResponse:
-    """Public: whether any analyser sent a heartbeat in the last hour, and how many did
-    (named or under the shared password; never which)."""
+    """Public: whether any analyser is active (a heartbeat in the last hour, not revoked
+    since), how many are (named or under the shared password; never which), and the age
+    of the last ping (any analyser's, a since revoked one's too: LAST_PING)."""
     minutes, last_hour = await blocking(lambda: last_ping(api_connection()))
-    online = minutes is not None and minutes < 60
+    online = last_hour > 0
     body = {
         "status": "online" if online else "offline",
         "minutesSinceLastPing": None if minutes is None else round(minutes, 1),
@@ -7015,6 +7016,9 @@ def _cli_serve(args: argparse.Namespace) -> int:
         # did what go by it).
         proxy_headers=False,
         http=header_deadline_protocol(SERVE_HEADER_SECONDS),
+        # As on Lambda (Mangum, lifespan off): the app has no startup or shutdown work,
+        # and a lifespan task would be cancelled with a traceback at every Ctrl+C.
+        lifespan="off",
         timeout_keep_alive=SERVE_KEEP_ALIVE_SECONDS,
     )
     return 0

@@ -421,5 +421,6 @@ def test_the_last_ping_counts_an_analyser_revoked_since(client, sql):
     status = handler.queue_status(handler.api_connection(), handler.settings().policy)
     assert health["analysersLastHour"] == status.analysers_last_hour == 0
     assert health["minutesSinceLastPing"] is not None
+    assert health["status"] == "offline"  # no analyser is active: /healthz/analyser is 503
     assert 0 <= status.minutes_since_last_ping < 5
     assert "Last analyser ping: never" not in handler.format_queue_status(status)

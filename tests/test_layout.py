@@ -452,8 +452,9 @@ class Mine:
 
 
 def pins() -> dict[str, str]:
-    """Every `name==version` of the service's lock and the tests' requirements."""
-    text = (ROOT / "requirements.lock").read_text() + (ROOT / "tests/requirements.txt").read_text()
+    """Every `name==version` of the service's lock, serve's and the tests' requirements."""
+    files = ("requirements.lock", "requirements-serve.txt", "tests/requirements.txt")
+    text = "".join((ROOT / name).read_text() for name in files)
     return dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s;\\]+)", text, re.MULTILINE))
 
 

@@ -157,6 +157,7 @@ def test_serve_shares_its_embedded_postgres_and_stops_it_on_a_signal(
     assert "embedded PostgreSQL" in output
     assert "migrations applied" in output
     assert "warning" not in (output + status.stderr).lower()
+    assert "Traceback" not in output and "ERROR" not in output  # a clean stop, not a crash
 
 
 def test_a_postgres_left_by_a_killed_serve_is_reused_then_stopped(checkout):
