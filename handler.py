@@ -6810,6 +6810,45 @@ if LAMBDA_FUNCTION_NAME:
 # and the developer's commands; the operators' follow.
 
 
+# -- one-line errors
+
+CLI_ERROR_LIMIT = 500  # characters of the one error line
+
+
+def cli_error_line(error: BaseException) -> str:
+    """Any error of a CLI command as one line, for `error: <line>` on stderr: the one
+    place where commands' errors are turned into text, so none ends in a traceback."""
+    state = sqlstate(error)
+    if isinstance(error, ConfigError):
+        text = f"misconfigured: {error}"
+    elif isinstance(error, (MigrationFailed, MigrationRefused, DatabaseUnavailable)):
+        text = _migration_error_text(error)
+    elif state in UNMIGRATED_SQLSTATES:
+        text = (
+            f"the database is not at the head of the ledger ({_error_text(error)});"
+            " run `python3 handler.py migrate` first"
+        )
+    elif state == "57014":
+        text = (
+            f"statement timeout ({_error_text(error)}): a statement ran longer than"
+            " STATEMENT_TIMEOUT_MS; what was committed before it stays"
+        )
+    elif state == "55P03":
+        text = (
+            f"lock timeout ({_error_text(error)}): another session held a lock longer than"
+            " LOCK_TIMEOUT_MS (MIGRATION_LOCK_TIMEOUT for migrate); try again"
+        )
+    elif state == "25006":
+        text = f"the database is read-only ({_error_text(error)})"
+    elif isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        text = f"{error.strerror}{where}"
+    else:
+        text = _error_text(error)
+    line = " ".join(text.split())
+    return line if len(line) <= CLI_ERROR_LIMIT else line[: CLI_ERROR_LIMIT - 1] + "…"
+
+
 # -- the local database
 
 # With nothing configured (no DATABASE_URL, no DB_HOST), every command uses the embedded
@@ -6991,11 +7030,8 @@ def start_serving_threads() -> None:
     get 503 until it does, and each thread connects when it next needs to."""
     try:
         runtime().start_workers(warm_connection, SERVE_START_SECONDS)
-    except Exception as error:  # noqa: BLE001 - logged; serve starts all the same
-        logger.warning(
-            "serve's database threads could not connect yet",
-            extra={"error": f"{type(error).__name__}: {error}"[:300]},
-        )
+    except Exception as error:  # noqa: BLE001 - said; serve starts all the same
+        print(f"serve: the database cannot serve yet: {cli_error_line(error)}", file=sys.stderr)
 
 
 def _cli_serve(args: argparse.Namespace) -> int:
@@ -7378,43 +7414,6 @@ def _port(text: str) -> int:
 
 def _exit_on_signal(number: int, frame: Any) -> None:
     raise SystemExit(128 + number)
-
-
-CLI_ERROR_LIMIT = 500  # characters of the one error line
-
-
-def cli_error_line(error: BaseException) -> str:
-    """Any error of a CLI command as one line, for `error: <line>` on stderr: the one
-    place where commands' errors are turned into text, so none ends in a traceback."""
-    state = sqlstate(error)
-    if isinstance(error, ConfigError):
-        text = f"misconfigured: {error}"
-    elif isinstance(error, (MigrationFailed, MigrationRefused, DatabaseUnavailable)):
-        text = _migration_error_text(error)
-    elif state in UNMIGRATED_SQLSTATES:
-        text = (
-            f"the database is not at the head of the ledger ({_error_text(error)});"
-            " run `python3 handler.py migrate` first"
-        )
-    elif state == "57014":
-        text = (
-            f"statement timeout ({_error_text(error)}): a statement ran longer than"
-            " STATEMENT_TIMEOUT_MS; what was committed before it stays"
-        )
-    elif state == "55P03":
-        text = (
-            f"lock timeout ({_error_text(error)}): another session held a lock longer than"
-            " LOCK_TIMEOUT_MS (MIGRATION_LOCK_TIMEOUT for migrate); try again"
-        )
-    elif state == "25006":
-        text = f"the database is read-only ({_error_text(error)})"
-    elif isinstance(error, OSError) and error.strerror:
-        where = f": {error.filename}" if error.filename else ""
-        text = f"{error.strerror}{where}"
-    else:
-        text = _error_text(error)
-    line = " ".join(text.split())
-    return line if len(line) <= CLI_ERROR_LIMIT else line[: CLI_ERROR_LIMIT - 1] + "…"
 
 
 def cli_parser() -> argparse.ArgumentParser:

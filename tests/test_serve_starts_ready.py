@@ -11,7 +11,6 @@ database that does not answer at start does not keep it from serving.
 from __future__ import annotations
 
 import http.client
-import logging
 import threading
 
 import pytest
@@ -92,17 +91,37 @@ def test_bursts_and_pauses_never_open_more_connections_than_threads(database_url
             assert _service_sessions(sql) <= handler.SERVE_WORKER_THREADS
 
 
+def serve_start_line(capsys) -> str:
+    """What start_serving_threads said on stderr: one line."""
+    handler.start_serving_threads()
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1, said
+    return said
+
+
 def test_a_database_down_at_start_does_not_keep_serve_from_serving(
-    database_url, monkeypatch, caplog
+    database_url, monkeypatch, capsys
 ):
     monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:1/none")
     handler.use_runtime(handler.Runtime(handler.load_settings(), worker_threads=2))
     try:
-        with caplog.at_level(logging.WARNING):
-            handler.start_serving_threads()
-        assert "could not connect yet" in caplog.text
+        assert serve_start_line(capsys).startswith("serve: the database cannot serve yet: ")
     finally:
         handler.use_runtime(None)
+
+
+def test_serve_on_an_unmigrated_database_says_to_migrate_in_one_line(
+    databases, monkeypatch, capsys
+):
+    monkeypatch.setenv("DATABASE_URL", databases.create(migrated=False))
+    handler.use_runtime(handler.Runtime(handler.load_settings(), worker_threads=2))
+    try:
+        line = serve_start_line(capsys)
+    finally:
+        handler.use_runtime(None)
+    assert line.startswith("serve: the database cannot serve yet: ")
+    assert "run `python3 handler.py migrate` first" in line
+    assert "{" not in line  # the reason in words, not a raw error record
 
 
 @pytest.mark.parametrize("threads", [1, 3])
