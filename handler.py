@@ -7304,7 +7304,8 @@ def _cli_queue_refetch(args: argparse.Namespace) -> int:
             if args.apply
             else f"{progress.selected} apps selected"
         )
-        return f"{done}, {progress.examined}{total} examined, {progress.batches} batches committed"
+        batches = f"{progress.batches} batches {'committed' if args.apply else 'read'}"
+        return f"{done}, {progress.examined}{total} examined, {batches}"
 
     def show(rows: list[dict[str, str]], progress: RefetchProgress) -> None:
         nonlocal last

@@ -86,6 +86,8 @@ def test_a_bulk_refetch_commits_in_batches_and_prints_progress(database_url, sql
     assert dry.returncode == 0, dry.stderr
     assert f"Would queue {total} apps for refetch" in dry.stdout
     assert statuses(sql)["analysed"] == total
+    dry_progress = [line for line in dry.stderr.splitlines() if line.startswith("queue-refetch:")]
+    assert "batches read" in dry_progress[-1] and "committed" not in dry.stderr  # none was
 
     done = cli(database_url, "queue-refetch", "--apply", "--yes")
     assert done.returncode == 0, done.stderr
