@@ -9,6 +9,8 @@
   the parser does not have.
 * docs/local-lambda.md names every file in events/; docs/monitoring.md every alarm of
   template.yaml; neither names one that does not exist.
+* docs/api.md's OpenAPI section lists exactly the paths of `handler.app.openapi()`.
+* No page writes a constant of the code in the form of a setting.
 
 Each test fails when something is added to the code without its line in the docs.
 """
@@ -118,6 +120,25 @@ def test_the_routes_table_names_every_route_with_its_auth_and_nothing_else():
     assert documented_catch_alls == catch_alls == 1
 
 
+def test_the_openapi_section_names_exactly_the_paths_the_document_has():
+    """docs/api.md's "The OpenAPI document" lists the paths the document covers: exactly
+    those of `handler.app.openapi()`, each with the methods the routes table gives it; every
+    web view route is in the routes table and none in the document."""
+    document = handler.app.openapi()["paths"]
+    listed = [
+        path
+        for line in section("api.md", "The OpenAPI document").splitlines()
+        if line.startswith("- ")
+        for path in re.findall(r"`(/[^`]*)`", line)
+    ]
+    assert sorted(listed) == sorted(document)
+    documented, _ = documented_routes()
+    covered = {(method, path) for method, path in documented if path in document}
+    assert covered == {(m.upper(), path) for path, ops in document.items() for m in ops}
+    for method, path in admin_routes():
+        assert (method, path) in documented and path not in document, path
+
+
 # ----------------------------------------------------------------- settings and parameters
 
 
@@ -144,6 +165,53 @@ def rows_naming(name: str) -> list[str]:
 def test_every_setting_and_parameter_has_one_row():
     names = settings_read() | set(load_template()["Parameters"])
     assert {name: rows_naming(name) for name in names if len(rows_naming(name)) != 1} == {}
+
+
+# Variables of other programs that the pages set: the tests' (tests/), Python's, Docker's
+# and the SAM CLI's (tools/sam_local.py). The Makefile's come from the Makefile itself.
+OTHER_PROGRAMS_VARIABLES = {
+    "HYPOTHESIS_PROFILE",
+    "WEB_VIEW_SCREENSHOTS",
+    "PYTHONDONTWRITEBYTECODE",
+    "DOCKER_HOST",
+    "SAM_CLI_TELEMETRY",
+}
+# An ALL_CAPS name written as a setting: `NAME=value`, "`NAME` = value", "set `NAME`".
+SETTING_FORMS = (
+    r"(?<![\w$/-])([A-Z][A-Z0-9_]{2,})=(?!=)",
+    r"`([A-Z][A-Z0-9_]{2,})` ?= ?\S",
+    r"\b[Ss]et(?:s|ting)? `([A-Z][A-Z0-9_]{2,})`",
+)
+
+
+def shell_variables(text: str) -> set[str]:
+    """The names a page's shell lines assign from a command or a quoted string
+    (`TOKEN=$(...)`, `LOCAL="..."`): variables of that shell, not settings."""
+    return set(re.findall(r"(?<![\w$])([A-Z][A-Z0-9_]*)=(?:\$\(|\")", text))
+
+
+def test_no_page_writes_a_constant_as_a_setting():
+    """A name written as a setting is one: an environment variable the service reads
+    (docs/configuration.md's table), or another program's. The code's own constants
+    (SERVE_WORKER_THREADS, REFETCH_BATCH, ...) are written as their value, "fixed in the
+    code (`NAME`)"."""
+    makefile = (ROOT / "Makefile").read_text()
+    allowed = settings_read() | OTHER_PROGRAMS_VARIABLES
+    allowed |= set(re.findall(r"^([A-Z][A-Z0-9_]+) \?=", makefile, re.MULTILINE))
+    elsewhere = " ".join(
+        path.read_text()
+        for folder in ("tests", "tools", "bench")
+        for path in (ROOT / folder).glob("*.py")
+    )
+    assert {name for name in OTHER_PROGRAMS_VARIABLES if name not in elsewhere} == set()
+    written = {}
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text()
+        for form in SETTING_FORMS:
+            for name in set(re.findall(form, text)) - allowed - shell_variables(text):
+                written.setdefault(name, []).append(page.name)
+    assert written == {}
+    assert "SERVE_WORKER_THREADS" not in allowed and hasattr(handler, "SERVE_WORKER_THREADS")
 
 
 # --------------------------------------------------------------------------- the CLI
