@@ -7111,7 +7111,7 @@ def _cli_invoke(args: argparse.Namespace) -> int:
         print(f"error: cannot read the event {args.event}: {error}", file=sys.stderr)
         return 2
     if not isinstance(event, dict):
-        print(f"the event {args.event} is not a JSON object", file=sys.stderr)
+        print(f"error: the event {args.event} is not a JSON object", file=sys.stderr)
         return 2
     if args.function == "migrate":
         _local_database(apply=False)  # the function applies the ledger itself

@@ -285,7 +285,7 @@ def test_invoke_with_an_unreadable_event_says_so_in_one_line(database_url, tmp_p
     listed = cli(database_url, "invoke", "api", str(tmp_path / "list.json"))
     assert (listed.returncode, listed.stderr.strip()) == (
         2,
-        f"the event {tmp_path / 'list.json'} is not a JSON object",
+        f"error: the event {tmp_path / 'list.json'} is not a JSON object",
     )
 
 
