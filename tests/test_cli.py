@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 
 import pytest
 
 import handler
-from helpers import app_row, call_cli, connect, days_ago, history, insert_app, minutes_ago
+from helpers import (
+    CLI_SIGNALS,
+    app_row,
+    call_cli,
+    connect,
+    days_ago,
+    history,
+    insert_app,
+    minutes_ago,
+)
 from queue_status import arrange_every_state, assert_the_status_of_every_state
 
 
@@ -19,6 +30,26 @@ def cli(database_url: str, *args: str, unset=(), **extra: str) -> subprocess.Com
     for name in unset:
         env.pop(name, None)
     return call_cli(*args, env=env)
+
+
+def test_a_command_run_in_this_process_leaves_the_process_as_it_found_it(database_url):
+    """call_cli runs handler.main here: the environment, working directory, argv, stdin
+    and the signal handlers main() installs are the test process's own again after it,
+    whatever the command answered, and what it printed was captured, not shown."""
+
+    def state():
+        signals = {number: signal.getsignal(number) for number in CLI_SIGNALS}
+        return dict(os.environ), os.getcwd(), sys.argv, sys.stdin, signals
+
+    before = state()
+    done = cli(database_url, "queue-status", "--json", STALE_ANALYSIS_DAYS="9")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["policy"]["stale_days"] == 9  # env was the call's
+    assert "STALE_ANALYSIS_DAYS" not in os.environ
+    usage = cli(database_url, "queue-status", "--top", "0")
+    assert usage.returncode == 2 and usage.stdout == ""
+    assert usage.stderr.splitlines()[-1].startswith("handler.py queue-status: error:")
+    assert state() == before
 
 
 def test_refetch_one_app_for_exact_app_mode(database_url, sql):
