@@ -1869,14 +1869,31 @@ class _CollectorPause:
 _COLLECTOR = _CollectorPause()
 
 
-def _parse_json_text(body: bytes, name: str) -> tuple[str, Any]:
+def _parse_json_text(body: bytes, name: str, unique_keys: bool = False) -> tuple[str, Any]:
     """The body as JSON that PostgreSQL can store and the service can read back (400
     naming the place otherwise): its text, which is what is stored, and its value, which
-    the service reads and checks (numbers with a fraction or an exponent as JSONNumber)."""
+    the service reads and checks (numbers with a fraction or an exponent as JSONNumber).
+    With `unique_keys` (an operator's request, whose fields say what to do), a key given
+    twice in an object is refused (400), never read as its first or its last value: a
+    "dryRun" given true, then false, must not apply."""
+
+    def one_value_per_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        value = dict(pairs)
+        if len(value) != len(pairs):
+            keys = [key for key, _ in pairs]
+            twice = next(key for key in keys if keys.count(key) > 1)
+            raise HTTPException(400, f"{name} gives {json.dumps(twice)[:100]} more than once")
+        return value
+
     try:
         with _COLLECTOR.paused():
             text = body.decode("utf-8")
-            value = json.loads(text, parse_float=JSONNumber, parse_constant=_reject_constant)
+            value = json.loads(
+                text,
+                parse_float=JSONNumber,
+                parse_constant=_reject_constant,
+                object_pairs_hook=one_value_per_key if unique_keys else None,
+            )
             problem = json_problem(value, name)
     except RecursionError:
         raise HTTPException(400, f"{name} nests deeper than {MAX_JSON_DEPTH} levels") from None
@@ -1887,9 +1904,15 @@ def _parse_json_text(body: bytes, name: str) -> tuple[str, Any]:
     return text, value
 
 
-def _parse_json(body: bytes, name: str) -> Any:
+def _parse_json(body: bytes, name: str, unique_keys: bool = False) -> Any:
     """The body's value, as _parse_json_text checks it."""
-    return _parse_json_text(body, name)[1]
+    return _parse_json_text(body, name, unique_keys)[1]
+
+
+def _parse_operators_json(body: bytes, name: str) -> Any:
+    """An operator's request body (the admin API's and the web view's writes): as
+    _parse_json, each key of an object given once."""
+    return _parse_json(body, name, unique_keys=True)
 
 
 # == HTTP scaffolding: answers ==========================================================
@@ -2558,7 +2581,7 @@ async def create_analyser(request: Request) -> JSONResponse:
     """A new named analyser: {"name": ...}. Its token is in this answer and nowhere else,
     ever: the database keeps its SHA-256."""
     _require_content_type(request, ("application/json",))
-    body = await blocking(_parse_json, await _read_body(request), "the body", parse=True)
+    body = await blocking(_parse_operators_json, await _read_body(request), "the body", parse=True)
     if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
         raise HTTPException(400, 'the body must be {"name": "..."}')
     operator = bearer_operator(request)
@@ -2625,7 +2648,7 @@ async def rotate_analyser_token(request: Request) -> JSONResponse:
     parsed = {}
     if body:
         _require_content_type(request, ("application/json",))
-        parsed = await blocking(_parse_json, body, "the body", parse=True)
+        parsed = await blocking(_parse_operators_json, body, "the body", parse=True)
     seconds, operator = requested_overlap(parsed), bearer_operator(request)
     rotated = await blocking(lambda: rotate_analyser(api_connection(), operator, name, seconds))
     return JSONResponse(rotated, headers=NO_STORE)
@@ -4025,8 +4048,9 @@ NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any 
 async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
-    sent, body = await blocking(_parse_json_text, await _read_body(request), "the body", parse=True)
-    return await blocking(_create_app, bearer_operator(request), body, sent)
+    body = await _read_body(request)
+    sent, parsed = await blocking(_parse_json_text, body, "the body", True, parse=True)
+    return await blocking(_create_app, bearer_operator(request), parsed, sent)
 
 
 def _create_app(operator: Operator, body: Any, sent: str) -> Response:
@@ -5947,9 +5971,20 @@ def _sign_in(request: Request, operator: None, body: bytes) -> Response:
     )
 
 
+def _json_object(body: bytes, allowed: set[str]) -> dict[str, Any]:
+    parsed = _parse_operators_json(body, "the body") if body else {}
+    if not isinstance(parsed, dict) or not set(parsed) <= allowed:
+        if not allowed:
+            raise BadInput("this request takes no body")
+        raise BadInput(f"the body must be a JSON object with only {', '.join(sorted(allowed))}")
+    return parsed
+
+
 def _sign_out(request: Request, operator: Operator, body: bytes) -> Response:
     """Ends the cookie's session, whatever authorised the request (a bearer token sent
-    beside the cookie too); {"signedOut": false} when the cookie carries no live one."""
+    beside the cookie too); {"signedOut": false} when the cookie carries no live one.
+    It takes no body but {} (the page's), as every write that takes no fields."""
+    _json_object(body, set())
     cookie = request.cookies.get(ADMIN_SESSION_COOKIE)
     ended = sign_out(api_connection(), operator, cookie)
     secure = request.url.scheme == "https"
@@ -6001,13 +6036,6 @@ def _api_analysers(request: Request, operator: Operator, body: bytes) -> Respons
 
 
 # -- JSON: actions
-
-
-def _json_object(body: bytes, allowed: set[str]) -> dict[str, Any]:
-    parsed = _parse_json(body, "the body") if body else {}
-    if not isinstance(parsed, dict) or not set(parsed) <= allowed:
-        raise BadInput(f"the body must be a JSON object with only {', '.join(sorted(allowed))}")
-    return parsed
 
 
 def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
@@ -6084,7 +6112,7 @@ def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Resp
 
 def _api_rotate(request: Request, operator: Operator, body: bytes, name: str) -> Response:
     require_actions()
-    seconds = requested_overlap(_parse_json(body, "the body") if body else {})
+    seconds = requested_overlap(_parse_operators_json(body, "the body") if body else {})
     return JSONResponse(rotate_analyser(api_connection(), operator, name, seconds))
 
 
@@ -7040,6 +7068,9 @@ def _cli_serve(args: argparse.Namespace) -> int:
     _local_defaults()
     use_cli_runtime(worker_threads=SERVE_WORKER_THREADS)
     start_serving_threads()
+    web = settings().admin_web
+    where = f" at http://{args.host}:{args.port}/admin" if web != "off" else ""
+    print(f"web view (ADMIN_WEB): {web}{where}", file=sys.stderr)
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again
     # with the handlers main() installed, so the process ends through Python's exit.
     uvicorn.run(
@@ -7500,7 +7531,14 @@ def main(argv: list[str] | None = None) -> int:
     for number in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, _exit_on_signal)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a reader gone (`| head`) is found here, not at the exit
+        return code
+    except BrokenPipeError:
+        # Whoever read the output stopped reading: not the command's error. Its output
+        # goes nowhere from here, and the exit is the one a shell knows (SIGPIPE's).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except Exception as error:  # noqa: BLE001 - every command's error ends here, as one line

@@ -357,3 +357,26 @@ def test_queue_status_json_is_the_scheduled_reports_document(database_url, sql):
         return moving
 
     assert steady(reported) == steady(document)
+
+
+@pytest.mark.parametrize("command", [["queue-status", "--json"], ["priority-report"]])
+def test_a_reader_that_stops_reading_is_no_error(database_url, sql, command):
+    """`handler.py queue-status --json | head -1`: the reader goes away before the output
+    is written. The command says nothing on stderr and exits as a shell expects of a
+    SIGPIPE (141), not with `error: Broken pipe` (exit 1)."""
+    insert_app(sql, "com.example.app")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the command writes a byte
+    try:
+        done = subprocess.run(
+            [sys.executable, str(handler.HERE / "handler.py"), *command],
+            env={**os.environ, "DATABASE_URL": database_url},
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")

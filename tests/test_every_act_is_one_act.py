@@ -314,6 +314,36 @@ def test_a_repeated_query_parameter_is_refused_on_every_route(walked):
         assert everything(walked.sql) == before, call.label
 
 
+def with_a_key_twice(body: bytes | None) -> bytes:
+    """The JSON object `body` with its first key given again, another value last (a key
+    of its own when it has none): `{"dryRun": true, ..., "dryRun": false}`."""
+    sent = json.loads(body or b"{}")
+    key, value = next(iter(sent.items()), ("x", True))
+    pairs = [json.dumps(k) + ": " + json.dumps(v) for k, v in sent.items()]
+    pairs = pairs or [json.dumps(key) + ": " + json.dumps(value)]
+    other = json.dumps(key) + ": " + json.dumps(not value if isinstance(value, bool) else None)
+    return ("{" + ", ".join([*pairs, other]) + "}").encode()
+
+
+def test_a_key_given_twice_in_an_operators_body_is_refused_on_every_route(walked):
+    """An operator's JSON body is never read as a key's first or last value: on every
+    operator write that takes a JSON body, a key given twice is a 400 that changes
+    nothing ({"dryRun": true, "dryRun": false} must not apply)."""
+    tried = []
+    for call, before in walked.each():
+        json_body = call.headers.get("Content-Type") == "application/json"
+        if not (operator_write(call) and json_body):
+            continue
+        call.body = with_a_key_twice(call.body)
+        answer = send(call)
+        assert answer["statusCode"] == 400, (call.label, answer)
+        assert "more than once" in json.loads(answer["body"])["detail"], call.label
+        assert everything(walked.sql) == before, call.label
+        tried.append(call.label.split(" (")[0])
+    # The web view's writes and the admin API's: every one that takes a body.
+    assert {"POST /admin/api/refetch", "POST /apps", "POST /analysers"} <= set(tried)
+
+
 def test_every_answer_only_the_admin_token_opens_is_kept_by_no_cache(walked):
     for call, _ in walked.each():
         if who(call) != "admin" or call.path.startswith("/apps/"):

@@ -156,6 +156,7 @@ def test_serve_shares_its_embedded_postgres_and_stops_it_on_a_signal(
     assert users(checkout) == []
     assert "embedded PostgreSQL" in output
     assert "migrations applied" in output
+    assert "web view (ADMIN_WEB): off" in output
     assert "warning" not in (output + status.stderr).lower()
     assert "Traceback" not in output and "ERROR" not in output  # a clean stop, not a crash
 
