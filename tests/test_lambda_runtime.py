@@ -119,25 +119,31 @@ def by_function() -> list[tuple[str, list[str]]]:
     ]
 
 
+def emulated(runtime_parts, function: str, variables: dict[str, str], log_path) -> Emulator:
+    """`function` of FUNCTIONS in an emulator of its own, as template.yaml gives it."""
+    python, kit, function_dir, layer_dir = runtime_parts
+    handler_name, memory_mb, timeout_s = FUNCTIONS[function]
+    return Emulator(
+        kit,
+        python,
+        function_dir,
+        layer_dir,
+        handler_name,
+        variables,
+        function_name=f"analysis-queue-{function}",
+        memory_mb=memory_mb,
+        timeout_s=timeout_s,
+        log_path=log_path,
+    )
+
+
 def emulated_answers(runtime_parts, tmp_path, url) -> tuple[list[tuple], dict[str, str]]:
     """EVENT_RUN's answers from the built package, each function in an emulator of its own
     on `url`, one after the other; and each function's emulator log."""
-    python, kit, function_dir, layer_dir = runtime_parts
     results, logs = [], {}
     for function, events in by_function():
-        handler_name, memory_mb, timeout_s = FUNCTIONS[function]
-        with Emulator(
-            kit,
-            python,
-            function_dir,
-            layer_dir,
-            handler_name,
-            {**env_json(function), "DATABASE_URL": url},
-            function_name=f"analysis-queue-{function}",
-            memory_mb=memory_mb,
-            timeout_s=timeout_s,
-            log_path=tmp_path / f"{function}.log",
-        ) as emulator:
+        variables = {**env_json(function), "DATABASE_URL": url}
+        with emulated(runtime_parts, function, variables, tmp_path / f"{function}.log") as emulator:
             results += answers(emulator.invoke, events)
             logs[function] = logs.get(function, "") + emulator.log()
     return results, logs
@@ -198,8 +204,6 @@ def test_every_route_answers_on_the_runtimes_python(
         calls = calls_for(handler.app, Values(sql))
     finally:
         sql.close()
-    python, kit, function_dir, layer_dir = runtime_parts
-    handler_name, memory_mb, timeout_s = FUNCTIONS["ApiFunction"]
     variables = {
         **env_json("ApiFunction"),
         "DATABASE_URL": url,
@@ -208,18 +212,7 @@ def test_every_route_answers_on_the_runtimes_python(
         "ADMIN_WEB": "full",
     }
     problems = []
-    with Emulator(
-        kit,
-        python,
-        function_dir,
-        layer_dir,
-        handler_name,
-        variables,
-        function_name="analysis-queue-ApiFunction",
-        memory_mb=memory_mb,
-        timeout_s=timeout_s,
-        log_path=tmp_path / "walk.log",
-    ) as emulator:
+    with emulated(runtime_parts, "ApiFunction", variables, tmp_path / "walk.log") as emulator:
         for call in calls:
             headers = {name.lower(): value for name, value in call.headers.items()}
             query = urlencode(call.params)
