@@ -12,10 +12,12 @@ previous release (bench/claims_upgrade.py), and measures on it:
   statement alone (handler.claim_next_app on the API's connection: the SQL and its
   session, no HTTP stack) and the floor (FLOOR_CLAIM on a bare pg8000 connection) each
   claim a block, in a shuffled order; the claimed rows are put back and apps vacuumed
-  after every block, so each block starts from the same data. The first claim of every
-  service block is checked against the oracle (a plain query of handler.CANDIDATE);
+  after every round, so each round starts from the same data. claim_vs_floor and
+  claim_sql_vs_floor are the medians of the rounds' ratios (block medians), printed with
+  a 95 % interval. The first claim of every service block is checked against the oracle
+  (a plain query of handler.CANDIDATE);
 * throughput with 16 processes (one connection each, as 16 Lambda containers), service
-  and floor windows alternating, no app handed out twice;
+  and floor windows in ABBA order, no app handed out twice;
 * the queue-status and priority reports, on the report function's statement timeout;
 * GET /apps/{appId} through handler.api; over HTTP, in new `handler.py serve`
   processes, the first public read less a warm one, and warm claims (the end-to-end
@@ -328,6 +330,7 @@ class SizeResult:
     apps: int
     service: list[float] = dataclasses.field(default_factory=list)
     claim_sql: list[float] = dataclasses.field(default_factory=list)
+    rounds: list[dict[str, float]] = dataclasses.field(default_factory=list)
     floor: list[float] = dataclasses.field(default_factory=list)
     throughput: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     reports: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -393,15 +396,15 @@ class Bench:
 
     def restore(self) -> None:
         """Put back every row whose claim state differs from the snapshot, and vacuum, so
-        that the next block starts without the dead index entries this one left."""
+        that the next round starts without the dead index entries this one left. (Flags
+        the promoter set on rows it did not claim stay: a policy's own run clears them.)"""
         self.sql.run(
             """UPDATE apps a SET status = s.status, processing_started = s.processing_started,
                    due = s.due, analysis_claim_token = s.analysis_claim_token
                FROM bench_snapshot s
                WHERE a.appid = s.appid
-                 AND (a.status, a.processing_started, a.analysis_claim_token, a.due)
-                     IS DISTINCT FROM
-                     (s.status, s.processing_started, s.analysis_claim_token, s.due)"""
+                 AND (a.status, a.processing_started, a.analysis_claim_token)
+                     IS DISTINCT FROM (s.status, s.processing_started, s.analysis_claim_token)"""
         )
         self.sql.run("VACUUM (INDEX_CLEANUP ON) apps")
 
@@ -485,9 +488,10 @@ def build_and_upgrade(bench: Bench, n: int) -> None:
 
 def latency_phase(bench: Bench, api: ApiProcess) -> None:
     """Rounds of a block each of the service's claims, the claim statement alone and the
-    floor, in a shuffled order, the rows put back after every block."""
+    floor, in a shuffled order, the rows put back after every round; each round's ratios
+    of block medians to the floor's."""
     args, result = bench.args, bench.result
-    count = min(args.claims, max(20, bench.queued() // 4))
+    count = min(args.claims, max(10, bench.queued() // (4 * args.rounds)))
     say(
         f"-- latency, one client: {args.rounds} rounds of {count} claims each through"
         " handler.api, claim_next_app alone and the floor, in a shuffled order"
@@ -517,7 +521,8 @@ def latency_phase(bench: Bench, api: ApiProcess) -> None:
             bench.unique([a for a, _, _ in claims if a], f"{kind}, round {round_number}")
             series[kind][0].extend(t for _, _, t in claims)
             medians[kind] = median(t for _, _, t in claims)
-            bench.restore()
+        bench.restore()
+        result.rounds.append(medians)
         say(
             f"   round {round_number}: "
             + ", ".join(f"{kind} {ms(medians[kind])}" for kind in series)
@@ -532,13 +537,15 @@ def latency_phase(bench: Bench, api: ApiProcess) -> None:
 
 def throughput_phase(bench: Bench) -> None:
     """--clients processes claiming for --duration seconds, service and floor windows in
-    turn (--windows of each); no app handed out twice, every service claim's row held."""
+    turn, ABBA (--windows of each); no app handed out twice, every service claim's row
+    held. The figure is the service's claims over the floor's, all windows summed."""
     args = bench.args
     clients = args.clients
     quota = max(clients, min(100_000, bench.queued() // 2)) // clients
     say(f"-- throughput: {clients} clients, {args.duration:g} s windows, service and floor in turn")
+    kinds = (("service", service_worker), ("floor", floor_worker))
     for number in range(args.windows):
-        for kind, target in (("service", service_worker), ("floor", floor_worker)):
+        for kind, target in kinds[:: 1 if number % 2 == 0 else -1]:  # ABBA: drift cancels
             barrier = SPAWN.Barrier(clients + 1)
             results = SPAWN.Queue()
             work = (bench.url, barrier, results, args.duration, quota)
@@ -752,9 +759,11 @@ def mass_phase(bench: Bench, api: ApiProcess) -> None:
     bench.configure(**env)
     policy = bench.policy
     (fell_due,) = bench.sql.run(UNFLAGGED_STALE, days=days, version=policy.analysis_version)[0]
-    times, claimed, left = [], [], fell_due
+    times, claimed, left, counts = [], [], fell_due, []
     before = len(result.failures)
-    while len(times) < bench.args.mass_max_requests and left:
+    # Until none is left unflagged, or five claims in a row flag none (rows no selection
+    # takes: an old row's invalid bundle ID).
+    while len(times) < bench.args.mass_max_requests and left and counts[-5:] != [left] * 5:
         check = len(times) < 10 or len(times) % 10 == 0
         expected = bench.oracle(policy) if check else None
         ((appid, _, seconds),) = api.call("claims", 1)
@@ -763,9 +772,11 @@ def mass_phase(bench: Bench, api: ApiProcess) -> None:
         if check:
             bench.check(f"mass claim {len(times)}", expected, appid, quiet=True)
         (left,) = bench.sql.run(UNFLAGGED_STALE, days=days, version=policy.analysis_version)[0]
+        counts.append(left)
     result.mass = {"slowest_ms": max(times) * 1000, "median_ms": median(times) * 1000}
     say(
-        f"   {fell_due:,} fell due; {len(times)} claims until all were flagged ({left:,} left):"
+        f"   {fell_due:,} fell due; {len(times)} claims until the promoter flagged no more"
+        f" ({left:,} left):"
         f" slowest {ms(max(times))}, median {ms(median(times))};"
         f" {len(result.failures) - before} oracle mismatches"
     )
@@ -872,11 +883,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--server-url", default=claims_data.DEFAULT_SERVER, help="server for bench_<N>")
     add("--seed", type=int, default=1, help="random seed of the data (1)")
     add("--payload-bytes", type=int, default=1000, help="size of a stored analysis (1000)")
-    add("--claims", type=int, default=150, help="claims per block of the latency rounds")
-    add("--rounds", type=int, default=6, help="latency rounds (6)")
+    add("--claims", type=int, default=40, help="claims per block of the latency rounds (40)")
+    add("--rounds", type=int, default=25, help="latency rounds (25)")
     add("--clients", type=int, default=16, help="throughput clients (16)")
     add("--duration", type=float, default=3.0, help="throughput window, seconds (3)")
-    add("--windows", type=int, default=2, help="throughput windows of each kind (2)")
+    add("--windows", type=int, default=4, help="throughput windows of each kind (4)")
     add("--import-runs", type=int, default=11, help="import timings (11)")
     add("--first-read-runs", type=int, default=5, help="new serve processes (5)")
     add("--http-claims", type=int, default=20, help="GET /queue over HTTP per serve (20)")
@@ -902,10 +913,13 @@ def main(argv: list[str] | None = None) -> int:
 
         args.server_url = handler.start_embedded_postgres(ROOT / ".local" / "bench-pgdata")
         say(f"no server at the default URL; embedded PostgreSQL at {args.server_url}")
+    os.environ.setdefault("POWERTOOLS_LOG_LEVEL", "WARNING")
     global CODE
     CODE = Path(tempfile.mkdtemp(prefix="bench-code-"))
     shutil.copy2(ROOT / "handler.py", CODE / "handler.py")
-    shutil.copytree(ROOT / "sql", CODE / "sql")
+    for part in ("sql", "web"):
+        if (ROOT / part).is_dir():
+            shutil.copytree(ROOT / part, CODE / part)
     os.environ["BENCH_CODE_DIR"] = str(CODE)
     try:
         return run(args, sizes)
@@ -939,6 +953,14 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
     return 0
 
 
+def interval(values: list[float]) -> tuple[float, float]:
+    """A 95 % interval of the median, distribution-free (order statistics k and n-1-k,
+    k = n/2 - 0.98 sqrt(n))."""
+    ordered = sorted(values)
+    k = max(0, int(len(ordered) / 2 - 0.98 * len(ordered) ** 0.5))
+    return ordered[k], ordered[-1 - k]
+
+
 def meets(value: float, op: str, limit: float) -> bool:
     return {"<=": value <= limit, ">=": value >= limit, "<": value < limit}[op]
 
@@ -948,9 +970,13 @@ def summary(results: dict[int, SizeResult], import_ratio: float, boto3: bool, ru
     floor = median(largest.floor)
     upgrade = largest.upgrade
     first_extras = [first - warm for first, warm in largest.first_reads]
+    per_round = {
+        kind: [ratio(r[kind], r["floor"]) for r in largest.rounds]
+        for kind in ("service", "claim SQL")
+    }
     figures = {
-        "claim_vs_floor": ratio(median(largest.service), floor),
-        "claim_sql_vs_floor": ratio(median(largest.claim_sql), floor),
+        "claim_vs_floor": median(per_round["service"]),
+        "claim_sql_vs_floor": median(per_round["claim SQL"]),
         "growth_10k_to_1m": (
             ratio(median(largest.service), median(base.service)) if base else math.nan
         ),
@@ -978,6 +1004,12 @@ def summary(results: dict[int, SizeResult], import_ratio: float, boto3: bool, ru
         f" {median(largest.throughput['service']):.0f}/s, floor"
         f" {median(largest.throughput['floor']):.0f}/s"
     )
+    for kind, name in (("service", "claim_vs_floor"), ("claim SQL", "claim_sql_vs_floor")):
+        low, high = interval(per_round[kind])
+        say(
+            f"   {name}: the median of {len(per_round[kind])} rounds' ratios, its 95 % interval"
+            f" {low:.2f}-{high:.2f}"
+        )
     say(f"   oracle, double claims, Seq Scans: {'all passed' if not failures else failures}")
     say(f"   boto3 on the API path: {'yes: MISS' if boto3 else 'no'}")
     for name, value in figures.items():

@@ -68,18 +68,11 @@ def load(path: Path, name: str):
     return module
 
 
-def interval(values: list[float]) -> tuple[float, float]:
-    """A 95 % interval of the median, distribution-free (order statistics k and n-1-k,
-    k = n/2 - 0.98 sqrt(n))."""
-    ordered = sorted(values)
-    k = max(0, int(len(ordered) / 2 - 0.98 * len(ordered) ** 0.5))
-    return ordered[k], ordered[-1 - k]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vs", required=True, help="the commit to compare with (git rev)")
     parser.add_argument("--before-file", type=Path, help="REF's handler.py, already written")
+    parser.add_argument("--after-file", type=Path, default=ROOT / "handler.py", help="b")
     parser.add_argument("--path", default="/queue", help="the request's path")
     parser.add_argument("--blocks", type=int, default=200, help="rounds (a block per version)")
     parser.add_argument("--calls", type=int, default=25, help="calls per block")
@@ -97,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                     capture_output=True,
                 ).stdout
             )
-        versions = {"a": load(other, "handler_a"), "b": load(ROOT / "handler.py", "handler_b")}
+        versions = {"a": load(other, "handler_a"), "b": load(args.after_file, "handler_b")}
         return measure(versions, args)
 
 
@@ -130,7 +123,7 @@ def measure(versions: dict, args: argparse.Namespace) -> int:
         ratios.append(block["b"] / block["a"])
     a, b = (statistics.median(cpu[key]) * 1e6 for key in ("a", "b"))
     wall_a, wall_b = (statistics.median(wall[key]) * 1e6 for key in ("a", "b"))
-    low, high = interval(ratios)
+    low, high = claims.interval(ratios)
     ratio = statistics.median(ratios)
     name = args.path.strip("/").split("/")[0]
     print(
