@@ -1840,7 +1840,7 @@ def _reject_constant(name: str) -> None:
 class _CollectorPause:
     """Parsing a large document makes millions of containers, and every pass of Python's
     cyclic garbage collector walks them all again: a parse takes longer with it than
-    without (how much: docs/benchmarks.md, "Parsing uploads"). Parsed JSON holds no
+    without (how much: docs/benchmarks.md, "Figures quoted in handler.py"). Parsed JSON holds no
     cycles, so the collector waits while any parse and its check run; with worker
     threads (`serve`) several may overlap, and the collector is on again (if it was on)
     when the last one is done."""
@@ -5758,7 +5758,7 @@ def apps_page(
     def work(session: Session) -> list[dict[str, Any]]:
         # Planned with the filter's values: a generic plan must serve every filter, so it
         # walks every app in bundle-ID order even for the 29 being processed; with the
-        # values it reads the partial index of that state or reason (bench/web_view.py).
+        # values it reads the partial index of that state or reason.
         session.execute(PLAN_WITH_VALUES)
         return session.records(APPS_PAGE, after=after, limit=limit + 1, **where.params())
 

@@ -1,7 +1,7 @@
 """`python3 handler.py serve` is fair: /queue is answered while large uploads are in flight
 (their blocking work runs on worker threads, each with its own connection), and a client
 that trickles its request headers is cut off. Loopback only, bounded. Orders, not times:
-how long /queue takes behind the uploads is bench/serve_fairness.py's."""
+how long /queue took behind the uploads is a row of docs/benchmarks.md's figures."""
 
 from __future__ import annotations
 
