@@ -7522,6 +7522,20 @@ def cli_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader closed it (poll says POLLERR on its write
+    end), as opposed to a broken pipe of the command's own (a socket's)."""
+    import select
+
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file: captured, or closed
+        return False
+    poller = select.poll()
+    poller.register(descriptor, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = cli_parser().parse_args(argv)
     _cli_choices.clear()  # a new command (tests call main() more than once per process)
@@ -7534,14 +7548,15 @@ def main(argv: list[str] | None = None) -> int:
         code = args.run(args)
         sys.stdout.flush()  # a reader gone (`| head`) is found here, not at the exit
         return code
-    except BrokenPipeError:
-        # Whoever read the output stopped reading: not the command's error. Its output
-        # goes nowhere from here, and the exit is the one a shell knows (SIGPIPE's).
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except Exception as error:  # noqa: BLE001 - every command's error ends here, as one line
+        if isinstance(error, BrokenPipeError) and stdout_reader_gone():
+            # Whoever read the output stopped reading (`| head`): not the command's
+            # error. Its output goes nowhere from here, and the exit is the one a shell
+            # knows (SIGPIPE's).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
         print(f"error: {cli_error_line(error)}", file=sys.stderr)
         return 1
 

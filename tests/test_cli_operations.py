@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pg8000.native
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kit import configure_function
 
@@ -604,6 +604,9 @@ ERRORS = st.one_of(
 
 
 @given(ERRORS)
+# A command's own broken pipe (a socket's) is its error too: only a stdout whose reader
+# went away is not (tests/test_cli.py, test_a_reader_that_stops_reading_is_no_error).
+@example(BrokenPipeError(32, "Broken pipe"))
 def test_any_error_of_a_command_is_one_line(error):
     """Generated: whatever a command raises (with any text, newlines included), main()
     prints one `error: ` line on stderr and exits 1."""
