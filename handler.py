@@ -5409,7 +5409,7 @@ async def healthz() -> JSONResponse:
 async def healthz_analyser() -> JSONResponse:
     """Public: whether any analyser is active (a heartbeat in the last hour, not revoked
     since), how many are (named or under the shared password; never which), and the age
-    of the last ping (any analyser's, a since revoked one's too: LAST_PING)."""
+    of the last ping (any analyser's, one revoked since too)."""
     minutes, last_hour = await blocking(lambda: last_ping(api_connection()))
     online = last_hour > 0
     body = {
