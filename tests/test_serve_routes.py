@@ -16,7 +16,9 @@ route that calls the database inline, and for one whose background task fails af
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -92,15 +94,35 @@ def answer_problems(
     return problems
 
 
+def each_request_ended(app: FastAPI, ended: threading.Semaphore) -> Callable:
+    """`app`, releasing `ended` once each HTTP request is done with, background tasks and
+    all (the answer reaches the client before those run). An error that escapes the app
+    is logged here, as uvicorn logs it ("Exception in ASGI application"), before the
+    release: the walk then sees each request's logs before it sends the next."""
+
+    async def app_with_an_end(scope, receive, send) -> None:
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            logging.getLogger("uvicorn.error").exception("Exception in ASGI application")
+        finally:
+            if scope["type"] == "http":
+                ended.release()
+
+    return app_with_an_end
+
+
 def walk(app: FastAPI, values: Values, monkeypatch) -> list[str]:
     """Serve `app` as `serve` does, send it calls_for(app), one at a time; what went
     wrong, one line per request (empty: every route is fair)."""
     calls = calls_for(app, values)
     recorder = Recorder(monkeypatch)
+    ended = threading.Semaphore(0)
     problems = []
+    # uvicorn configures its loggers when it starts, handlers and all: ErrorLogs after.
     with (
+        serving(each_request_ended(app, ended)) as server,
         ErrorLogs() as logs,
-        serving(app) as server,
         httpx.Client(base_url=server.url, timeout=60) as http,
     ):
         loop_thread = server.thread.ident
@@ -110,11 +132,8 @@ def walk(app: FastAPI, values: Values, monkeypatch) -> list[str]:
             answer = http.request(
                 call.method, call.path, params=call.params, headers=call.headers, content=call.body
             )
-            seen = recorder.take()
-            # The answer is read, so anything the app runs after it (a background task)
-            # has ended by the next request, whose take() would see its errors: the
-            # server serves one request at a time here, and the next waits for it.
-            logged = logs.take()
+            assert ended.acquire(timeout=60), f"{call.label}: the request never ended"
+            seen, logged = recorder.take(), logs.take()
             problems += answer_problems(call, answer.status_code, answer.text, seen, logged)
             on_loop = sorted({what for what, thread in seen if thread == loop_thread})
             if on_loop:
@@ -241,7 +260,10 @@ def test_the_walks_catch_an_error_logged_after_the_answer_began(database_url, sq
         f"{late} analysis-queue logged 'unhandled error'",
         f"{late} mangum.http logged 'An error occurred running the application.'",
     ]
-    assert served == [f"{late} analysis-queue logged 'unhandled error'"]
+    assert served == [
+        f"{late} analysis-queue logged 'unhandled error'",
+        f"{late} uvicorn.error logged 'Exception in ASGI application'",
+    ]
 
 
 def test_the_walk_refuses_a_route_it_cannot_build_a_request_for(database_url, sql):
