@@ -1904,15 +1904,19 @@ def _parse_json_text(body: bytes, name: str, unique_keys: bool = False) -> tuple
     return text, value
 
 
-def _parse_json(body: bytes, name: str, unique_keys: bool = False) -> Any:
+def _parse_json(body: bytes, name: str) -> Any:
     """The body's value, as _parse_json_text checks it."""
-    return _parse_json_text(body, name, unique_keys)[1]
+    return _parse_json_text(body, name)[1]
+
+
+def _parse_operators_json_text(body: bytes, name: str) -> tuple[str, Any]:
+    """An operator's request body (the admin API's and the web view's writes): as
+    _parse_json_text, each key of an object given once."""
+    return _parse_json_text(body, name, unique_keys=True)
 
 
 def _parse_operators_json(body: bytes, name: str) -> Any:
-    """An operator's request body (the admin API's and the web view's writes): as
-    _parse_json, each key of an object given once."""
-    return _parse_json(body, name, unique_keys=True)
+    return _parse_operators_json_text(body, name)[1]
 
 
 # == HTTP scaffolding: answers ==========================================================
@@ -4049,7 +4053,7 @@ async def create_app(request: Request) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
     body = await _read_body(request)
-    sent, parsed = await blocking(_parse_json_text, body, "the body", True, parse=True)
+    sent, parsed = await blocking(_parse_operators_json_text, body, "the body", parse=True)
     return await blocking(_create_app, bearer_operator(request), parsed, sent)
 
 
@@ -5063,7 +5067,7 @@ def package_version() -> dict[str, str]:
     digest.update(Path(__file__).read_bytes().replace(b"\r\n", b"\n"))
     for migration in files:
         digest.update(f"\0sql/{migration.name}\0{migration.checksum}".encode())
-    for page in sorted(WEB_DIR.glob("*")) if WEB_DIR.is_dir() else []:
+    for page in sorted(WEB_DIR.glob("*")):
         digest.update(f"\0web/{page.name}\0".encode())
         digest.update(page.read_bytes().replace(b"\r\n", b"\n"))
     return {"build": digest.hexdigest()[:12], "ledger": files[-1].name if files else ""}
@@ -6044,10 +6048,10 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
     BULK_REFETCH_LIMIT, the most popular first), refetched as `queue-refetch --apply` does
     (the filter is its --failed --include-non-retryable --reason --prefix), each batch with
     its record; with "dryRun": true, what that would do, as `queue-refetch` without
-    --apply says it, changing and recording nothing. The
-    filter is the selection's condition, re-checked on each app under its lock: an app
-    that no longer matches is "skipped". A named app whose bundle ID is not a valid one (a
-    row older than sql/003, as the apps list shows it) is never valid again: "invalid"."""
+    --apply says it, changing and recording nothing. The filter is the selection's
+    condition, re-checked on each app under its lock: an app that no longer matches is
+    "skipped". A named app whose bundle ID is not a valid one (a row older than sql/003,
+    as the apps list shows it) is never valid again: "invalid"."""
     require_actions()
     asked = _json_object(body, {"appIds", "filter", "force", "dryRun"})
     force, dry_run = asked.get("force", False), asked.get("dryRun", False)
