@@ -1,10 +1,13 @@
-"""The request-path benchmarks run (docs/benchmarks.md cites their figures): a short run
-of bench/handler_ab.py, this tree against its own HEAD, prints both medians and a ratio
-line; a small run of bench/claims.py prints every figure of the results table."""
+"""Every bench/ script docs/benchmarks.md describes runs here, small, so none rots: a
+short run of bench/handler_ab.py, this tree against its own HEAD, prints both medians and
+a ratio line; a small run of bench/claims.py prints every figure of the results table;
+bench/cold_start.py with one emulator prints Init's figures with their targets; and
+bench/model_mutations.py finds one slip caught by its guarantee's own test."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -70,3 +73,36 @@ def test_claims_prints_every_figure_with_its_target(server_url):
         assert not math.isnan(float(value)), name
         assert verdict.startswith("target") or verdict == "reported", (name, verdict)
     assert "oracle, double claims, Seq Scans: all passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_cold_start_prints_init_at_the_templates_cpu_share():
+    """One emulator per setting (the built package under Python 3.12, as the Lambda
+    runtime): Init and the first secret-reading request, each with its target."""
+    run = subprocess.run(
+        [sys.executable, "bench/cold_start.py", "--emulator-runs", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    found = figures(run.stdout)
+    for name in ("init_configured_share_ms", "first_secret_request_extra_ms"):
+        value, verdict = found[name].split(" ", 1)
+        assert float(value) > 0 and verdict.startswith("target<="), (name, run.stdout)
+
+
+def test_model_mutations_finds_a_slip_caught_by_its_guarantees_test(server_url):
+    """The body limit checked per chunk instead of in total: tests/test_api.py fails."""
+    run = subprocess.run(
+        [sys.executable, "bench/model_mutations.py", "per chunk"],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": server_url},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    (line,) = [line for line in run.stdout.splitlines() if "per chunk" in line]
+    assert line.startswith("caught "), run.stdout
