@@ -234,6 +234,19 @@ HERE = Path(__file__).resolve().parent
 WEB_DIR = HERE / "web"
 
 
+DURATION_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+# A retry waits at most a year: past that, staleness (STALE_ANALYSIS_DAYS) decides.
+MAX_RETRY_STEP_SECONDS = 366 * 86400
+
+
+def duration_text(seconds: int) -> str:
+    """A number of seconds in the largest unit that writes it whole: 3600 is 1h."""
+    for unit in ("d", "h", "m"):
+        if seconds % DURATION_UNITS[unit] == 0:
+            return f"{seconds // DURATION_UNITS[unit]}{unit}"
+    return f"{seconds}s"
+
+
 @dataclasses.dataclass(frozen=True)
 class QueuePolicy:
     """When an app is handed out again (docs/queue.md): the knobs of the rule."""
@@ -244,14 +257,23 @@ class QueuePolicy:
     # Claims in a row whose lease expired without a result, after which the app backs off
     # (a lease_expired failure) instead of being handed out again at the head forever.
     max_lease_attempts: int = 3
+    # RETRY_BACKOFF in seconds: the Nth retry of a retryable failure waits the Nth step
+    # after the Nth failure in a row; () is "off" (no retry before staleness or a bump).
+    retry_backoff: tuple[int, ...] = (3600, 21600, 86400)
 
-    def sql_params(self) -> dict[str, int]:
+    def sql_params(self) -> dict[str, Any]:
         return {
             "analysis_version": self.analysis_version,
             "stale_days": self.stale_days,
             "timeout_minutes": self.processing_timeout_minutes,
             "max_lease_attempts": self.max_lease_attempts,
+            "retry_backoff": list(self.retry_backoff),
         }
+
+    @property
+    def retry_backoff_text(self) -> str:
+        """RETRY_BACKOFF as the setting writes it (and queue_policy records it)."""
+        return ",".join(duration_text(step) for step in self.retry_backoff) or "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +342,28 @@ def _int_setting(env: dict[str, str], name: str, default: int, minimum: int = 0)
     return value
 
 
+def _retry_backoff_setting(env: dict[str, str]) -> tuple[int, ...]:
+    """RETRY_BACKOFF: durations such as 1h,6h,24h (s, m, h, d), or off."""
+    raw = env.get("RETRY_BACKOFF", "").strip().lower()
+    if not raw:
+        return QueuePolicy.retry_backoff
+    if raw == "off":
+        return ()
+    steps = []
+    for part in raw.split(","):
+        match = re.fullmatch(r"\s*(\d{1,9})\s*(s|m|min|h|d)\s*", part)
+        seconds = int(match[1]) * DURATION_UNITS[match[2]] if match else 0
+        if not 0 < seconds <= MAX_RETRY_STEP_SECONDS:
+            raise ConfigError(
+                "RETRY_BACKOFF must be off or durations such as 1h,6h,24h (each from 1s to"
+                f" 366d), got {raw!r}"
+            )
+        steps.append(seconds)
+    if len(steps) > 20:
+        raise ConfigError(f"RETRY_BACKOFF may have at most 20 steps, got {len(steps)}")
+    return tuple(steps)
+
+
 # Lambda refuses an invocation, or a response, over 6 MB. A body API Gateway sends
 # base64-encoded grows by 4/3, so 4.5 MB of body is 6,000,000 bytes in the event, which
 # leaves room for the event's other fields.
@@ -364,6 +408,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
                 env, "PROCESSING_TIMEOUT_MINUTES", 120, minimum=1
             ),
             max_lease_attempts=_int_setting(env, "MAX_LEASE_ATTEMPTS", 3, minimum=1),
+            retry_backoff=_retry_backoff_setting(env),
         ),
         max_body_bytes=_int_setting(env, "MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES, minimum=1),
         statement_timeout_ms=statement_timeout_ms,
@@ -477,8 +522,9 @@ def expired_leases(where: str) -> str:
 # claim is tested against: whatever /queue hands out is the first candidate in CLAIM_ORDER.
 # An analysis of a version above the current one is no candidate by age: an analyser at
 # or below the current version could only be refused (judge_result), so it waits for the
-# setting to reach its version, or for an operator's refetch.
-CANDIDATE = f"""(
+# setting to reach its version, or for an operator's refetch. A held app is no candidate
+# by any rule (held_at: an operator's "do not analyse", until released).
+CANDIDATE = f"""(held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND {LEASE_EXPIRED} AND lease_attempts < :max_lease_attempts)
     OR ((status = 'analysed' OR (status = 'failed' AND failure_retryable))
@@ -487,8 +533,25 @@ CANDIDATE = f"""(
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-)"""
+))"""
 CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
+# The lowest tier (docs/queue.md, "Retries"): a retryable failure at the current version
+# whose retry has fallen due, the Nth retry RETRY_BACKOFF's Nth step (:retry_backoff, in
+# seconds) after the Nth failure in a row. Past the last step the index is out of the
+# array, the sum NULL, and the failure waits for a version bump or staleness (CANDIDATE);
+# RETRY_BACKOFF=off is an empty array. It is handed out only when no CANDIDATE is, and
+# only once the promoter has flagged it (retry_due): it fills capacity nothing else wants.
+RETRY_TIME = (
+    "analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak])"
+)
+RETRY_DUE = f"""(held_at IS NULL AND status = 'failed' AND failure_retryable
+    AND COALESCE(analysisversion, 0) = :analysis_version AND {RETRY_TIME} <= now())"""
+# Whether claims are open to :analyser (None: the shared password): the queue is not
+# paused, nor is that analyser. Every claim reads it in its own statement, so a pause
+# committed before a claim began is never passed.
+CLAIMS_OPEN = """(NOT EXISTS (SELECT 1 FROM queue_pause WHERE paused_at IS NOT NULL)
+    AND NOT EXISTS (SELECT 1 FROM analysers
+                    WHERE name = CAST(:analyser AS text) AND paused_at IS NOT NULL))"""
 # The expired leases the promoter has not flagged yet that a claim may hand out (not those
 # whose attempts are used up: their apps back off), read through expired_leases's ranges
 # and re-checked by the rule: what the claim's lease_heads and the queue position count.
@@ -2752,7 +2815,10 @@ def tokens_match(given: str | None, stored: uuid.UUID | None) -> bool:
 
 def stored_result_state(parts: dict[str, Any]) -> AnalysisState:
     """The status columns the stored result says (derive_analysis_state), from the parts of
-    it that decide them (STORED_RESULT_PARTS): the service never parses a stored document."""
+    it that decide them (STORED_RESULT_PARTS): the service never parses a stored document.
+    No stored result (a held app's first lease) is queued."""
+    if parts["no_result"]:
+        return AnalysisState("queued")
     if not parts["failure_record"]:
         return AnalysisState("analysed")
     if parts["server_record"]:  # the back-off's failure: lease_expired, whatever it says
@@ -2908,7 +2974,8 @@ SERVER_RECORD = f"""COALESCE(analysis->>'analysis_source' = '{SERVER_FAILURE_SOU
 # derive_analysis_state): its reason, its retryable flag, and its log when it names no
 # reason. Read for the few rows a lease ends on without a result, never answered.
 STORED_RESULT_PARTS = f"""
-SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
+SELECT appid, analysis IS NULL AS no_result,
+       COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
        {SERVER_RECORD} AS server_record,
        CASE WHEN jsonb_typeof(analysis->'reason') = 'string'
             THEN analysis->>'reason' END AS reason,
@@ -2931,7 +2998,8 @@ UPDATE apps SET status = CASE WHEN apps.refetch_requested THEN 'queued' ELSE e.s
     failure_reason = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_reason END,
     failure_retryable = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_retryable END,
     processing_started = NULL, analysis_claim_token = NULL, due = false, lease_attempts = 0,
-    refetch_requested = false
+    refetch_requested = false,
+    failure_streak = CASE WHEN apps.refetch_requested THEN 0 ELSE apps.failure_streak END
 FROM jsonb_to_recordset(CAST(:ended AS jsonb))
      AS e(appid text, status text, failure_reason text, failure_retryable boolean)
 WHERE apps.appid = e.appid AND apps.status = 'processing'
@@ -2956,6 +3024,14 @@ SELECT {STORED_AS_SENT.format("CAST(:analysis AS jsonb)")} AS same_result
 FROM apps WHERE appid = :appid
 """
 
+# A failure's place in its app's failures in a row (apps.failure_streak, which the retry
+# back-off counts by): one more than the stored result's when that is a failure at the
+# same analysis version ({version}), else 1. A success and a refetch set it to 0.
+NEXT_FAILURE_STREAK = """CASE
+        WHEN COALESCE(apps.analysis->'success' = 'false'::jsonb, false)
+             AND COALESCE(apps.analysisversion, 0) = {version}
+        THEN apps.failure_streak + 1 ELSE 1 END"""
+
 # The document as sent, cast to jsonb once (a materialized CTE: one parse, however often
 # it is used), stored; with :unless_stored, not when it is the stored result already (no
 # row returned), which is how a result whose verdict hangs on that is told and stored in
@@ -2967,7 +3043,9 @@ UPDATE apps SET analysis = sent.document, analysisversion = :version,
                 failure_retryable = :failure_retryable, processing_started = NULL,
                 analysis_claim_token = NULL, due = false, lease_attempts = 0,
                 result_claim_token = :result_claim, result_claim_verified = :verified,
-                refetch_requested = false, analysed_by = :analyser
+                refetch_requested = false, analysed_by = :analyser, retry_due = false,
+                failure_streak = CASE WHEN CAST(:status AS text) = 'failed'
+                    THEN {NEXT_FAILURE_STREAK.format(version=":version")} ELSE 0 END
 FROM sent
 WHERE apps.appid = :appid AND NOT (:unless_stored AND {STORED_AS_SENT.format("sent.document")})
 RETURNING apps.appid, {DOCUMENT.format("details", "apps.details::text")}, apps.analysed
@@ -2999,7 +3077,7 @@ ON CONFLICT DO NOTHING
 # undoing the refetch. An operator's refetch of the queued app clears the mark.
 REQUEUE_AFTER_RESULT = """
 UPDATE apps SET status = 'queued', failure_reason = NULL, failure_retryable = NULL, due = false,
-                refetch_requested = true
+                refetch_requested = true, failure_streak = 0, retry_due = false
 WHERE appid = :appid
 """
 # The lease's holder answered with a result refused as older than the stored one: not a
@@ -3294,7 +3372,7 @@ WITH flagged AS (
     UPDATE apps SET due = true
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
-        WHERE status = 'processing' AND NOT due
+        WHERE status = 'processing' AND NOT due AND held_at IS NULL
           AND ({LEASE_EXPIRED}
                OR processing_started < {LEASE_CUTOFF} + make_interval(secs => :horizon_seconds))
           AND lease_attempts < :max_lease_attempts
@@ -3305,8 +3383,10 @@ SELECT count(*) AS flagged FROM flagged
 """
 # An app whose last max_lease_attempts leases in a row expired without a result is not
 # handed out again (CANDIDATE): the promoter records a retryable lease_expired failure on
-# the analysers' behalf, which waits like any retryable failure (a version bump, the
-# staleness window, or an operator's refetch). Its history row says so. That failure is
+# the analysers' behalf, which waits like any retryable failure (its retry, a version
+# bump, the staleness window, or an operator's refetch). Its history row says so. A held
+# app's expired lease (held during it) goes back to its stored result instead: no
+# failure is recorded for a lease an operator chose to let lapse. That failure is
 # a result like an analyser's, written as the open claim's holder, so judge_result
 # decides it (PromotionPass.back_off): a batch of such leases is read under its row locks
 # with what judge_result needs, and one statement applies the verdicts.
@@ -3315,10 +3395,10 @@ BACK_OFF_LEASES = f"""
 SELECT appid, status, analysisversion, analysis IS NOT NULL AS has_result,
        NOT COALESCE(analysis->'success' = 'false'::jsonb, false) AS stored_success,
        analysis_claim_token, result_claim_token, result_claim_verified, refetch_requested,
-       {SERVER_RECORD} AS server_record
+       {SERVER_RECORD} AS server_record, held_at IS NOT NULL AS held
 FROM apps
-WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts AND {LEASE_EXPIRED}
-  AND NOT refetch_requested
+WHERE status = 'processing' AND {LEASE_EXPIRED} AND NOT refetch_requested
+  AND (lease_attempts >= :max_lease_attempts OR held_at IS NOT NULL)
 LIMIT :batch FOR UPDATE SKIP LOCKED
 """
 # The failure is stored as the open claim's result without its token (result_claim_token
@@ -3334,7 +3414,8 @@ WITH abandoned AS (
             'logs', format('no result after %s leases in a row of %s minutes each',
                            lease_attempts, CAST(:timeout_minutes AS integer))),
         processing_started = NULL, analysis_claim_token = NULL, due = false,
-        lease_attempts = 0, refetch_requested = false,
+        lease_attempts = 0, refetch_requested = false, retry_due = false,
+        failure_streak = {NEXT_FAILURE_STREAK.format(version=":analysis_version")},
         result_claim_token = analysis_claim_token, result_claim_verified = false,
         analysed_by = NULL
     WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'
@@ -3356,7 +3437,8 @@ SELECT (SELECT count(*) FROM abandoned) AS abandoned,
 REQUEUE_REFETCHED_LEASES = f"""
 WITH requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, analysis_claim_token = NULL,
-                    due = false, lease_attempts = 0, refetch_requested = false
+                    due = false, lease_attempts = 0, refetch_requested = false,
+                    failure_streak = 0
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
         WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
@@ -3375,7 +3457,30 @@ WITH RECURSIVE {STALE_VERSIONS}, flagged AS (
             WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version
               AND COALESCE(analysed, '-infinity')
                   < {STALE_CUTOFF} + make_interval(secs => :horizon_seconds)
+              AND held_at IS NULL
             ORDER BY COALESCE(analysed, '-infinity')
+            LIMIT :batch FOR UPDATE SKIP LOCKED) r
+        LIMIT :batch))
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM flagged
+"""
+# The retryable failures at the current version whose retry falls due within the
+# horizon, flagged retry_due so the claim's lowest tier finds them in apps_retry_order:
+# one range of apps_retry_watch (sql/033) per step of RETRY_BACKOFF, oldest first.
+PROMOTE_DUE_RETRIES = f"""
+WITH flagged AS (
+    UPDATE apps SET retry_due = true
+    WHERE appid = ANY(ARRAY(
+        SELECT r.appid FROM generate_subscripts(CAST(:retry_backoff AS integer[]), 1) s
+        CROSS JOIN LATERAL (
+            SELECT appid FROM apps
+            WHERE status = 'failed' AND failure_retryable AND NOT retry_due
+              AND COALESCE(analysisversion, 0) = :analysis_version AND failure_streak = s
+              AND analysed < now() + make_interval(secs => :horizon_seconds)
+                             - make_interval(secs => (CAST(:retry_backoff AS integer[]))[s])
+              AND held_at IS NULL
+            ORDER BY analysed
             LIMIT :batch FOR UPDATE SKIP LOCKED) r
         LIMIT :batch))
     RETURNING 1
@@ -3390,8 +3495,8 @@ PLAN_WITH_VALUES = "SET LOCAL plan_cache_mode = force_custom_plan"
 # The pass goes through apps_due by bundle ID from a cursor, PROMOTION_BATCH rows at a
 # time, so a batch costs the same whether it clears none of them or all.
 QUEUE_POLICY_APPLIED = """
-SELECT (analysis_version, stale_days, processing_timeout_minutes)
-       IS NOT DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes)
+SELECT (analysis_version, stale_days, processing_timeout_minutes, retry_backoff)
+       IS NOT DISTINCT FROM (:analysis_version, :stale_days, :timeout_minutes, :retry_policy)
 FROM queue_policy
 """
 RESTORE_QUEUE_POLICY_ROW = """
@@ -3400,7 +3505,8 @@ INSERT INTO queue_policy (singleton) VALUES (true) ON CONFLICT DO NOTHING
 RECORD_QUEUE_POLICY = """
 UPDATE queue_policy
 SET analysis_version = :analysis_version, stale_days = :stale_days,
-    processing_timeout_minutes = :timeout_minutes, applied = now()
+    processing_timeout_minutes = :timeout_minutes, retry_backoff = :retry_policy,
+    applied = now()
 WHERE singleton = (SELECT singleton FROM queue_policy FOR UPDATE SKIP LOCKED)
 RETURNING 1
 """
@@ -3419,6 +3525,18 @@ WITH examined AS (
 )
 SELECT (SELECT count(*) FROM examined) AS examined, (SELECT max(appid) FROM examined) AS last,
        (SELECT count(*) FROM cleared) AS cleared
+"""
+# Under a new policy every retry flag is cleared, batch by batch (each leaves the small
+# apps_retry_order, so no batch reads another's rows), and PROMOTE_DUE_RETRIES sets again
+# those the new policy backs.
+CLEAR_RETRY_FLAGS = """
+WITH cleared AS (
+    UPDATE apps SET retry_due = false
+    WHERE appid = ANY(ARRAY(
+        SELECT appid FROM apps WHERE retry_due LIMIT :batch FOR UPDATE SKIP LOCKED))
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM cleared
 """
 
 
@@ -3444,14 +3562,14 @@ class Promotion:
     returned: int = 0
     leases: int = 0
     stale: int = 0
+    retries: int = 0
     complete: bool = True
 
     @property
     def changed(self) -> int:
         """The rows this run changed, every counter's."""
-        return (
-            self.cleared + self.requeued + self.abandoned + self.returned + self.leases + self.stale
-        )
+        counts = (self.cleared, self.requeued, self.abandoned, self.returned, self.leases)
+        return sum(counts) + self.stale + self.retries
 
     def __add__(self, later: Promotion) -> Promotion:
         """This run's counts and a later run's together; complete if the later run was."""
@@ -3480,6 +3598,7 @@ class PromotionPass:
         self.deadline = None if budget_seconds is None else self.started + budget_seconds
         self.params = {
             **policy.sql_params(),
+            "retry_policy": policy.retry_backoff_text,
             "horizon_seconds": PROMOTION_HORIZON_SECONDS,
             "batch": PROMOTION_BATCH,
         }
@@ -3535,6 +3654,9 @@ class PromotionPass:
                 return {"flagged": 0, "abandoned": 0, "returned": 0}
             failed, returned = [], []
             for row in rows:
+                if row["held"]:  # an operator held it during its lease: no failure
+                    returned.append(row["appid"])
+                    continue
                 # A new failure each time, never the stored result sent again: a retry
                 # after a lost COMMIT finds the lease ended.
                 target = ResultTarget.of(row, same_result=False)
@@ -3575,7 +3697,7 @@ class PromotionPass:
 
     def run(self) -> Promotion:
         done = Promotion()
-        params = self.policy.sql_params()
+        params = {**self.policy.sql_params(), "retry_policy": self.policy.retry_backoff_text}
         if not self.db.run(QUEUE_POLICY_APPLIED, **params):
             # The row is missing (deleted by hand): put it back, so the policy is recorded.
             self.db.run(RESTORE_QUEUE_POLICY_ROW)
@@ -3583,14 +3705,19 @@ class PromotionPass:
         ((applied,),) = self.db.run(QUEUE_POLICY_APPLIED, **params)
         if not applied:
             done.cleared, cleared_all = self.clear_unsupported_flags()
+            retries_cleared, retries_all = self._repeat(CLEAR_RETRY_FLAGS)
+            done.cleared += retries_cleared
+            cleared_all = cleared_all and retries_all
             done.complete = cleared_all and bool(self.db.run(RECORD_QUEUE_POLICY, **params))
         # The lease rescuer, then the staleness scheduler.
         done.requeued, requeued_all = self._repeat(REQUEUE_REFETCHED_LEASES)
         done.abandoned, done.returned, abandoned_all = self.back_off()
         done.leases, leases_all = self._repeat(PROMOTE_EXPIRED_LEASES)
         done.stale, stale_all = self._repeat(PROMOTE_STALE_BATCH)
+        # Then the retry scheduler: the lowest tier last, as the claim reads it.
+        done.retries, retries_all = self._repeat(PROMOTE_DUE_RETRIES)
         done.complete = done.complete and requeued_all and abandoned_all
-        done.complete = done.complete and leases_all and stale_all
+        done.complete = done.complete and leases_all and stale_all and retries_all
         return done
 
 
@@ -3684,7 +3811,7 @@ ABOVE_BAR = "app_popularity(details) >= (SELECT popularity FROM bar)"
 # expired lease; a refetch asked during a lease is done by the claim that follows it.
 CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
     analysis_claim_token = :token, claimed_by = :analyser, claimed_with = :token,
-    refetch_requested = false,
+    refetch_requested = false, retry_due = false,
     lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
 CLAIM_NEXT_APP = f"""
 WITH RECURSIVE {STALE_VERSIONS}, {OLD_VERSIONS}, {STALE_DAYS},
@@ -3722,13 +3849,26 @@ head AS (
         ORDER BY {CLAIM_ORDER}
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
-), choice AS (
+), best AS (
     -- The best of the heads: the most popular, then the first added.
     SELECT appid FROM (
         SELECT * FROM head UNION ALL SELECT * FROM version_heads
         UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
     ) c
     ORDER BY popularity DESC, added, appid
+    LIMIT 1
+), retry_head AS (
+    -- The lowest tier, read only when no other candidate is: the first flagged failure
+    -- whose retry is due (apps_retry_order).
+    SELECT appid FROM apps
+    WHERE retry_due AND {RETRY_DUE} AND NOT EXISTS (SELECT 1 FROM best)
+    ORDER BY {CLAIM_ORDER}
+    LIMIT 1 FOR UPDATE SKIP LOCKED
+), choice AS (
+    -- Nothing at all while claims are closed (a pause): a one-time filter, so no head is
+    -- read.
+    SELECT appid FROM (SELECT appid FROM best UNION ALL SELECT appid FROM retry_head) c
+    WHERE {CLAIMS_OPEN}
     LIMIT 1
 )
 -- Lease the chosen app to this claim's token.
@@ -3741,7 +3881,7 @@ CLAIM_NAMED_APP = f"""
 UPDATE apps SET {CLAIM_SET}
 WHERE appid = (
     SELECT appid FROM apps
-    WHERE lower(appid) = lower(:appid) AND {CANDIDATE}
+    WHERE lower(appid) = lower(:appid) AND ({CANDIDATE} OR {RETRY_DUE}) AND {CLAIMS_OPEN}
     FOR UPDATE SKIP LOCKED)
 RETURNING appid
 """
@@ -4587,7 +4727,7 @@ WITH requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, failure_reason = NULL,
                     failure_retryable = NULL, analysis_claim_token = NULL, due = false,
                     refetch_requested = false, lease_attempts = 0,
-                    result_claim_verified = true
+                    result_claim_verified = true, failure_streak = 0, retry_due = false
     WHERE appid = ANY(CAST(:requeue AS text[]))
     RETURNING 1
 ), deferred AS (
