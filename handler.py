@@ -30,6 +30,7 @@ it:
   Apps                              GET /apps/{appId} with its queue position, POST /apps
   Reports                           queue-status (text, JSON, metrics) and priority-report
   Refetch                           queue-refetch, in committed batches
+  Holds and pauses                  the queue or an analyser paused, an app held, and routes
   The ledger                        the sorted SQL ledger in sql/ and its runner
   Health                            /healthz and /healthz/analyser
   Web view: sessions and guards     sign-in, the session cookie, operator actions, the guard
@@ -43,8 +44,8 @@ it:
 
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
-schedule). CLI: `python3 handler.py serve|migrate|queue-status|priority-report|queue-refetch|
-analysers|invoke`.
+schedule). CLI: `python3 handler.py serve|migrate|queue-status|priority-report|why|queue-refetch|
+queue-hold|queue-release|queue-pause|queue-resume|analysers|invoke`.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ class UnknownApp(ServiceError):
     """A result names an app the queue does not have; the API answers 404."""
 
 
-class AnalyserRefused(ServiceError):
-    """An operation on the named analyser (the exception's argument) was refused and
+class OperatorRefused(ServiceError):
+    """An operator's action on what the exception's argument names was refused and
     changed nothing: every route answers `status` with these words (the admin API's and
     the web view's alike), and the CLI prints them and exits 1."""
 
@@ -155,6 +156,17 @@ class AnalyserRefused(ServiceError):
 
     def __str__(self) -> str:
         return self.words.format(*self.args)
+
+
+class AnalyserRefused(OperatorRefused):
+    """An operation on the named analyser was refused and changed nothing."""
+
+
+class NoSuchApp(OperatorRefused):
+    """An operator's action named an app the queue does not have (any letter case)."""
+
+    status = 404
+    words = "unknown app {}"
 
 
 class UnknownAnalyser(AnalyserRefused):
@@ -234,7 +246,10 @@ HERE = Path(__file__).resolve().parent
 WEB_DIR = HERE / "web"
 
 
-DURATION_UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+# A duration as operators write one (a rotation's overlap, RETRY_BACKOFF's steps): whole
+# seconds, or with a unit (90s, 30m, 12h, 7d).
+DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # A retry waits at most a year: past that, staleness (STALE_ANALYSIS_DAYS) decides.
 MAX_RETRY_STEP_SECONDS = 366 * 86400
 
@@ -300,6 +315,8 @@ class Settings:
     migration_lock_timeout: str
     migration_wait_seconds: int
     admin_web: str = "off"
+    broken_analyser_failures: int = 5
+    pause_broken_analysers: bool = False
 
     def __post_init__(self) -> None:
         _check_settings(self)
@@ -351,8 +368,8 @@ def _retry_backoff_setting(env: dict[str, str]) -> tuple[int, ...]:
         return ()
     steps = []
     for part in raw.split(","):
-        match = re.fullmatch(r"\s*(\d{1,9})\s*(s|m|min|h|d)\s*", part)
-        seconds = int(match[1]) * DURATION_UNITS[match[2]] if match else 0
+        match = DURATION.fullmatch(part.strip())
+        seconds = int(match[1]) * DURATION_UNITS[match[2] or "s"] if match else 0
         if not 0 < seconds <= MAX_RETRY_STEP_SECONDS:
             raise ConfigError(
                 "RETRY_BACKOFF must be off or durations such as 1h,6h,24h (each from 1s to"
@@ -419,6 +436,11 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         # The operators' web view under /admin (docs/web-view.md): off (every /admin path
         # answers 404), read-only (no action) or full.
         admin_web=(env.get("ADMIN_WEB") or "off").strip().lower(),
+        # A named analyser whose last results are this many failures in a row while
+        # another analyser succeeded is flagged broken (docs/monitoring.md); with
+        # PAUSE_BROKEN_ANALYSERS=true the failure that flags it also pauses it.
+        broken_analyser_failures=_int_setting(env, "BROKEN_ANALYSER_FAILURES", 5, minimum=1),
+        pause_broken_analysers=_bool_setting(env, "PAUSE_BROKEN_ANALYSERS", False),
     )
 
 
@@ -541,17 +563,10 @@ CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
 # array, the sum NULL, and the failure waits for a version bump or staleness (CANDIDATE);
 # RETRY_BACKOFF=off is an empty array. It is handed out only when no CANDIDATE is, and
 # only once the promoter has flagged it (retry_due): it fills capacity nothing else wants.
-RETRY_TIME = (
-    "analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak])"
-)
-RETRY_DUE = f"""(held_at IS NULL AND status = 'failed' AND failure_retryable
-    AND COALESCE(analysisversion, 0) = :analysis_version AND {RETRY_TIME} <= now())"""
-# Whether claims are open to :analyser (None: the shared password): the queue is not
-# paused, nor is that analyser. Every claim reads it in its own statement, so a pause
-# committed before a claim began is never passed.
-CLAIMS_OPEN = """(NOT EXISTS (SELECT 1 FROM queue_pause WHERE paused_at IS NOT NULL)
-    AND NOT EXISTS (SELECT 1 FROM analysers
-                    WHERE name = CAST(:analyser AS text) AND paused_at IS NOT NULL))"""
+RETRY_TIME = "analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak])"
+RETRYABLE_NOW = """(held_at IS NULL AND status = 'failed' AND failure_retryable
+    AND COALESCE(analysisversion, 0) = :analysis_version)"""
+RETRY_DUE = f"({RETRYABLE_NOW} AND {RETRY_TIME} <= now())"
 # The expired leases the promoter has not flagged yet that a claim may hand out (not those
 # whose attempts are used up: their apps back off), read through expired_leases's ranges
 # and re-checked by the rule: what the claim's lease_heads and the queue position count.
@@ -2265,10 +2280,22 @@ RECORD_ANALYSER_SEEN = """
 UPDATE analysers SET last_seen = now() WHERE name = :name AND revoked IS NULL
 """
 
+# Whether the named analyser `a` looks broken (docs/monitoring.md, "A broken analyser"):
+# its last :broken_failures results or more are failures in a row, and since the first
+# of them another host (a named analyser or the shared password) stored a success at the
+# current version: the apps are fine, this analyser is not. Read through
+# app_analyses_version_analysed, from the streak's start, up to the first success.
+BROKEN_ANALYSER = """(a.revoked IS NULL AND a.failure_streak >= :broken_failures
+    AND EXISTS (SELECT 1 FROM app_analyses h
+                WHERE h.analysisversion = :analysis_version AND h.analysed >= a.failing_since
+                  AND h.success AND h.analyser IS DISTINCT FROM a.name))"""
 # Each analyser as the operators see it: its lease (the most recent, if a crash left it
-# an older one too), its results in the last day, and whether it sends an old format.
+# an older one too), its results in the last day, whether it sends an old format, looks
+# broken, or is paused.
 ANALYSER_ACTIVITY = f"""
 SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
+       a.paused_at, a.paused_by, a.failure_streak, a.failing_since,
+       {BROKEN_ANALYSER} AS broken,
        a.revoked IS NULL AND {ACTIVE_HEARTBEAT.format("a.last_seen")} AS online,
        a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
        a.last_result_version < :analysis_version AS outdated_version,
@@ -2305,8 +2332,6 @@ ANALYSER_NAME = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,64}")
 # SQL by hand, may have added one): what rotating and revoking take back.
 STORED_ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-, not dots alone"
-DURATION = re.compile(r"([0-9]{1,7})\s*(s|m|h|d)?")
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
 DEFAULT_ROTATION_OVERLAP = "24h"
 
@@ -2476,12 +2501,23 @@ def _analyser_view(row: dict[str, Any]) -> dict[str, Any]:
         "results24h": row["results_24h"],
         "failures24h": row["failures_24h"],
         "outdatedVersion": bool(row["outdated_version"]),
+        "failuresInARow": row["failure_streak"],
+        "failingSince": _plain(row["failing_since"]),
+        "broken": bool(row["broken"]),
+        "paused": None
+        if row["paused_at"] is None
+        else {"at": _plain(row["paused_at"]), "by": row["paused_by"]},
     }
 
 
 def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[dict[str, Any]]:
-    """Every named analyser (revoked ones too), by name: never a token or its hash."""
-    rows = db.records(ANALYSER_ACTIVITY, analysis_version=policy.analysis_version)
+    """Every named analyser (revoked ones too), by name: never a token or its hash;
+    broken by BROKEN_ANALYSER_FAILURES."""
+    rows = db.records(
+        ANALYSER_ACTIVITY,
+        analysis_version=policy.analysis_version,
+        broken_failures=settings().broken_analyser_failures,
+    )
     return [_analyser_view(row) for row in rows]
 
 
@@ -3088,12 +3124,52 @@ UPDATE apps SET lease_attempts = 0 WHERE appid = :appid AND status = 'processing
 
 RECORD_ANALYSER_RESULT = """
 UPDATE analysers SET last_result_app = :appid, last_result_at = now(),
-                     last_result_success = :success, last_result_version = :version
+                     last_result_success = :success, last_result_version = :version,
+                     failure_streak = CASE WHEN :success THEN 0 ELSE failure_streak + 1 END,
+                     failing_since = CASE WHEN :success THEN NULL
+                                          ELSE COALESCE(failing_since, now()) END
 WHERE name = :name
+"""
+# PAUSE_BROKEN_ANALYSERS: the failure that shows a named analyser broken pauses it, in
+# the transaction that stores that failure, with its record (BROKEN_PAUSE_ACTOR).
+PAUSE_IF_BROKEN = f"""
+UPDATE analysers a SET paused_at = now(), paused_by = :actor
+WHERE a.name = :name AND a.paused_at IS NULL AND {BROKEN_ANALYSER}
+RETURNING a.name, a.failure_streak
 """
 
 
 # -- storing
+
+# Who an automatic pause is recorded as, in operator_actions and the log.
+BROKEN_PAUSE_ACTOR = "the service (PAUSE_BROKEN_ANALYSERS)"
+
+
+def pause_if_broken(session: Session, analyser: str, failures: int, version: int) -> None:
+    """PAUSE_BROKEN_ANALYSERS: pause `analyser` if this failure shows it broken, with the
+    action's record, in the result's transaction; the operator is told by the record,
+    a warning in the log, and the BrokenAnalysers figure of the next report."""
+    paused = session.records(
+        PAUSE_IF_BROKEN,
+        name=analyser,
+        actor=BROKEN_PAUSE_ACTOR,
+        broken_failures=failures,
+        analysis_version=version,
+    )
+    if not paused:
+        return
+    outcome = f"paused: {paused[0]['failure_streak']} failures in a row while others succeeded"
+    session.run(
+        OPERATOR_ACTIONS_INSERT,
+        act=str(uuid.uuid4()),
+        actor=BROKEN_PAUSE_ACTOR,
+        source="POST result",
+        action="pause analyser",
+        app_ids=[None],
+        outcomes=[outcome],
+        analyser=analyser,
+    )
+    logger.warning("analyser paused as broken", extra={"analyser": analyser, "outcome": outcome})
 
 
 def check_result_identity(
@@ -3126,6 +3202,7 @@ def store_result(
     sent: str | None = None,
     *,
     current_version: int,
+    pause_broken_after: int | None = None,
 ) -> list[dict[str, Any]]:
     """Write an analysis or failure record, snapshot it into history, end the lease, as
     judge_result decides; a result that is stored already is answered as the first time
@@ -3134,6 +3211,7 @@ def store_result(
     holds a tokenless result to. `sent`: the document's JSON text as the analyser sent
     it, which is what is stored (jsonb keeps its numbers exact); None: `payload`, which
     the service built, serialised. `current_version`: CURRENT_ANALYSIS_VERSION.
+    `pause_broken_after`: BROKEN_ANALYSER_FAILURES when PAUSE_BROKEN_ANALYSERS is on.
 
     PostgreSQL parses the document once per request, whatever the verdict: whether it is
     the stored result is asked only when that decides the verdict, and then, when it
@@ -3246,6 +3324,8 @@ def store_result(
                     success=success,
                     version=version,
                 )
+                if not success and pause_broken_after is not None:
+                    pause_if_broken(session, analyser, pause_broken_after, current_version)
         return [
             {
                 "appid": found["appid"],
@@ -3282,6 +3362,7 @@ def _store(
     credential: Credential,
     sent: str | None = None,
 ) -> Response:
+    config = settings()
     try:
         rows = store_result(
             api_connection(),
@@ -3291,7 +3372,10 @@ def _store(
             token,
             credential.analyser,
             sent,
-            current_version=settings().policy.analysis_version,
+            current_version=config.policy.analysis_version,
+            pause_broken_after=config.broken_analyser_failures
+            if config.pause_broken_analysers
+            else None,
         )
     except UnknownApp:
         raise HTTPException(404, f"unknown app {app_id}") from None
@@ -3468,7 +3552,7 @@ SELECT count(*) AS flagged FROM flagged
 # The retryable failures at the current version whose retry falls due within the
 # horizon, flagged retry_due so the claim's lowest tier finds them in apps_retry_order:
 # one range of apps_retry_watch (sql/033) per step of RETRY_BACKOFF, oldest first.
-PROMOTE_DUE_RETRIES = f"""
+PROMOTE_DUE_RETRIES = """
 WITH flagged AS (
     UPDATE apps SET retry_due = true
     WHERE appid = ANY(ARRAY(
@@ -3772,6 +3856,12 @@ def promote_due_apps(
 
 # -- SQL
 
+# Whether claims are open to :analyser (None: the shared password): the queue is not
+# paused, nor is that analyser. Every claim reads it in its own statement, so a pause
+# committed before a claim began is never passed.
+CLAIMS_OPEN = """(NOT EXISTS (SELECT 1 FROM queue_pause WHERE paused_at IS NOT NULL)
+    AND NOT EXISTS (SELECT 1 FROM analysers
+                    WHERE name = CAST(:analyser AS text) AND paused_at IS NOT NULL))"""
 # The versions below the current one: those of stale_versions, which a claim reads anyway
 # (one skip scan of apps_stale_version_watch, not two).
 OLD_VERSIONS = """old_versions(version) AS (
@@ -3992,6 +4082,21 @@ FROM apps {RENDERED.format("details::text AS details_text, analysis::text AS ana
 WHERE lower(appid) = lower(:appid)
 """
 
+# One app and each part of the rule (the queue's CANDIDATE, and RETRY_DUE below it) that
+# decides whether it is handed out: the rule itself, and the times at which its parts
+# change.
+APP_RULE = f"""
+SELECT {CANDIDATE} AS candidate, {RETRY_DUE} AS retry_due_now, {RETRYABLE_NOW} AS retryable_now,
+       status = 'processing' AND {LEASE_EXPIRED} AS lease_over,
+       lease_attempts, refetch_requested, COALESCE(analysisversion, 0) AS version,
+       failure_streak, {RETRY_TIME} AS retry_at, held_at, held_by, hold_reason,
+       processing_started + make_interval(mins => :timeout_minutes) AS lease_ends,
+       COALESCE(analysed, '-infinity') + make_interval(mins => :timeout_minutes)
+           AS outdated_due,
+       COALESCE(analysed, '-infinity') + make_interval(days => :stale_days) AS stale_due
+FROM apps WHERE lower(appid) = lower(:appid)
+"""
+
 # The public queue position: candidates ahead of the app in claim order, counted from the
 # same indexes the claim reads and only up to QUEUE_POSITION_BOUND, so it costs about as
 # much as a claim at any size. Each source is split into "more popular" and "as popular,
@@ -4039,6 +4144,136 @@ VALUES (:appid, NULLIF(CAST(:body AS jsonb) -> 'details', 'null'::jsonb))
 ON CONFLICT DO NOTHING
 RETURNING appid
 """
+
+
+# -- why it is or is not handed out
+
+
+def _retry_words(rule: dict[str, Any], policy: QueuePolicy) -> tuple[str | None, dict | None]:
+    """A retryable failure's retry in words, and as the "retry" member of the why."""
+    streak, steps = rule["failure_streak"], len(policy.retry_backoff)
+    retry = {"failuresInARow": streak, "nextRetry": _plain(rule["retry_at"]), "due": False}
+    if rule["retry_due_now"]:
+        retry["due"] = True
+        words = (
+            f"a retryable failure ({streak} in a row) whose retry {streak} of {steps} is due:"
+            " handed out when no other app is (the lowest tier)"
+        )
+        return words, retry
+    if rule["retry_at"] is not None:
+        return (
+            f"a retryable failure ({streak} in a row): retry {streak} of {steps} falls due"
+            f" at {_plain(rule['retry_at'])} (RETRY_BACKOFF), then handed out when no other"
+            " app is"
+        ), retry
+    return None, retry
+
+
+def why_handed_out(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolicy) -> dict:
+    """Whether the app is a candidate now (the queue's rule, read by APP_RULE) and, if
+    not, which part of the rule holds it back (`held`) and from when it will be one
+    (`from`; None: not by time alone), in words (`why`). A retryable failure's retry is
+    `retry` (failures in a row, the next retry's time, whether it is due); an operator's
+    hold is `hold` (who, when, why)."""
+    status, version, attempts = row["status"], rule["version"], rule["lease_attempts"]
+    current = policy.analysis_version
+    retry_words, retry = (None, None)
+    if rule["retryable_now"]:
+        retry_words, retry = _retry_words(rule, policy)
+    extra: dict[str, Any] = {} if retry is None else {"retry": retry}
+    if rule["held_at"] is not None:
+        hold = {
+            "at": _plain(rule["held_at"]),
+            "by": rule["held_by"],
+            "reason": rule["hold_reason"],
+        }
+        why = f"held by {rule['held_by']} at {hold['at']}: never handed out until released"
+        if rule["hold_reason"]:
+            why += f" (reason: {rule['hold_reason']})"
+        if status == "processing" and not rule["lease_over"]:
+            why += "; its live lease runs to its end"
+        return {"candidate": False, "held": "hold", "from": None, "why": why, "hold": hold, **extra}
+    if rule["candidate"]:
+        why = {
+            "queued": "queued: it is handed out in claim order",
+            "processing": f"its lease ended without a result ({attempts} of"
+            f" {policy.max_lease_attempts} leases): it is handed out again",
+            "failed": "a retryable failure old enough to try again",
+            "analysed": f"its analysis (version {version}) is due again: older than"
+            f" {policy.stale_days} days, or of a version below {current}",
+        }[status]
+        return {"candidate": True, "held": None, "from": None, "why": why, **extra}
+    if rule["retry_due_now"]:
+        return {"candidate": True, "held": None, "from": None, "why": retry_words, **extra}
+    held, when = None, None
+    if status == "processing" and not rule["lease_over"]:
+        holder = row["claim_holder"] or "a host on the shared password"
+        held, when = "lease", rule["lease_ends"]
+        why = f"leased to {holder}; handed out again when the lease ends without a result"
+        if attempts >= policy.max_lease_attempts:  # this lease is its last: it backs off
+            when = None
+            why = (
+                f"leased to {holder}, the last of {policy.max_lease_attempts} leases: if it"
+                " ends without a result, the app backs off (a lease_expired failure)"
+            )
+        if rule["refetch_requested"]:
+            why += "; a refetch waits for this lease, then queues it"
+    elif status == "processing":
+        held = "backed_off"
+        why = (
+            f"backed off: {attempts} leases ended without a result; the next promotion"
+            " records it failed (lease_expired), to be tried again later"
+        )
+    elif status == "failed" and not row["failure_retryable"]:
+        held = "non_retryable"
+        why = (
+            f"a failure that retrying cannot mend ({row['failure_reason']}): never handed"
+            " out again by the rule; a refetch queues it"
+        )
+    elif version > current:
+        held = "newer_version"
+        why = (
+            f"analysed at version {version}, above the current {current}: it waits for"
+            " CURRENT_ANALYSIS_VERSION to reach it, or for a refetch"
+        )
+    elif version < current:
+        held, when = "settling", rule["outdated_due"]
+        why = f"its version {version} is below {current}: handed out once its result settles"
+    elif retry_words is not None:
+        held, when, why = "retry_backoff", rule["retry_at"], retry_words
+    else:
+        held, when = "fresh", rule["stale_due"]
+        why = f"a fresh analysis: handed out again once it is {policy.stale_days} days old"
+        if status == "failed":
+            why = (
+                f"a retryable failure at version {version}, past its last retry"
+                f" (RETRY_BACKOFF {policy.retry_backoff_text}): tried again once it is"
+                f" {policy.stale_days} days old"
+            )
+    return {"candidate": False, "held": held, "from": _plain(when), "why": why, **extra}
+
+
+def app_why(
+    db: SharedConnection | Session, app_id: str, policy: QueuePolicy
+) -> dict[str, Any] | None:
+    """Why the app (any letter case) is or is not handed out (why_handed_out), with its
+    state: what `why APPID` prints and the web view's app page shows (None: no such app)."""
+
+    def work(session: Session) -> dict[str, Any] | None:
+        rows = session.records(FIND_APP, appid=app_id, document_limit=0)
+        if not rows:
+            return None
+        (row,) = rows
+        (rule,) = session.records(APP_RULE, appid=app_id, **policy.sql_params())
+        return {
+            "appId": row["appid"],
+            "status": row["status"],
+            "failureReason": row["failure_reason"],
+            "leaseAttempts": rule["lease_attempts"],
+            **why_handed_out(rule, row, policy),
+        }
+
+    return db.transaction(work) if isinstance(db, SharedConnection) else work(db)
 
 
 # -- adding and reading
@@ -4155,6 +4390,9 @@ def app_status(
             return None
         (row,) = rows
         view = _app_view(row, admin, identities=admin)
+        if admin:  # why it is or is not handed out, its retry and hold included
+            (rule,) = session.records(APP_RULE, appid=app_id, **policy.sql_params())
+            view["why"] = why_handed_out(rule, row, policy)
         if row["status"] == "queued":
             ((ahead, unflagged_stale),) = session.run(
                 QUEUE_POSITION,
@@ -4260,7 +4498,8 @@ async def get_app(request: Request) -> JSONResponse:
 
 # -- SQL
 
-CANDIDATE_REASON = """CASE
+CANDIDATE_REASON = f"""CASE
+    WHEN NOT {CANDIDATE} THEN 'retry_due'
     WHEN status = 'queued' THEN 'queued'
     WHEN status = 'processing' THEN 'lease_expired'
     WHEN status = 'failed' THEN 'retry_failed'
@@ -4272,8 +4511,10 @@ COUNT_BY_STATUS = """
 SELECT status, count(*) AS apps, count(*) FILTER (WHERE failure_retryable) AS retryable
 FROM apps GROUP BY status
 """
+# The backlog: the candidates, and below them the due retries (the lowest tier).
+IN_BACKLOG = f"({CANDIDATE} OR {RETRY_DUE})"
 BACKLOG_BY_REASON = f"""
-SELECT {CANDIDATE_REASON} AS reason, count(*) AS apps FROM apps WHERE {CANDIDATE} GROUP BY 1
+SELECT {CANDIDATE_REASON} AS reason, count(*) AS apps FROM apps WHERE {IN_BACKLOG} GROUP BY 1
 """
 THROUGHPUT = """
 SELECT count(*) FILTER (WHERE analysed > now() - interval '1 hour' AND success) AS analysed_1h,
@@ -4300,8 +4541,10 @@ ORDER BY processing_started
 LIMIT :limit
 """
 # Apps the queue holds back: leases that expired max_lease_attempts times in a row (the
-# promoter records them as lease_expired failures), and outdated-version analyses not yet
-# a lease old (an analyser still on an old version made them).
+# promoter records them as lease_expired failures), outdated-version analyses not yet a
+# lease old (an analyser still on an old version made them), retryable failures waiting
+# for their retry (due in the next hour, or later) or past RETRY_BACKOFF's last step
+# (they wait for staleness or a version bump), and apps an operator held.
 HELD_BACK = f"""
 SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expired')
            AS lease_expired_failures,
@@ -4310,18 +4553,38 @@ SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expi
        count(*) FILTER (WHERE {RETRY_ELIGIBLE}
                         AND COALESCE(analysisversion, 0) < :analysis_version
                         AND NOT {OUTDATED_RESULT_SETTLED}) AS outdated_settling,
-       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting
+       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting,
+       count(*) FILTER (WHERE {RETRYABLE_NOW} AND {RETRY_TIME} > now()
+                        AND {RETRY_TIME} <= now() + interval '1 hour') AS retries_next_hour,
+       count(*) FILTER (WHERE {RETRYABLE_NOW} AND {RETRY_TIME} > now()) AS retries_waiting,
+       count(*) FILTER (WHERE {RETRYABLE_NOW} AND {RETRY_TIME} IS NULL) AS retries_exhausted,
+       count(*) FILTER (WHERE held_at IS NOT NULL) AS held_apps
 FROM apps
 """
 TOP_BACKLOG = f"""
 SELECT appid, app_popularity(details) AS popularity, added, {CANDIDATE_REASON} AS reason
-FROM apps WHERE {CANDIDATE}
-ORDER BY {CLAIM_ORDER}
+FROM apps WHERE {IN_BACKLOG}
+ORDER BY NOT {CANDIDATE}, {CLAIM_ORDER}
 LIMIT :limit
+"""
+QUEUE_PAUSE_READ = "SELECT paused_at, paused_by, reason FROM queue_pause"
+# The named analysers that look broken (BROKEN_ANALYSER), and those paused.
+ANALYSER_HEALTH = f"""
+SELECT count(*) FILTER (WHERE {BROKEN_ANALYSER}) AS broken,
+       count(*) FILTER (WHERE a.paused_at IS NOT NULL AND a.revoked IS NULL) AS paused
+FROM analysers a
 """
 
 
 # -- reading
+
+
+def failure_ratio(throughput: dict[str, int]) -> float | None:
+    """The fleet's failures over its results in the last hour (None: no result): the
+    figure that tells a broken host among shared-password analysers, who cannot be told
+    apart one by one."""
+    results = throughput["analysed_1h"] + throughput["failed_1h"]
+    return None if results == 0 else round(throughput["failed_1h"] / results, 3)
 
 
 def eta_hours(backlog: int, finished_last_24h: int) -> float | None:
@@ -4344,6 +4607,7 @@ REASON_TEXT = {
     "outdated_version": "analysis version outdated",
     "stale": "analysis older than the staleness cutoff",
     "retry_failed": "retryable failure, outdated or stale",
+    "retry_due": "retry due (handed out last of all)",
 }
 
 
@@ -4354,9 +4618,10 @@ class QueueStatus:
     the backlog by reason (REASON_TEXT) and its total, expired leases, throughput (the
     THROUGHPUT row), the ETA in hours (None: unknown), the last ping's age in minutes
     (None: never) and the analysers that pinged in the last hour, what is held back (the
-    HELD_BACK row), the named analysers (snake_case keys), the apps being processed, the
-    top of the backlog, and the policy it was read under. Its JSON form is document().
-    The defaults are an empty queue's."""
+    HELD_BACK row: retries waiting and held apps included), the queue's pause, the named
+    analysers that look broken and those paused, the named analysers (snake_case keys),
+    the apps being processed, the top of the backlog, and the policy it was read under.
+    Its JSON form is document(). The defaults are an empty queue's."""
 
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     total: int = 0
@@ -4370,6 +4635,9 @@ class QueueStatus:
     minutes_since_last_ping: float | None = None
     analysers_last_hour: int = 0
     held_back: dict[str, int] = dataclasses.field(default_factory=dict)
+    paused: dict[str, Any] = dataclasses.field(default_factory=dict)
+    broken_analysers: int = 0
+    paused_analysers: int = 0
     analysers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     processing: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     top_backlog: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -4398,11 +4666,35 @@ class QueueStatus:
             "minutes_since_last_ping": self.minutes_since_last_ping,
             "analysers_last_hour": self.analysers_last_hour,
             "held_back": self.held_back,
+            "paused": self.paused,
+            "broken_analysers": self.broken_analysers,
+            "paused_analysers": self.paused_analysers,
+            "failure_ratio_1h": failure_ratio(self.throughput),
             "analysers": self.analysers,
             "processing": self.processing,
             "top_backlog": self.top_backlog,
-            "policy": dataclasses.asdict(self.policy),
+            "policy": {
+                **dataclasses.asdict(self.policy),
+                "retry_backoff": self.policy.retry_backoff_text,
+            },
         }
+
+
+def _queue_pause_view(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "paused": row["paused_at"] is not None,
+        "pausedAt": _plain(row["paused_at"]),
+        "pausedBy": row["paused_by"],
+        "reason": row["reason"],
+    }
+
+
+def queue_pause_state(db: SharedConnection | Session) -> dict[str, Any]:
+    """Whether the queue is paused, since when, by whom and why."""
+    rows = db.records(QUEUE_PAUSE_READ)
+    if not rows:
+        return _queue_pause_view({"paused_at": None, "paused_by": None, "reason": None})
+    return _queue_pause_view(rows[0])
 
 
 def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> QueueStatus:
@@ -4423,6 +4715,11 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> Qu
         (throughput,) = session.records(THROUGHPUT, **params)
         (heartbeat,) = session.records(LAST_PING)
         (held_back,) = session.records(HELD_BACK, **params)
+        (health,) = session.records(
+            ANALYSER_HEALTH,
+            broken_failures=settings().broken_analyser_failures,
+            analysis_version=policy.analysis_version,
+        )
         processing = [
             {
                 "appid": row["appid"],
@@ -4457,6 +4754,9 @@ def queue_status(db: SharedConnection, policy: QueuePolicy, top: int = 10) -> Qu
             minutes_since_last_ping=None if minutes is None else round(float(minutes), 1),
             analysers_last_hour=heartbeat["analysers_last_hour"],
             held_back=held_back,
+            paused=snake_case_keys(queue_pause_state(session)),
+            broken_analysers=health["broken"],
+            paused_analysers=health["paused"],
             analysers=analysers,
             processing=processing,
             top_backlog=top_rows,
@@ -4476,7 +4776,16 @@ def priority_report(db: SharedConnection, policy: QueuePolicy, limit: int) -> li
 def format_queue_status(status: QueueStatus) -> str:
     """The queue-status report as text, for people."""
     counts, backlog = status.counts, status.backlog
-    lines = ["Apps by state"]
+    lines = []
+    if status.paused.get("paused"):
+        paused = status.paused
+        lines += [
+            f"THE QUEUE IS PAUSED since {paused['paused_at']} by {paused['paused_by']}"
+            + (f" ({paused['reason']})" if paused["reason"] else "")
+            + ": every claim is answered empty until queue-resume",
+            "",
+        ]
+    lines += ["Apps by state"]
     for state in APP_STATES:
         lines.append(f"  {state:<20}{counts.get(state, 0):>10}")
     lines.append(f"  {'  of which retryable':<20}{status.failed_retryable:>10}")
@@ -4487,7 +4796,8 @@ def format_queue_status(status: QueueStatus) -> str:
         f"Backlog under the current policy (version {policy.analysis_version},"
         f" stale after {policy.stale_days} days,"
         f" lease {policy.processing_timeout_minutes} min,"
-        f" {policy.max_lease_attempts} expired leases in a row back off)",
+        f" {policy.max_lease_attempts} expired leases in a row back off,"
+        f" retries after {policy.retry_backoff_text})",
     ]
     for reason, text in REASON_TEXT.items():
         lines.append(f"  {text:<42}{backlog.get(reason, 0):>10}")
@@ -4513,6 +4823,12 @@ def format_queue_status(status: QueueStatus) -> str:
         f"Named analysers ({len(status.analysers)})",
     ]
     lines += _format_analyser_rows(status.analysers)
+    ratio = failure_ratio(t)
+    lines += [
+        f"  {'broken (failing while others succeed)':<40}{status.broken_analysers:>6}",
+        f"  {'paused':<40}{status.paused_analysers:>6}",
+        "Fleet failure ratio, last hour: " + ("-" if ratio is None else f"{ratio:.0%}"),
+    ]
     lines += [
         "",
         f"Being processed ({counts.get('processing', 0)})",
@@ -4533,6 +4849,10 @@ def format_queue_status(status: QueueStatus) -> str:
         f"  {'outdated-version results younger than a lease':<52}{held['outdated_settling']:>10}",
         f"  {'outdated-version results in the last 24 hours':<52}{t['outdated_24h']:>10}",
         f"  {'refetches waiting for a lease to end':<52}{held['refetch_waiting']:>10}",
+        f"  {'retryable failures, retry due in the next hour':<52}{held['retries_next_hour']:>10}",
+        f"  {'retryable failures, retry later (RETRY_BACKOFF)':<52}{held['retries_waiting']:>10}",
+        f"  {'retryable failures past the last retry':<52}{held['retries_exhausted']:>10}",
+        f"  {'held by an operator (queue-hold)':<52}{held['held_apps']:>10}",
     ]
     lines += ["", "Top of the backlog"]
     lines += _format_backlog_rows(status.top_backlog)
@@ -4548,6 +4868,7 @@ BACKLOG_REASON_METRICS = {
     "outdated_version": "BacklogOutdatedVersion",
     "stale": "BacklogStale",
     "retry_failed": "BacklogRetryFailed",
+    "retry_due": "BacklogRetryDue",
 }
 # Failed apps by the reasons the service assigns; any other (a legacy row's: an
 # analyser's own text from before reasons were classified, or none) is FailedOther.
@@ -4564,7 +4885,10 @@ OTHER_FAILURES_METRIC = "FailedOther"
 # Durations in hours and minutes: CloudWatch has no such units (only seconds and finer),
 # so they carry None and say their unit in their name, which the alarms' thresholds
 # (MaxBacklogEtaHours, 60 minutes) are written in. Every other metric is a Count.
-UNITLESS_METRICS = frozenset({"EtaHours", "MinutesSinceLastPing", "OldestLeaseMinutes"})
+# FailureRatioLastHour is a fraction (0 to 1), unitless too.
+UNITLESS_METRICS = frozenset(
+    {"EtaHours", "MinutesSinceLastPing", "OldestLeaseMinutes", "FailureRatioLastHour"}
+)
 
 
 def queue_metrics(status: QueueStatus) -> dict[str, float]:
@@ -4582,7 +4906,19 @@ def queue_metrics(status: QueueStatus) -> dict[str, float]:
         # Analysers that sent a heartbeat in the last hour, not revoked (LAST_PING),
         # one dead host of several shows as a drop (template.yaml alarms on it).
         "ActiveAnalysers": status.analysers_last_hour,
+        # Named analysers failing while others succeed, and those paused; the queue's
+        # pause (1 while paused); apps held; retries waiting (docs/monitoring.md).
+        "BrokenAnalysers": status.broken_analysers,
+        "PausedAnalysers": status.paused_analysers,
+        "QueuePaused": 1 if status.paused.get("paused") else 0,
+        "HeldApps": status.held_back.get("held_apps", 0),
+        "RetriesNextHour": status.held_back.get("retries_next_hour", 0),
+        "RetriesExhausted": status.held_back.get("retries_exhausted", 0),
     }
+    # No result in the hour: no value (the ratio alarm treats missing data as fine).
+    ratio = failure_ratio(throughput)
+    if ratio is not None:
+        values["FailureRatioLastHour"] = ratio
     for reason, name in BACKLOG_REASON_METRICS.items():
         values[name] = status.backlog.get(reason, 0)
     values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
@@ -4622,6 +4958,10 @@ def _format_analyser_rows(rows: list[dict[str, Any]]) -> list[str]:
         state = "revoked" if row["revoked"] else "online" if row["online"] else "offline"
         holding = row["holding"]["app_id"] if row["holding"] else "-"
         flag = "  outdated analysis version" if row["outdated_version"] else ""
+        if row["broken"]:
+            flag += f"  BROKEN: {row['failures_in_a_row']} failures in a row"
+        if row["paused"]:
+            flag += f"  paused by {row['paused']['by']}"
         lines.append(
             f"  {row['name']:<24} {state:<8} holding {holding:<40}"
             f" 24h {row['results_24h']:>4} ok / {row['failures_24h']} failed{flag}"
@@ -5075,6 +5415,374 @@ def refetch_in_batches(
             return progress
         after = window[-1]["appid"]
     return progress
+
+
+# == Holds and pauses ===================================================================
+# An operator stops the queue, one analyser, or one app (docs/operations.md, "Pausing
+# and holding"): a paused queue or analyser is answered as an empty queue is (the
+# analysers' frozen contract: they sleep and ask again), a held app is no candidate by
+# any rule. Each is a row's column the claim reads in its own statement (CLAIMS_OPEN,
+# CANDIDATE), and each change is an operator action (act).
+
+
+# -- SQL
+
+# The app to hold, locked, and what holding it does: "held"; "waiting" (a live lease,
+# which runs to its end: its result is stored as any, and the app is held from then);
+# "lease_broken" (with force: the lease ends now, the app goes back to its stored
+# result, and its holder's token is refused). An expired lease ends now too. A lease
+# is live as refetch judges it (REFETCH_LIVE_LEASE).
+HOLD_LOCK = f"""
+SELECT appid, held_at, held_by, hold_reason,
+       CASE WHEN status = 'processing' AND :force THEN 'lease_broken'
+            WHEN {REFETCH_LIVE_LEASE} THEN 'waiting'
+            ELSE 'held' END AS outcome,
+       status = 'processing' AND (:force OR NOT ({REFETCH_LIVE_LEASE})) AS ends_lease
+FROM apps WHERE lower(appid) = lower(:appid)
+FOR UPDATE
+"""
+# Held apps leave the promoter's flags: a flag is the claim's index entry.
+HOLD_APPLY = """
+UPDATE apps SET held_at = now(), held_by = :actor, hold_reason = :reason, due = false,
+                retry_due = false
+WHERE appid = :appid
+RETURNING held_at
+"""
+RELEASE_APP = """
+WITH found AS (
+    SELECT appid, held_at IS NOT NULL AS was_held FROM apps
+    WHERE lower(appid) = lower(:appid) FOR UPDATE
+), released AS (
+    UPDATE apps SET held_at = NULL, held_by = NULL, hold_reason = NULL
+    FROM found WHERE apps.appid = found.appid AND found.was_held
+    RETURNING apps.appid
+)
+SELECT appid, was_held FROM found
+"""
+# An analyser's pause: paused_at set (kept when it is paused already). Resuming also
+# starts its failures in a row again: the operator says it is mended.
+PAUSE_ANALYSER = """
+WITH found AS (
+    SELECT name, paused_at IS NOT NULL AS was_paused FROM analysers
+    WHERE name = :name FOR UPDATE
+), paused AS (
+    UPDATE analysers SET paused_at = now(), paused_by = :actor
+    FROM found WHERE analysers.name = found.name AND NOT found.was_paused
+    RETURNING analysers.name
+)
+SELECT name, was_paused FROM found
+"""
+RESUME_ANALYSER = """
+WITH found AS (
+    SELECT name, paused_at IS NOT NULL AS was_paused FROM analysers
+    WHERE name = :name FOR UPDATE
+), resumed AS (
+    UPDATE analysers SET paused_at = NULL, paused_by = NULL, failure_streak = 0,
+                         failing_since = NULL
+    FROM found WHERE analysers.name = found.name AND found.was_paused
+    RETURNING analysers.name
+)
+SELECT name, was_paused FROM found
+"""
+# The queue's pause: the one row of queue_pause (put back if it was deleted by hand),
+# locked, then changed if it is not as asked.
+QUEUE_PAUSE_ROW = """
+INSERT INTO queue_pause (singleton) VALUES (true) ON CONFLICT DO NOTHING
+"""
+QUEUE_PAUSE_LOCK = """
+SELECT paused_at, paused_by, reason FROM queue_pause FOR UPDATE
+"""
+QUEUE_PAUSE_SET = """
+UPDATE queue_pause SET paused_at = CASE WHEN :paused THEN now() END,
+                       paused_by = CASE WHEN :paused THEN :actor END,
+                       reason = CASE WHEN :paused THEN :reason END
+RETURNING paused_at, paused_by, reason
+"""
+
+
+# -- holding an app
+
+# What an operator may write as a hold's or a pause's reason: shown back as text.
+MAX_REASON_LENGTH = 500
+HOLD_OUTCOMES = {
+    "held": "held: never handed out until released",
+    "waiting": "held; its live lease runs to its end (its result is stored), then it is"
+    " not handed out again; --force ends the lease now",
+    "lease_broken": "held, its lease ended (--force): back to its stored result, and its"
+    " holder's claim token is refused",
+    "already_held": "held already: nothing changed",
+}
+
+
+def checked_reason(reason: object) -> str | None:
+    """An operator's reason for a hold or a pause: text of at most MAX_REASON_LENGTH
+    characters (None or "": none); else BadInput."""
+    if reason is None or reason == "":
+        return None
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_LENGTH or "\x00" in reason:
+        raise BadInput(f"a reason is text of at most {MAX_REASON_LENGTH} characters")
+    return reason
+
+
+def _hold_view(appid: str, outcome: str, row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "appId": appid,
+        "outcome": outcome,
+        "heldAt": _plain(row["held_at"]),
+        "heldBy": row["held_by"],
+        "reason": row["hold_reason"],
+    }
+
+
+def hold_app(
+    db: SharedConnection, operator: Operator, app_id: str, reason: object, force: bool
+) -> dict[str, Any]:
+    """Hold the app (any letter case): never handed out, by any rule, until released; its
+    state and last result stay as they are (HOLD_LOCK says what a lease does). A held app
+    is held already: nothing changes, nothing is recorded. NoSuchApp when there is none."""
+    reason = checked_reason(reason)
+    if not isinstance(force, bool):
+        raise BadInput("force must be true or false")
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        rows = session.records(
+            HOLD_LOCK, appid=app_id, force=force, **settings().policy.sql_params()
+        )
+        if not rows:
+            raise NoSuchApp(app_id)
+        (row,) = rows
+        if row["held_at"] is not None:
+            return _hold_view(row["appid"], "already_held", row), None
+        (held,) = session.records(
+            HOLD_APPLY, appid=row["appid"], actor=operator.actor, reason=reason
+        )
+        if row["ends_lease"]:
+            (parts,) = session.records(STORED_RESULT_PARTS, appids=[row["appid"]])
+            ended = [{"appid": row["appid"], **dataclasses.asdict(stored_result_state(parts))}]
+            session.run(RETURN_TO_STORED_RESULT, ended=json.dumps(ended))
+        view = _hold_view(
+            row["appid"],
+            row["outcome"],
+            {"held_at": held["held_at"], "held_by": operator.actor, "hold_reason": reason},
+        )
+        return view, ActionRecord("hold app", [(row["appid"], row["outcome"])])
+
+    return act(db, operator, change)
+
+
+def release_app(db: SharedConnection, operator: Operator, app_id: str) -> dict[str, Any]:
+    """Release a held app: the rule decides again whether it is handed out. An app not
+    held is left as it is, and nothing is recorded. NoSuchApp when there is none."""
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        rows = session.records(RELEASE_APP, appid=app_id)
+        if not rows:
+            raise NoSuchApp(app_id)
+        (row,) = rows
+        outcome = "released" if row["was_held"] else "not_held"
+        record = ActionRecord("release app", [(row["appid"], outcome)])
+        return {"appId": row["appid"], "outcome": outcome}, record if row["was_held"] else None
+
+    return act(db, operator, change)
+
+
+# -- pausing an analyser, or the queue
+
+
+def pause_analyser(
+    db: SharedConnection, operator: Operator, name: str, paused: bool
+) -> dict[str, Any]:
+    """Pause (paused True) or resume the named analyser: while paused, its GET /queue is
+    answered as an empty queue is; its pings still count and its open lease stays its
+    own. Resuming starts its failures in a row again. Nothing changes, and nothing is
+    recorded, when it is as asked already. UnknownAnalyser when there is none."""
+    name = checked_analyser_name(name, stored=True)
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        statement = PAUSE_ANALYSER if paused else RESUME_ANALYSER
+        rows = session.records(statement, name=name, actor=operator.actor)
+        if not rows:
+            raise UnknownAnalyser(name)
+        (row,) = rows
+        changed = row["was_paused"] != paused
+        outcome = ("paused" if paused else "resumed") if changed else "unchanged"
+        action = "pause analyser" if paused else "resume analyser"
+        record = ActionRecord(action, analyser=name) if changed else None
+        return {"name": name, "paused": paused, "outcome": outcome}, record
+
+    return act(db, operator, change)
+
+
+def pause_queue(
+    db: SharedConnection, operator: Operator, paused: bool, reason: object = None
+) -> dict[str, Any]:
+    """Pause (paused True) or resume the whole queue: while paused, every claim is answered
+    as an empty queue is. A pause keeps its first time, author and reason; nothing is
+    recorded when the queue is as asked already."""
+    reason = checked_reason(reason)
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        session.run(QUEUE_PAUSE_ROW)
+        (row,) = session.records(QUEUE_PAUSE_LOCK)
+        if (row["paused_at"] is not None) == paused:
+            return {**_queue_pause_view(row), "outcome": "unchanged"}, None
+        (row,) = session.records(
+            QUEUE_PAUSE_SET, paused=paused, actor=operator.actor, reason=reason
+        )
+        outcome = "paused" if paused else "resumed"
+        action = "pause queue" if paused else "resume queue"
+        return {**_queue_pause_view(row), "outcome": outcome}, ActionRecord(
+            action, [(None, reason)]
+        )
+
+    return act(db, operator, change)
+
+
+# -- routes
+
+HOLD_BODY = {
+    "required": False,
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {"reason": {"type": "string"}, "force": {"type": "boolean"}},
+            }
+        }
+    },
+}
+PAUSE_BODY = {
+    "required": False,
+    "content": {
+        "application/json": {
+            "schema": {"type": "object", "properties": {"reason": {"type": "string"}}}
+        }
+    },
+}
+NO_SUCH_APP = "No such app; nothing was changed."
+
+
+async def _optional_json_object(request: Request, allowed: set[str]) -> dict[str, Any]:
+    """An operator's optional JSON body: an object of these members only ({} when empty)."""
+    body = await _read_body(request)
+    if not body:
+        return {}
+    _require_content_type(request, ("application/json",))
+    parsed = await blocking(_parse_operators_json, body, "the body", parse=True)
+    if not isinstance(parsed, dict) or not set(parsed) <= allowed:
+        raise BadInput(f"the body must be an object of {', '.join(sorted(allowed))} or empty")
+    return parsed
+
+
+@app.post(
+    "/apps/{appId}/hold",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "parameters": APP_ID_PATH["parameters"],
+        "requestBody": HOLD_BODY,
+        "responses": _analyser_errors(
+            e400="Bad input (the bundle ID, reason or force); nothing was changed.",
+            e404=NO_SUCH_APP,
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
+    },
+)
+async def hold(request: Request) -> JSONResponse:
+    """Hold the app: never handed out until released. {"reason": "...", "force": true}
+    (both optional); `outcome` says what happened to a lease (docs/cli.md, queue-hold)."""
+    app_id = _bundle_id(request.path_params["appId"])
+    body = await _optional_json_object(request, {"reason", "force"})
+    operator = bearer_operator(request)
+    held = await blocking(
+        lambda: hold_app(
+            api_connection(), operator, app_id, body.get("reason"), body.get("force", False)
+        )
+    )
+    return JSONResponse(held, headers=NO_STORE)
+
+
+@app.post(
+    "/apps/{appId}/release",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "parameters": APP_ID_PATH["parameters"],
+        "responses": _analyser_errors(e400="Bad input (the bundle ID).", e404=NO_SUCH_APP),
+    },
+)
+async def release(request: Request) -> JSONResponse:
+    """Release a held app: the queue's rule decides again. `outcome`: released or
+    not_held."""
+    app_id = _bundle_id(request.path_params["appId"])
+    await _optional_json_object(request, set())
+    operator = bearer_operator(request)
+    released = await blocking(lambda: release_app(api_connection(), operator, app_id))
+    return JSONResponse(released, headers=NO_STORE)
+
+
+def _pause_route(paused: bool) -> Callable[[Request], Any]:
+    async def route(request: Request) -> JSONResponse:
+        name = _analyser_name_param(request)
+        await _optional_json_object(request, set())
+        operator = bearer_operator(request)
+        done = await blocking(lambda: pause_analyser(api_connection(), operator, name, paused))
+        return JSONResponse(done, headers=NO_STORE)
+
+    return route
+
+
+ANALYSER_PAUSE_DOC = {
+    "parameters": [ANALYSER_NAME_PATH],
+    "responses": _analyser_errors(e400="Bad input (the name).", e404=NO_SUCH_ANALYSER),
+}
+app.post(
+    "/analysers/{name}/pause",
+    dependencies=[Depends(require_admin)],
+    openapi_extra=ANALYSER_PAUSE_DOC,
+    description="Pause the analyser: its GET /queue is answered as an empty queue is;"
+    " its pings count and its lease stays its own. `outcome`: paused or unchanged.",
+)(_pause_route(True))
+app.post(
+    "/analysers/{name}/resume",
+    dependencies=[Depends(require_admin)],
+    openapi_extra=ANALYSER_PAUSE_DOC,
+    description="Resume the analyser, and start its failures in a row again."
+    " `outcome`: resumed or unchanged.",
+)(_pause_route(False))
+
+
+@app.post(
+    "/queue/pause",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={
+        "requestBody": PAUSE_BODY,
+        "responses": _analyser_errors(
+            e400="Bad input (the reason); nothing was changed.",
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
+    },
+)
+async def pause_the_queue(request: Request) -> JSONResponse:
+    """Pause the whole queue: every claim is answered as an empty queue is, until
+    resumed. {"reason": "..."} (optional)."""
+    body = await _optional_json_object(request, {"reason"})
+    operator = bearer_operator(request)
+    done = await blocking(lambda: pause_queue(api_connection(), operator, True, body.get("reason")))
+    return JSONResponse(done, headers=NO_STORE)
+
+
+@app.post(
+    "/queue/resume",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={"responses": _analyser_errors(e400="Bad input (a body).")},
+)
+async def resume_the_queue(request: Request) -> JSONResponse:
+    """Resume the queue: claims hand out apps again."""
+    await _optional_json_object(request, set())
+    operator = bearer_operator(request)
+    done = await blocking(lambda: pause_queue(api_connection(), operator, False))
+    return JSONResponse(done, headers=NO_STORE)
 
 
 # == The ledger =========================================================================
@@ -5806,18 +6514,6 @@ WHERE (CAST(:after AS text) IS NULL OR lower(appid) COLLATE "C" > :after) AND {B
 ORDER BY lower(appid) COLLATE "C"
 LIMIT :limit
 """
-# One app and each part of the rule (the queue's CANDIDATE) that decides whether it is
-# handed out: the rule itself, and the times at which its parts change.
-APP_RULE = f"""
-SELECT {CANDIDATE} AS candidate,
-       status = 'processing' AND {LEASE_EXPIRED} AS lease_over,
-       lease_attempts, refetch_requested, COALESCE(analysisversion, 0) AS version,
-       processing_started + make_interval(mins => :timeout_minutes) AS lease_ends,
-       COALESCE(analysed, '-infinity') + make_interval(mins => :timeout_minutes)
-           AS outdated_due,
-       COALESCE(analysed, '-infinity') + make_interval(days => :stale_days) AS stale_due
-FROM apps WHERE lower(appid) = lower(:appid)
-"""
 APP_HISTORY = """
 SELECT analysed, analysisversion, analysis_source, success, analyser, app_version,
        CASE WHEN NOT success THEN analysis->>'reason' END AS reason,
@@ -5926,68 +6622,7 @@ def apps_page(
     return {"apps": apps, "next": rows[limit - 1]["sort_key"] if more else None}
 
 
-# -- one app, and why
-
-
-def why_handed_out(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolicy) -> dict:
-    """Whether the app is a candidate now (the queue's rule, read by APP_RULE) and, if
-    not, which part of the rule holds it back (`held`) and from when it will be one
-    (`from`; None: not by time alone), in words (`why`)."""
-    status, version, attempts = row["status"], rule["version"], rule["lease_attempts"]
-    current = policy.analysis_version
-    if rule["candidate"]:
-        why = {
-            "queued": "queued: it is handed out in claim order",
-            "processing": f"its lease ended without a result ({attempts} of"
-            f" {policy.max_lease_attempts} leases): it is handed out again",
-            "failed": "a retryable failure old enough to try again",
-            "analysed": f"its analysis (version {version}) is due again: older than"
-            f" {policy.stale_days} days, or of a version below {current}",
-        }[status]
-        return {"candidate": True, "held": None, "from": None, "why": why}
-    held, when = None, None
-    if status == "processing" and not rule["lease_over"]:
-        holder = row["claim_holder"] or "a host on the shared password"
-        held, when = "lease", rule["lease_ends"]
-        why = f"leased to {holder}; handed out again when the lease ends without a result"
-        if attempts >= policy.max_lease_attempts:  # this lease is its last: it backs off
-            when = None
-            why = (
-                f"leased to {holder}, the last of {policy.max_lease_attempts} leases: if it"
-                " ends without a result, the app backs off (a lease_expired failure)"
-            )
-        if rule["refetch_requested"]:
-            why += "; a refetch waits for this lease, then queues it"
-    elif status == "processing":
-        held = "backed_off"
-        why = (
-            f"backed off: {attempts} leases ended without a result; the next promotion"
-            " records it failed (lease_expired), to be tried again later"
-        )
-    elif status == "failed" and not row["failure_retryable"]:
-        held = "non_retryable"
-        why = (
-            f"a failure that retrying cannot mend ({row['failure_reason']}): never handed"
-            " out again by the rule; a refetch queues it"
-        )
-    elif version > current:
-        held = "newer_version"
-        why = (
-            f"analysed at version {version}, above the current {current}: it waits for"
-            " CURRENT_ANALYSIS_VERSION to reach it, or for a refetch"
-        )
-    elif version < current:
-        held, when = "settling", rule["outdated_due"]
-        why = f"its version {version} is below {current}: handed out once its result settles"
-    else:
-        held, when = "fresh", rule["stale_due"]
-        why = f"a fresh analysis: handed out again once it is {policy.stale_days} days old"
-        if status == "failed":
-            why = (
-                f"a retryable failure at version {version}: tried again once it is"
-                f" {policy.stale_days} days old"
-            )
-    return {"candidate": False, "held": held, "from": _plain(when), "why": why}
+# -- one app's story
 
 
 def app_story(db: SharedConnection, app_id: str, policy: QueuePolicy) -> dict[str, Any] | None:
@@ -6431,8 +7066,8 @@ async def _bad_input(request: Request, error: BadInput) -> Response:
     return await _http_error(request, HTTPException(400, str(error)))
 
 
-@app.exception_handler(AnalyserRefused)
-async def _analyser_refused(request: Request, error: AnalyserRefused) -> Response:
+@app.exception_handler(OperatorRefused)
+async def _operator_refused(request: Request, error: OperatorRefused) -> Response:
     return await _http_error(request, HTTPException(error.status, str(error)))
 
 
@@ -7562,7 +8197,7 @@ def _cli_analysers(args: argparse.Namespace) -> int:
     except BadInput as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except AnalyserRefused as error:
+    except OperatorRefused as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
 

@@ -12,7 +12,8 @@
 -- only when no other candidate exists. apps.held_at, held_by, hold_reason: an operator's
 -- hold ("do not analyse"); a held app is no candidate, by any rule, until released.
 -- analysers.paused_at, paused_by: a paused analyser's GET /queue answers as an empty
--- queue does. queue_pause: one row; while its paused_at is set the whole queue is
+-- queue does. analysers.failure_streak, failing_since: its results' failures in a row
+-- and when the first of them came, to tell a broken analyser (docs/monitoring.md). queue_pause: one row; while its paused_at is set the whole queue is
 -- paused (every claim answers empty). Resuming clears it: the API role deletes no row.
 -- queue_policy.retry_backoff: the RETRY_BACKOFF the promoter's retry flags were set
 -- under; when it changes, the flags are cleared and set again under the new one.
@@ -39,7 +40,9 @@ ALTER TABLE apps ALTER COLUMN failure_streak SET DEFAULT 0;
 
 ALTER TABLE analysers
     ADD COLUMN IF NOT EXISTS paused_at timestamptz,
-    ADD COLUMN IF NOT EXISTS paused_by text;
+    ADD COLUMN IF NOT EXISTS paused_by text,
+    ADD COLUMN IF NOT EXISTS failure_streak integer NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS failing_since timestamptz;
 
 ALTER TABLE queue_policy ADD COLUMN IF NOT EXISTS retry_backoff text;
 

@@ -129,8 +129,16 @@ def insert_app(
     retryable: bool | None = None,
     reason: str | None = None,
     analysis=None,
+    streak: int | None = None,
+    held: bool = False,
+    retry_due: bool = False,
 ) -> None:
-    """One apps row in a given state, as the service would have left it."""
+    """One apps row in a given state, as the service would have left it. `streak` is
+    its failures in a row (apps.failure_streak): by default a failed row is one failure
+    (1), any other row none (0). `held`: an operator holds it (held_at); `retry_due`: the
+    promoter's retry flag is set on it (whether or not the rule backs it)."""
+    if streak is None:
+        streak = 1 if status == "failed" else 0
     details = {"appId": appid, "title": appid}
     if reviews is not None:
         details["reviews"] = reviews
@@ -142,10 +150,12 @@ def insert_app(
         reason = "analysis_failed"
     sql.run(
         """INSERT INTO apps (appid, details, analysis, analysisversion, analysed, added, status,
-                             processing_started, failure_reason, failure_retryable)
+                             processing_started, failure_reason, failure_retryable,
+                             failure_streak, held_at, retry_due)
            VALUES (:appid, CAST(:details AS jsonb), CAST(:analysis AS jsonb), :version,
                    :analysed, COALESCE(CAST(:added AS timestamptz), now()), :status,
-                   :started, :reason, :retryable)""",
+                   :started, :reason, :retryable, :streak,
+                   CASE WHEN :held THEN now() END, :retry_due)""",
         appid=appid,
         details=json.dumps(details),
         analysis=None if analysis is None else json.dumps(analysis),
@@ -156,6 +166,9 @@ def insert_app(
         started=processing_started,
         reason=reason if status == "failed" else None,
         retryable=retryable if status == "failed" else None,
+        streak=streak,
+        held=held,
+        retry_due=retry_due,
     )
 
 
@@ -197,6 +210,9 @@ def app_row(sql, appid: str) -> dict:
         "failure_retryable",
         "claim_token",
         "due",
+        "failure_streak",
+        "retry_due",
+        "held_at",
     ]
     # The service's claim token is apps.analysis_claim_token (uuid), compared as the text
     # the X-Analysis-Claim-Token header carries.
@@ -245,6 +261,11 @@ def lease_expired(started: datetime | None, minutes: int, now: datetime) -> bool
 
 
 def is_candidate(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
+    """handler.CANDIDATE in Python: whether a claim may hand the row out by the rule's
+    upper tiers (queued, an expired lease, an outdated or stale result). A held app
+    (held_at) is none, by any rule."""
+    if row.get("held_at") is not None:
+        return False
     status = row["status"]
     if status == "queued":
         return True
@@ -265,26 +286,109 @@ def is_candidate(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
     return old_version or stale
 
 
-def oracle_order(sql, policy: handler.QueuePolicy) -> list[str]:
+def retry_time(
+    streak: int, analysed: datetime | None, policy: handler.QueuePolicy
+) -> datetime | None:
+    """When a retryable failure, the `streak`-th in a row, stored at `analysed`, may be
+    retried (handler.RETRY_TIME): RETRY_BACKOFF's streak-th step after it; None when it
+    never is by the back-off (RETRY_BACKOFF=off, no failure in a row, past the last step,
+    or no time stored)."""
+    if analysed is None or not 1 <= streak <= len(policy.retry_backoff):
+        return None
+    return analysed + timedelta(seconds=policy.retry_backoff[streak - 1])
+
+
+def is_due_retry(row: dict, policy: handler.QueuePolicy, now: datetime) -> bool:
+    """handler.RETRY_DUE in Python: a retryable failure at the current version, not
+    held, whose retry (retry_time) has come. The lowest tier: handed out only when no
+    candidate (is_candidate) is."""
+    if row.get("held_at") is not None:
+        return False
+    if row["status"] != "failed" or not row["failure_retryable"]:
+        return False
+    if (row["analysisversion"] or 0) != policy.analysis_version:
+        return False
+    due = retry_time(row["failure_streak"], row["analysed"], policy)
+    return due is not None and due <= now
+
+
+ORACLE_COLUMNS = [
+    "appid",
+    "details",
+    "status",
+    "processing_started",
+    "failure_retryable",
+    "analysisversion",
+    "analysed",
+    "added",
+    "lease_attempts",
+    "failure_streak",
+    "held_at",
+    "retry_due",
+]
+
+
+def oracle_tiers(
+    sql, policy: handler.QueuePolicy, flagged_only: bool = False
+) -> tuple[list[str], list[str]]:
+    """(the candidates, the due retries), each in claim order. The due retries are
+    those the promoter flagged (retry_due) when `flagged_only`, as a claim that runs no
+    promotion (or a partial one) finds them; else every due retry, as a claim that runs
+    a whole promotion does (it flags each retry due within its horizon)."""
     ((now,),) = sql.run("SELECT now()")
-    columns = [
-        "appid",
-        "details",
-        "status",
-        "processing_started",
-        "failure_retryable",
-        "analysisversion",
-        "analysed",
-        "added",
-        "lease_attempts",
-    ]
     rows = [
-        dict(zip(columns, r, strict=True))
-        for r in sql.run(f"SELECT {', '.join(columns)} FROM apps")
+        dict(zip(ORACLE_COLUMNS, r, strict=True))
+        for r in sql.run(f"SELECT {', '.join(ORACLE_COLUMNS)} FROM apps")
     ]
+
+    def claim_order(chosen: list[dict]) -> list[str]:
+        chosen.sort(key=lambda r: (-popularity(r["details"]), r["added"], r["appid"]))
+        return [r["appid"] for r in chosen]
+
     candidates = [r for r in rows if is_candidate(r, policy, now)]
-    candidates.sort(key=lambda r: (-popularity(r["details"]), r["added"], r["appid"]))
-    return [r["appid"] for r in candidates]
+    retries = [
+        r
+        for r in rows
+        if not is_candidate(r, policy, now)
+        and is_due_retry(r, policy, now)
+        and (r["retry_due"] or not flagged_only)
+    ]
+    return claim_order(candidates), claim_order(retries)
+
+
+def oracle_order(sql, policy: handler.QueuePolicy, flagged_only: bool = False) -> list[str]:
+    """What GET /queue hands out, in order: every candidate in claim order, then (the
+    lowest tier, once no candidate is left) the due retries in claim order
+    (oracle_tiers)."""
+    candidates, retries = oracle_tiers(sql, policy, flagged_only)
+    return candidates + retries
+
+
+class OracleAtEachClaim:
+    """The oracle as each claim of the service sees it: handler.promote_due_apps (which
+    every claim runs first) wrapped so that, once it is done and just before the claim's
+    own statement, oracle_order is read with the retry flags as they are then
+    (flagged_only). `last` is the order the latest claim was to follow: exact whatever
+    the promoter did (a partial pass included), where an oracle read before the claim
+    cannot know which retries its promotion flags."""
+
+    def __init__(self, sql, monkeypatch):
+        self.sql = sql
+        self.last: list[str] | None = None
+        promote = handler.promote_due_apps
+
+        def promote_then_read(db, policy, *args, **kwargs):
+            done = promote(db, policy, *args, **kwargs)
+            self.last = oracle_order(self.sql, policy, flagged_only=True)
+            return done
+
+        monkeypatch.setattr(handler, "promote_due_apps", promote_then_read)
+
+    def expected(self) -> list[str]:
+        """The latest claim's oracle, taken (so no claim is checked against another's)."""
+        assert self.last is not None, "no claim ran a promotion"
+        last, self.last = self.last, None
+        return last
 
 
 # --- the Lambda entry points: events, contexts, answers --------------------------------
