@@ -70,7 +70,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -5017,9 +5017,14 @@ ORDER BY app_popularity(details) DESC, added, appid
 # UPDATE, failing the whole batch (REFETCH_VALID_BUNDLE_ID is that CHECK's condition).
 REFETCH_VALID_BUNDLE_ID = f"""length(appid) BETWEEN 1 AND {MAX_BUNDLE_ID_LENGTH}
   AND appid ~ '^{BUNDLE_ID.pattern}$' AND appid !~ '\\.$'"""
+# :failed_by, a named analyser: only the failures it stored (analysed_by), since :since
+# (NULL: any time), to undo what a broken analyser did.
 REFETCH_FAILED_ROWS = f"""status = 'failed' AND (failure_retryable OR :include_non_retryable)
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND {BUNDLE_ID_STARTS}
+  AND (CAST(:failed_by AS text) IS NULL
+       OR analysed_by = :failed_by
+          AND analysed >= COALESCE(CAST(:since AS timestamptz), '-infinity'))
   AND {REFETCH_VALID_BUNDLE_ID}"""
 REFETCH_ANALYSED_ROWS = f"status = 'analysed' AND {BUNDLE_ID_STARTS} AND {REFETCH_VALID_BUNDLE_ID}"
 REFETCH_SELECT_FAILED = f"""
@@ -5142,6 +5147,8 @@ REFETCH_EVENT_NAMES = {
     "include_non_retryable": "includeNonRetryable",
     "reason": "reason",
     "prefix": "prefix",
+    "failed_by": "failedBy",
+    "since": "since",
     "limit": "limit",
     "apply": "apply",
     "force": "force",
@@ -5152,6 +5159,8 @@ REFETCH_CLI_NAMES = {
     "include_non_retryable": "--include-non-retryable",
     "reason": "--reason",
     "prefix": "--prefix",
+    "failed_by": "--failed-by",
+    "since": "--since",
     "limit": "--limit",
     "apply": "--apply",
     "force": "--force",
@@ -5161,6 +5170,26 @@ REFETCH_CLI_NAMES = {
 # A failure reason as a filter spells it, and the start of a bundle ID (lower case).
 FAILURE_REASON_TEXT = re.compile(r"[a-z_]{1,40}")
 BUNDLE_ID_PREFIX = re.compile(r"[a-z0-9.-]{1,155}")
+
+
+def since_time(value: object, name: str) -> datetime:
+    """A refetch's --since: an ISO 8601 time with its offset (2026-12-04T22:00:00Z), or a
+    duration ago (90m, 12h, 7d); else BadInput naming `name`."""
+    words = f"{name} is a time such as 2026-12-04T22:00:00Z, or a duration ago such as 12h"
+    if not isinstance(value, str) or len(value) > 40:
+        raise BadInput(words)
+    match = DURATION.fullmatch(value.strip())
+    if match:
+        return datetime.now(UTC) - timedelta(
+            seconds=int(match[1]) * DURATION_UNITS[match[2] or "s"]
+        )
+    try:
+        when = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise BadInput(words) from None
+    if when.tzinfo is None:
+        raise BadInput(f"{words} (with its offset: Z or +01:00)")
+    return when
 
 
 def prefix_params(prefix: str) -> dict[str, str]:
@@ -5176,7 +5205,9 @@ class RefetchRequest:
     the failed ones (`failed`: the retryable ones, every one with `include_non_retryable`;
     of one failure `reason` if given), or else the analysed ones; either of these whose
     bundle ID starts with `prefix` (any letter case; "" for any); at most `limit` of them,
-    the most popular first (None: no limit); done with `apply` (else a dry run), breaking
+    the most popular first (None: no limit); `failed_by` a named analyser: the failures
+    it stored (retryable or not), since `since` if given (a time, or a duration ago such
+    as 12h); done with `apply` (else a dry run), breaking
     live leases with `force` (else waiting for them). The CLI's queue-refetch (from_args),
     the report function's queue-refetch event (from_event) and the web view's refetch
     are checked by one rule (checked): a request that would not do what it says is
@@ -5187,6 +5218,8 @@ class RefetchRequest:
     include_non_retryable: bool = False
     reason: str | None = None
     prefix: str = ""
+    failed_by: str | None = None
+    since: datetime | None = None
     limit: int | None = None
     apply: bool = False
     force: bool = False
@@ -5209,6 +5242,15 @@ class RefetchRequest:
         for flag in ("failed", "include_non_retryable", "apply", "force"):
             if not isinstance(fields.get(flag, False), bool):
                 raise BadInput(f"{names[flag]} must be true or false, got {fields[flag]!r}")
+        failed_by, since = fields.get("failed_by"), fields.get("since")
+        if failed_by is not None:
+            # What a broken analyser failed, whatever it called the failure.
+            checked_analyser_name(failed_by, f"{names['failed_by']} names an analyser:", True)
+            fields["failed"] = fields["include_non_retryable"] = True
+        if since is not None:
+            if failed_by is None:
+                raise BadInput(f"{names['since']} goes with {names['failed_by']}")
+            fields["since"] = since_time(since, names["since"])
         for needs_failed in ("include_non_retryable", "reason"):
             if fields.get(needs_failed) not in (None, False) and not fields.get("failed"):
                 raise BadInput(f"{names[needs_failed]} goes with {names['failed']}")
@@ -5226,7 +5268,9 @@ class RefetchRequest:
                 f"{names['prefix']} must be the start of a bundle ID: letters, digits, . and -"
             )
         by_state = [
-            field for field in ("failed", "include_non_retryable", "reason") if fields.get(field)
+            field
+            for field in ("failed_by", "failed", "include_non_retryable", "reason")
+            if fields.get(field)
         ]
         if prefix:
             by_state.append("prefix")
@@ -5241,6 +5285,8 @@ class RefetchRequest:
         return {
             "include_non_retryable": self.include_non_retryable,
             "reason": self.reason,
+            "failed_by": self.failed_by,
+            "since": self.since,
             **prefix_params(self.prefix),
         }
 
@@ -5272,6 +5318,8 @@ class RefetchRequest:
             include_non_retryable=args.include_non_retryable,
             reason=args.reason,
             prefix=args.prefix,
+            failed_by=args.failed_by,
+            since=args.since,
             limit=args.limit,
             apply=args.apply,
             force=args.force,
@@ -5514,6 +5562,11 @@ HOLD_OUTCOMES = {
 }
 
 
+def who(operator: Operator) -> str:
+    """An operator as a hold or a pause names them: the actor, and from where."""
+    return f"{operator.actor} ({operator.source})"[:200]
+
+
 def checked_reason(reason: object) -> str | None:
     """An operator's reason for a hold or a pause: text of at most MAX_REASON_LENGTH
     characters (None or "": none); else BadInput."""
@@ -5554,7 +5607,7 @@ def hold_app(
         if row["held_at"] is not None:
             return _hold_view(row["appid"], "already_held", row), None
         (held,) = session.records(
-            HOLD_APPLY, appid=row["appid"], actor=operator.actor, reason=reason
+            HOLD_APPLY, appid=row["appid"], actor=who(operator), reason=reason
         )
         if row["ends_lease"]:
             (parts,) = session.records(STORED_RESULT_PARTS, appids=[row["appid"]])
@@ -5563,7 +5616,7 @@ def hold_app(
         view = _hold_view(
             row["appid"],
             row["outcome"],
-            {"held_at": held["held_at"], "held_by": operator.actor, "hold_reason": reason},
+            {"held_at": held["held_at"], "held_by": who(operator), "hold_reason": reason},
         )
         return view, ActionRecord("hold app", [(row["appid"], row["outcome"])])
 
@@ -5600,7 +5653,7 @@ def pause_analyser(
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
         statement = PAUSE_ANALYSER if paused else RESUME_ANALYSER
-        rows = session.records(statement, name=name, actor=operator.actor)
+        rows = session.records(statement, name=name, actor=who(operator))
         if not rows:
             raise UnknownAnalyser(name)
         (row,) = rows
@@ -5626,9 +5679,7 @@ def pause_queue(
         (row,) = session.records(QUEUE_PAUSE_LOCK)
         if (row["paused_at"] is not None) == paused:
             return {**_queue_pause_view(row), "outcome": "unchanged"}, None
-        (row,) = session.records(
-            QUEUE_PAUSE_SET, paused=paused, actor=operator.actor, reason=reason
-        )
+        (row,) = session.records(QUEUE_PAUSE_SET, paused=paused, actor=who(operator), reason=reason)
         outcome = "paused" if paused else "resumed"
         action = "pause queue" if paused else "resume queue"
         return {**_queue_pause_view(row), "outcome": outcome}, ActionRecord(
@@ -7650,6 +7701,8 @@ def cli_error_line(error: BaseException) -> str:
     elif isinstance(error, OSError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
         text = f"{error.strerror}{where}"
+    elif isinstance(error, (OperatorRefused, BadInput)):  # its words are for people
+        text = str(error)
     else:
         text = _error_text(error)
     line = " ".join(text.split())
@@ -7947,8 +8000,8 @@ def _cli_invoke(args: argparse.Namespace) -> int:
 
 
 # == CLI: operators' commands ===========================================================
-# migrate, queue-status, priority-report, queue-refetch, analysers; then the parser and
-# main(), which runs every command.
+# migrate, queue-status, priority-report, why, queue-refetch, queue-hold and -release,
+# queue-pause and -resume, analysers; then the parser and main(), which runs every command.
 
 
 # -- progress
@@ -8161,6 +8214,13 @@ def _print_analyser(row: dict[str, Any]) -> None:
             f"{', outdated' if row['outdatedVersion'] else ''})"
         )
     print(f"  last 24 hours: {row['results24h']} analysed, {row['failures24h']} failed")
+    if row["broken"]:
+        print(
+            f"  BROKEN: {row['failuresInARow']} failures in a row since {row['failingSince']}"
+            " while others succeeded (docs/operations.md)"
+        )
+    if row["paused"]:
+        print(f"  paused since {row['paused']['at']} by {row['paused']['by']}")
 
 
 def _cli_analysers(args: argparse.Namespace) -> int:
@@ -8185,6 +8245,15 @@ def _cli_analysers(args: argparse.Namespace) -> int:
             revoked = revoke_analyser(db, cli_operator(), args.name)
             print(f"Revoked analyser {revoked['name']} at {revoked['revoked']}.")
             return 0
+        if args.action in ("pause", "resume"):
+            done = pause_analyser(db, cli_operator(), args.name, args.action == "pause")
+            words = {
+                "paused": "paused: its GET /queue is answered empty until resumed",
+                "resumed": "resumed: it is handed apps again",
+                "unchanged": f"{args.action}d already: nothing changed",
+            }
+            print(f"Analyser {done['name']} {words[done['outcome']]}.")
+            return 0
         rotated = rotate_analyser(db, cli_operator(), args.name, overlap_seconds(args.overlap))
         until = rotated["previousTokenValidUntil"]
         print(
@@ -8200,6 +8269,61 @@ def _cli_analysers(args: argparse.Namespace) -> int:
     except OperatorRefused as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+
+
+def _cli_why(args: argparse.Namespace) -> int:
+    """Why an app is or is not handed out: the web view's "why", in words."""
+    _local_database(apply=True)
+    app_id = _bundle_id(args.appid)
+    why = app_why(api_connection(), app_id, settings().policy)
+    if why is None:
+        raise NoSuchApp(app_id)
+    if args.json:
+        print(json.dumps(why, ensure_ascii=False))
+        return 0
+    state = why["status"] + (f" ({why['failureReason']})" if why["failureReason"] else "")
+    print(f"{why['appId']}: {state}")
+    print(("handed out: " if why["candidate"] else "not handed out: ") + why["why"])
+    if why["from"]:
+        print(f"from: {why['from']}")
+    if why.get("retry"):
+        retry = why["retry"]
+        print(
+            f"failures in a row: {retry['failuresInARow']};"
+            f" next retry: {retry['nextRetry'] or 'none (past RETRY_BACKOFF)'}"
+        )
+    return 0
+
+
+def _cli_queue_hold(args: argparse.Namespace) -> int:
+    _local_database(apply=True)
+    held = hold_app(
+        api_connection(), cli_operator(), _bundle_id(args.appid), args.reason, args.force
+    )
+    print(f"{held['appId']}: {HOLD_OUTCOMES[held['outcome']]}")
+    return 0
+
+
+def _cli_queue_release(args: argparse.Namespace) -> int:
+    _local_database(apply=True)
+    released = release_app(api_connection(), cli_operator(), _bundle_id(args.appid))
+    words = {"released": "released: the queue's rule decides again", "not_held": "was not held"}
+    print(f"{released['appId']}: {words[released['outcome']]}")
+    return 0
+
+
+def _cli_queue_pause(args: argparse.Namespace) -> int:
+    _local_database(apply=True)
+    paused = args.command == "queue-pause"
+    reason = args.reason if paused else None
+    done = pause_queue(api_connection(), cli_operator(), paused, reason)
+    if done["outcome"] == "unchanged":
+        print("The queue is paused already." if paused else "The queue is not paused.")
+    elif paused:
+        print("Paused the queue: every claim is answered empty until queue-resume.")
+    else:
+        print("Resumed the queue: claims hand out apps again.")
+    return 0
 
 
 # -- the parser and main
@@ -8264,6 +8388,14 @@ def cli_parser() -> argparse.ArgumentParser:
         "--prefix", default="", help="apps whose bundle ID starts with this (any letter case)"
     )
     refetch.add_argument(
+        "--failed-by",
+        metavar="NAME",
+        help="the failures this named analyser stored, retryable or not (to undo a broken one)",
+    )
+    refetch.add_argument(
+        "--since", metavar="T", help="with --failed-by: since T (an ISO time, or 12h ago)"
+    )
+    refetch.add_argument(
         "--limit", type=_positive_int, default=None, help="at most this many (default: no limit)"
     )
     refetch.add_argument("--apply", action="store_true", help="without it: a dry run")
@@ -8276,6 +8408,25 @@ def cli_parser() -> argparse.ArgumentParser:
         "--yes", action="store_true", help="confirm a bulk --apply (no --appid) off a terminal"
     )
     refetch.set_defaults(run=_cli_queue_refetch)
+    why = commands.add_parser("why", help="why an app is or is not handed out")
+    why.add_argument("appid", help="a bundle ID (any letter case)")
+    why.add_argument("--json", action="store_true", help="the web view's document, for scripts")
+    why.set_defaults(run=_cli_why)
+    hold = commands.add_parser("queue-hold", help="never hand the app out until released")
+    hold.add_argument("appid", help="a bundle ID (any letter case)")
+    hold.add_argument("--reason", help="why, for the record and the web view")
+    hold.add_argument(
+        "--force", action="store_true", help="end a live lease now (its holder's token is refused)"
+    )
+    hold.set_defaults(run=_cli_queue_hold)
+    release_cmd = commands.add_parser("queue-release", help="release a held app")
+    release_cmd.add_argument("appid", help="a bundle ID (any letter case)")
+    release_cmd.set_defaults(run=_cli_queue_release)
+    pause = commands.add_parser("queue-pause", help="every claim answered empty until resumed")
+    pause.add_argument("--reason", help="why, for the record and every view")
+    pause.set_defaults(run=_cli_queue_pause)
+    resume = commands.add_parser("queue-resume", help="claims hand out apps again")
+    resume.set_defaults(run=_cli_queue_pause)
     analysers = commands.add_parser("analysers", help="named analysers' credentials")
     actions = analysers.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every analyser, its state and activity (never a token)")
@@ -8283,6 +8434,8 @@ def cli_parser() -> argparse.ArgumentParser:
         ("add", "a new analyser; prints its token once, on the last line"),
         ("revoke", "its tokens stop working at once"),
         ("rotate", "a new token, printed once; the old one works for the overlap"),
+        ("pause", "its GET /queue is answered empty until resumed (pings and lease kept)"),
+        ("resume", "hand it apps again, and count its failures in a row afresh"),
     ):
         command = actions.add_parser(action, help=text)
         command.add_argument("name", help=ANALYSER_NAME_WORDS)

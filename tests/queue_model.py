@@ -3,7 +3,9 @@
 tests/test_identity_fences_a_mixed_fleet.py) predict every answer and every row by.
 
 `App` is an app as the model sees it; `candidate` says whether a claim may hand it out
-(docs/queue.md, "Candidates"), `verdict` what a result does to it (the result rules,
+(docs/queue.md, "Candidates"), `due_retry` whether it is a due retry (the lowest tier,
+docs/queue.md, "Retries"), `next_claim` which app GET /queue hands out, `streak_after`
+the failures in a row a stored result leaves, `verdict` what a result does to it (the result rules,
 docs/queue.md, "Results: what is stored, what is refused"), and `judged` that verdict
 held to the sender's identity (docs/analysers.md). Not a test module: the test files
 import it.
@@ -15,7 +17,7 @@ import dataclasses
 from datetime import datetime, timedelta
 
 import handler
-from helpers import lease_expired
+from helpers import lease_expired, retry_time
 
 # The status columns each kind of stored result says.
 RESULT_STATES = {
@@ -48,6 +50,8 @@ class App:
     refetch_requested: bool = False
     holder: str | None = None  # the named analyser whose claim the lease is
     analysed_by: str | None = None  # the named analyser that stored the result
+    streak: int = 0  # failures in a row of the stored result at its version
+    held: bool = False  # an operator's hold (held_at)
     epoch: int = 0  # claims and refetches so far
     handouts_since_time: int = 0
     handouts_since_result: int = 0
@@ -61,10 +65,15 @@ class App:
             "analysisversion": self.version,
             "analysed": self.analysed,
             "lease_attempts": self.attempts,
+            "failure_streak": self.streak,
+            "held_at": True if self.held else None,  # only whether it is set counts
         }
 
 
 def candidate(app: App, policy: handler.QueuePolicy, now: datetime) -> bool:
+    """handler.CANDIDATE: the rule's upper tiers. A held app is none, by any rule."""
+    if app.held:
+        return False
     lease_ago = now - timedelta(minutes=policy.processing_timeout_minutes)
     if app.status == "queued":
         return True
@@ -80,6 +89,48 @@ def candidate(app: App, policy: handler.QueuePolicy, now: datetime) -> bool:
         days=policy.stale_days
     )
     return outdated or stale
+
+
+def due_retry(app: App, policy: handler.QueuePolicy, now: datetime) -> bool:
+    """handler.RETRY_DUE: a retryable failure at the current version, not held, whose
+    retry has come (RETRY_BACKOFF's streak-th step after it; none past the last step, nor
+    with RETRY_BACKOFF=off)."""
+    if app.held or app.status != "failed" or not app.retryable:
+        return False
+    if (app.version or 0) != policy.analysis_version:
+        return False
+    due = retry_time(app.streak, app.analysed, policy)
+    return due is not None and due <= now
+
+
+def claim_order(apps) -> list:
+    return sorted(apps, key=lambda a: (-a.reviews, a.added, a.appid))
+
+
+def next_claim(apps, policy: handler.QueuePolicy, now: datetime) -> App | None:
+    """The app GET /queue hands out: the first candidate in claim order; only when there
+    is none, the first due retry in claim order (the lowest tier). None: an empty answer.
+    (The promoter, which each claim runs first, has flagged every due retry.)"""
+    ready = claim_order(a for a in apps if candidate(a, policy, now))
+    if ready:
+        return ready[0]
+    retries = claim_order(a for a in apps if due_retry(a, policy, now))
+    return retries[0] if retries else None
+
+
+def claimable_by_name(app: App, policy: handler.QueuePolicy, now: datetime) -> bool:
+    """GET /queue?appId= hands the app out: a candidate, or a due retry (flagged or not)."""
+    return candidate(app, policy, now) or due_retry(app, policy, now)
+
+
+def streak_after(app: App, kind: str, version: int) -> int:
+    """The failures in a row a result of `kind` at `version` leaves when it is stored:
+    0 for a success; for a failure (the back-off's lease_expired one included) one more
+    than the stored result's when that is a failure at the same version, else 1."""
+    if kind == "success":
+        return 0
+    stored_failure = app.result is not None and app.result[0] != "success"
+    return app.streak + 1 if stored_failure and (app.version or 0) == version else 1
 
 
 def verdict(app: App, key: tuple, version: int, token: str | None, current: int) -> tuple:
