@@ -38,7 +38,8 @@ it:
   Web view: the page                the one static page, its stylesheet and its script
   Web view: routes                  every /admin address, behind ADMIN_WEB
   HTTP error answers                the exception handlers: {"detail": ...} and a status
-  Lambda entry points               api, migrate, report
+  Lambda entry points: api and migrate  api (API Gateway), migrate (the custom resource)
+  Lambda entry points: report and Init  report (scheduled, and operators' commands), Init
   CLI: serve and invoke             the local database; serve, invoke
   CLI: operators' commands          migrate, queue-status, ..., analysers; the parser, main
 
@@ -6872,7 +6873,8 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
     """{"appIds": [...]} or {"filter": {"state": "failed", "reason", "q"}}, and "force"
     and "dryRun": the named apps, or the failed apps the filter matches (at most
     BULK_REFETCH_LIMIT, the most popular first), refetched as `queue-refetch --apply` does
-    (the filter is its --failed --include-non-retryable --reason --prefix), each batch with
+    (the filter is its --failed --include-non-retryable --reason --prefix --failed-by
+    --since), each batch with
     its record; with "dryRun": true, what that would do, as `queue-refetch` without
     --apply says it, changing and recording nothing. The filter is the selection's
     condition, re-checked on each app under its lock: an app that no longer matches is
@@ -6892,16 +6894,18 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
         # A filter it cannot read is refused, never widened (a reason of 5 is no reason).
         if (
             not isinstance(where, dict)
-            or not set(where) <= {"state", "reason", "q"}
+            or not set(where) <= {"state", "reason", "q", "failedBy", "since"}
             or not all(value is None or isinstance(value, str) for value in where.values())
             or where.get("state") != "failed"
         ):
             raise BadInput(
                 'a bulk refetch takes a filter of failed apps: {"state": "failed",'
-                ' "reason": text or null, "q": text}'
+                ' "reason": text or null, "q": text, "failedBy": an analyser or null,'
+                ' "since": a time or null}'
             )
         fields = {"failed": True, "include_non_retryable": True, "limit": BULK_REFETCH_LIMIT}
         fields |= {"reason": where.get("reason") or None, "prefix": where.get("q") or ""}
+        fields |= {"failed_by": where.get("failedBy") or None, "since": where.get("since") or None}
     else:
         app_ids = asked["appIds"]
         if isinstance(app_ids, list) and len(app_ids) > BULK_REFETCH_LIMIT:
@@ -6931,6 +6935,46 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
             "more": progress.more,
         }
     )
+
+
+def _api_hold(request: Request, operator: Operator, body: bytes, appId: str) -> Response:
+    """Hold the app, as queue-hold does: {"reason": text, "force": true} (both optional)."""
+    require_actions()
+    asked = _json_object(body, {"reason", "force"})
+    held = hold_app(
+        api_connection(), operator, appId, asked.get("reason"), asked.get("force", False)
+    )
+    return JSONResponse(held)
+
+
+def _api_release(request: Request, operator: Operator, body: bytes, appId: str) -> Response:
+    require_actions()
+    _json_object(body, set())
+    return JSONResponse(release_app(api_connection(), operator, appId))
+
+
+def _api_pause_analyser(request: Request, operator: Operator, body: bytes, name: str) -> Response:
+    require_actions()
+    _json_object(body, set())
+    return JSONResponse(pause_analyser(api_connection(), operator, name, True))
+
+
+def _api_resume_analyser(request: Request, operator: Operator, body: bytes, name: str) -> Response:
+    require_actions()
+    _json_object(body, set())
+    return JSONResponse(pause_analyser(api_connection(), operator, name, False))
+
+
+def _api_pause_queue(request: Request, operator: Operator, body: bytes) -> Response:
+    require_actions()
+    reason = _json_object(body, {"reason"}).get("reason")
+    return JSONResponse(pause_queue(api_connection(), operator, True, reason))
+
+
+def _api_resume_queue(request: Request, operator: Operator, body: bytes) -> Response:
+    require_actions()
+    _json_object(body, set())
+    return JSONResponse(pause_queue(api_connection(), operator, False))
 
 
 def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Response:
@@ -6972,10 +7016,16 @@ ADMIN_ROUTES = (
     ("GET", "/admin/api/apps", _api_apps, "read"),
     ("GET", "/admin/api/apps/{appId}", _api_app, "read"),
     ("POST", "/admin/api/refetch", _api_refetch, "write"),
+    ("POST", "/admin/api/apps/{appId}/hold", _api_hold, "write"),
+    ("POST", "/admin/api/apps/{appId}/release", _api_release, "write"),
+    ("POST", "/admin/api/queue/pause", _api_pause_queue, "write"),
+    ("POST", "/admin/api/queue/resume", _api_resume_queue, "write"),
     ("GET", "/admin/api/analysers", _api_analysers, "read"),
     ("POST", "/admin/api/analysers", _api_add_analyser, "write"),
     ("POST", "/admin/api/analysers/{name}/rotate", _api_rotate, "write"),
     ("POST", "/admin/api/analysers/{name}/revoke", _api_revoke, "write"),
+    ("POST", "/admin/api/analysers/{name}/pause", _api_pause_analyser, "write"),
+    ("POST", "/admin/api/analysers/{name}/resume", _api_resume_analyser, "write"),
 )
 # A parameter that ends its path takes the rest of it, "/" included, or none of it: an
 # app's bundle ID, kept from before sql/003, may hold one (its %2F arrives decoded), or
@@ -7180,8 +7230,8 @@ async def _unexpected(request: Request, error: Exception) -> Response:
     return JSONResponse({"detail": "internal error"}, status_code=500, headers=NO_STORE)
 
 
-# == Lambda entry points ================================================================
-# api (API Gateway), migrate (CloudFormation custom resource), report (EventBridge).
+# == Lambda entry points: api and migrate ===============================================
+# api (API Gateway), migrate (CloudFormation custom resource).
 
 
 # -- SQL
@@ -7521,6 +7571,10 @@ def migrate(event: dict[str, Any], context: Any) -> dict[str, Any]:
     return json.loads(body)
 
 
+# == Lambda entry points: report and Init ===============================================
+# report (EventBridge, and an operator's invocation), and what a container's Init builds.
+
+
 # -- report
 
 
@@ -7546,14 +7600,79 @@ def report_operator(context: Any) -> Operator:
     return Operator("report function", request_id if isinstance(request_id, str) else "unknown")
 
 
+def _event_fields(event: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...]):
+    """An operator command's fields from a report event: `required` ones present, no
+    other than these (a misspelt field must fail, not be ignored)."""
+    command = event["command"]
+    allowed = {"command", *required, *optional}
+    unknown = sorted(set(event) - allowed)
+    if unknown:
+        raise BadInput(f"{command} takes no {', '.join(unknown)}; only {sorted(allowed)}")
+    missing = [name for name in required if name not in event]
+    if missing:
+        raise BadInput(f"{command} needs {', '.join(missing)}")
+    return event
+
+
+def _bundle_id_field(event: dict[str, Any]) -> str:
+    if not isinstance(event["appId"], str) or not is_valid_bundle_id(event["appId"]):
+        raise BadInput(f"appId must be a bundle ID, got {event['appId']!r}"[:200])
+    return event["appId"]
+
+
+def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
+    """The report function's operator actions, as the CLI has them (docs/cli.md): why,
+    queue-hold, queue-release, queue-pause, queue-resume, analysers-pause and
+    analysers-resume, each answered and logged with the CLI's outcome. (Adding and rotating
+    analysers print a token: the CLI's and the admin API's alone, never a function's log.)"""
+    command, db, policy = event["command"], api_connection(), settings().policy
+    if command == "why":
+        app_id = _bundle_id_field(_event_fields(event, ("appId",), ()))
+        why = app_why(db, app_id, policy)
+        if why is None:
+            raise NoSuchApp(app_id)
+        return {"command": command, **why}
+    if command == "queue-hold":
+        fields = _event_fields(event, ("appId",), ("reason", "force"))
+        app_id = _bundle_id_field(fields)
+        held = hold_app(db, operator, app_id, fields.get("reason"), fields.get("force", False))
+        return {"command": command, **held}
+    if command == "queue-release":
+        app_id = _bundle_id_field(_event_fields(event, ("appId",), ()))
+        return {"command": command, **release_app(db, operator, app_id)}
+    if command in ("queue-pause", "queue-resume"):
+        paused = command == "queue-pause"
+        fields = _event_fields(event, (), ("reason",) if paused else ())
+        return {"command": command, **pause_queue(db, operator, paused, fields.get("reason"))}
+    fields = _event_fields(event, ("name",), ())
+    paused = command == "analysers-pause"
+    return {"command": command, **pause_analyser(db, operator, fields["name"], paused)}
+
+
+REPORT_ACTIONS = (
+    "why",
+    "queue-hold",
+    "queue-release",
+    "queue-pause",
+    "queue-resume",
+    "analysers-pause",
+    "analysers-resume",
+)
+
+
 @logger.inject_lambda_context
 def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     """Scheduled: the queue-status report as one log record plus EMF metrics.
     Invoked with {"command": "priority-report"} or {"command": "queue-refetch", ...}
-    it runs those instead (a refetch is a dry run unless "apply": true)."""
+    it runs those instead (a refetch is a dry run unless "apply": true), and so for
+    each of REPORT_ACTIONS (report_action)."""
     event = event or {}
     command = event.get("command", "queue-status")
     policy = settings().policy
+    if command in REPORT_ACTIONS:
+        result = report_action(event, report_operator(context))
+        logger.info("operator command", extra={"report_action": result})
+        return result
     if command == "priority-report":
         unknown = sorted(set(event) - {"command", "limit"})
         if unknown:

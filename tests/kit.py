@@ -374,6 +374,7 @@ def configure_service(monkeypatch, url: str, **extra: str) -> handler.Runtime:
         "STALE_ANALYSIS_DAYS",
         "PROCESSING_TIMEOUT_MINUTES",
         "MAX_LEASE_ATTEMPTS",
+        "RETRY_BACKOFF",
         "ADMIN_WEB",
     ):
         monkeypatch.delenv(name, raising=False)

@@ -8,7 +8,11 @@ and results sent again (the analyser retries), an operator's refetch that waits 
 lease followed by that lease's result and the same again (or the holder's own with its
 token), leases that expire again and again (a hanging analyser), a stored analysis of a
 version above the current one met by analysers of the current version (refused results,
-back-off), ageing, operators' refetches with and without --force, and
+back-off), ageing, retryable failures retried with back-off (failures in a row counted,
+each retry RETRY_BACKOFF's next step after its failure, in the lowest tier: only when no
+other app is a candidate; RETRY_BACKOFF drawn as the default, a short one or off, and
+changed while the service runs), operators holding and releasing apps, operators'
+refetches with and without --force, and
 CURRENT_ANALYSIS_VERSION moving up and down (each move a new process), across several
 analysers, one of them with its own credential (docs/analysers.md) and the others on the
 shared password, against the real database through the ASGI app. A small pure-Python
@@ -25,7 +29,9 @@ Beside the model's predictions, the promises are checked as invariants of their 
   its holder's result, refused as older than the stored one, answered or ended (the
   history as it was);
 - no app is handed out twice without time passing for it, an operator's refetch or a
-  version bump in between, and never more than max_lease_attempts times without a result.
+  version bump in between, and never more than max_lease_attempts times without a result;
+- no due retry is handed out while another app is a candidate, and after each claim's
+  promotion every due retry carries the promoter's flag.
 """
 
 from __future__ import annotations
@@ -48,8 +54,18 @@ from hypothesis.stateful import (
 from kit import ADMIN, ANALYSER, configure_service, examples, time_passes
 
 import handler
-from helpers import lease_expired, refetch_apps
-from queue_model import RESULT_STATES, App, candidate, judged, verdict
+from helpers import lease_expired, refetch_apps, retry_time
+from queue_model import (
+    RESULT_STATES,
+    App,
+    candidate,
+    claimable_by_name,
+    due_retry,
+    judged,
+    next_claim,
+    streak_after,
+    verdict,
+)
 
 pytestmark = pytest.mark.slow  # a stateful model: minutes
 
@@ -61,8 +77,11 @@ ROW = (
     " CAST(result_claim_token AS text), result_claim_verified, lease_attempts,"
     " refetch_requested,"
     " CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token"
-    " THEN claimed_by END, analysed_by FROM apps ORDER BY appid"
+    " THEN claimed_by END, analysed_by, failure_streak, held_at IS NOT NULL"
+    " FROM apps ORDER BY appid"
 )
+# RETRY_BACKOFF as each run of the model draws it: the default, a short one, and off.
+BACKOFFS = ((3600, 21600, 86400), (600, 5400), ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +123,12 @@ class QueueModel(RuleBasedStateMachine):
 
     headers = None  # each analyser's credential, made once per test
 
-    @initialize()
-    def start(self):
+    @initialize(backoff=st.sampled_from(BACKOFFS))
+    def start(self, backoff):
         for table in ("app_analyses", "apps", "analyser_heartbeats"):
             self.sql.run(f"DELETE FROM {table}")
-        self.policy = handler.QueuePolicy()
-        configure_service(self.monkeypatch, self.url)
+        self.policy = handler.QueuePolicy(retry_backoff=backoff)
+        self.configure()
         if QueueModel.headers is None:
             QueueModel.headers = {analyser: ANALYSER for analyser in ANALYSERS}
             for name in NAMED:
@@ -124,6 +143,15 @@ class QueueModel(RuleBasedStateMachine):
         self.history: set[tuple[str, datetime]] = set()
         self.history_rows: list = []
         self.counter = 0
+
+    def configure(self) -> None:
+        """A new process of the service, with the model's policy."""
+        configure_service(
+            self.monkeypatch,
+            self.url,
+            CURRENT_ANALYSIS_VERSION=str(self.policy.analysis_version),
+            RETRY_BACKOFF=self.policy.retry_backoff_text,
+        )
 
     def now(self) -> datetime:
         return self.sql.run("SELECT now()")[0][0]
@@ -162,21 +190,26 @@ class QueueModel(RuleBasedStateMachine):
     def _promote(self, now: datetime) -> list[App]:
         """The promoter's lease rescuer, which every claim runs first: a lease that expired
         max_lease_attempts times in a row is queued for a refetch that waited for it, else
-        gets the server's lease_expired failure as its holder's result, judged by the
-        result rules (so refused when a newer version is stored: the lease ends). Returns
-        the apps whose failure was stored, whose times are read once the claim is done."""
+        gets the server's lease_expired failure as its holder's result (one more failure
+        in a row), judged by the result rules (so refused when a newer version is stored:
+        the lease ends). A held app's expired lease (no refetch waiting) goes back to its
+        stored result, however many leases it had: no failure is recorded. Returns the
+        apps whose failure was stored, whose times are read once the claim is done."""
         failed = []
         for app in self.apps.values():
-            at_limit = (
-                app.status == "processing"
-                and lease_expired(app.started, self.policy.processing_timeout_minutes, now)
-                and app.attempts >= self.policy.max_lease_attempts
+            expired = app.status == "processing" and lease_expired(
+                app.started, self.policy.processing_timeout_minutes, now
             )
+            at_limit = expired and app.attempts >= self.policy.max_lease_attempts
             if at_limit and app.refetch_requested:  # the operator's refetch wins
                 app.status, app.started, app.token, app.holder = "queued", None, None, None
                 app.attempts, app.refetch_requested = 0, False
                 app.handouts_since_result = app.handouts_since_time = 0
+                app.streak = 0
                 app.epoch += 1
+                continue
+            if expired and app.held and not app.refetch_requested:
+                self._lease_ended(app)
                 continue
             if not at_limit:
                 continue
@@ -186,6 +219,7 @@ class QueueModel(RuleBasedStateMachine):
             if verdict(app, key, version, app.token, version)[0] != "store":
                 self._lease_ended(app)
                 continue
+            app.streak = streak_after(app, "server", version)
             app.version, app.result = self.policy.analysis_version, key
             app.analysed = now  # about: read back once the claim is done (_promoted)
             # The open claim's result, without its token: the holder's own may replace it.
@@ -207,11 +241,15 @@ class QueueModel(RuleBasedStateMachine):
 
     def _lease_ended(self, app: App) -> None:
         """The lease ends without its result (refused as older than a stored result of a
-        version above the current one): the app is as its stored result says, or queued
-        for a refetch that waited."""
+        version above the current one, or held by an operator): the app is as its stored
+        result says (queued when it has none), or queued for a refetch that waited (no
+        failures in a row then)."""
         if app.refetch_requested:
             app.status, app.reason, app.retryable = "queued", None, None
+            app.streak = 0
             app.epoch += 1
+        elif app.result is None:
+            app.status, app.reason, app.retryable = "queued", None, None
         else:
             app.status, app.reason, app.retryable = RESULT_STATES[app.result[0]]
         app.started, app.token, app.attempts, app.refetch_requested = None, None, 0, False
@@ -254,17 +292,28 @@ class QueueModel(RuleBasedStateMachine):
         time_passes()  # the clock may have moved since the last promotion
         now = self.now()
         failed = self._promote(now)
-        ready = [a for a in self.apps.values() if candidate(a, self.policy, now)]
-        ready.sort(key=lambda a: (-a.reviews, a.added, a.appid))
+        chosen = next_claim(self.apps.values(), self.policy, now)
+        if chosen is not None and not candidate(chosen, self.policy, now):
+            # The lowest tier: a due retry only when no other app is a candidate.
+            assert not any(candidate(a, self.policy, now) for a in self.apps.values())
         self.fault.countdown = lose_commit
         answer = self.client.get("/queue", headers=self.headers[analyser])
         self.fault.countdown = 0
         assert answer.status_code == 200
-        assert answer.text == (ready[0].appid if ready else "")
+        assert answer.text == (chosen.appid if chosen else "")
         self._promoted(failed)
-        if ready:
+        self._due_retries_flagged(now, answer.text)
+        if chosen:
             token = answer.headers["x-analysis-claim-token"]
             self._handed_out(analyser, self.apps[answer.text], token, now)
+
+    def _due_retries_flagged(self, now: datetime, handed_out: str) -> None:
+        """The promotion the claim ran first flagged every due retry (retry_due), so the
+        claim's lowest tier finds it; the claim cleared the flag of the app it handed out."""
+        flagged = {appid for (appid,) in self.sql.run("SELECT appid FROM apps WHERE retry_due")}
+        due = {a.appid for a in self.apps.values() if due_retry(a, self.policy, now)}
+        assert due - {handed_out} <= flagged, "a due retry the promoter did not flag"
+        assert handed_out not in flagged, "a claim left the retry flag on its app"
 
     @rule(analyser=st.sampled_from(ANALYSERS))
     def claim_and_hang(self, analyser):
@@ -284,12 +333,13 @@ class QueueModel(RuleBasedStateMachine):
         time_passes()
         now = self.now()
         failed = self._promote(now)
-        ready = candidate(app, self.policy, now)
+        ready = claimable_by_name(app, self.policy, now)  # a due retry too, in any tier
         answer = self.client.get(
             f"/queue?appId={app.appid.upper()}", headers=self.headers[analyser]
         )
         assert answer.status_code == 200
         self._promoted(failed)
+        self._due_retries_flagged(now, answer.text)
         if ready:
             assert answer.text == app.appid
             self._handed_out(analyser, app, answer.headers["x-analysis-claim-token"], now)
@@ -352,14 +402,17 @@ class QueueModel(RuleBasedStateMachine):
         _, claim, verified = expected
         was_processing, refetch = app.status == "processing", app.refetch_requested
         was_queued = app.status == "queued"
+        streak = streak_after(app, key[0], version)
         self._stored(app, key, version)
         app.status, app.reason, app.retryable = RESULT_STATES[key[0]]
         app.result_claim, app.result_verified = claim, verified
         app.analysed_by = self.named(analyser)
         app.handouts_since_result = 0
+        app.streak = streak
         if (was_processing and refetch) or (was_queued and (claim is not None or refetch)):
             app.status, app.reason, app.retryable = "queued", None, None
             app.refetch_requested = True  # done by this result: until the next claim
+            app.streak = 0  # the refetch's
             app.epoch += was_processing
         self.acks.setdefault(appid, []).append(
             Ack(key, claim_epoch, key[0] == "success", token is not None)
@@ -578,9 +631,11 @@ class QueueModel(RuleBasedStateMachine):
         )
         self._age(appid, minutes)
 
-    def _age(self, appid: str, minutes: int) -> None:
+    def _age(self, appid: str, minutes: float) -> None:
         self.sql.run(
-            "UPDATE apps SET analysed = analysed - make_interval(mins => :m) WHERE appid = :a",
+            "UPDATE apps SET analysed = analysed"
+            " - make_interval(secs => CAST(:m AS double precision) * 60)"
+            " WHERE appid = :a",
             m=minutes,
             a=appid,
         )
@@ -629,6 +684,7 @@ class QueueModel(RuleBasedStateMachine):
         app.attempts, app.refetch_requested, app.handouts_since_result = 0, False, 0
         app.holder = None
         app.result_verified = True
+        app.streak = 0
         app.epoch += 1
         for analyser, (held, _) in list(self.holding.items()):
             if held == appid:  # its claim is broken (fenced) or had expired
@@ -644,9 +700,50 @@ class QueueModel(RuleBasedStateMachine):
         if version < 2:  # an outdated analyser still sends version - 1 >= 1
             return
         self.policy = dataclasses.replace(self.policy, analysis_version=version)
-        configure_service(self.monkeypatch, self.url, CURRENT_ANALYSIS_VERSION=str(version))
+        self.configure()
         for app in self.apps.values():
             self.time_passes_for(app)
+
+    @rule(backoff=st.sampled_from(BACKOFFS))
+    def backoff_changes(self, backoff):
+        """RETRY_BACKOFF changes (a new process): the promoter clears the retry flags the
+        old setting set and flags again what the new one backs."""
+        self.policy = dataclasses.replace(self.policy, retry_backoff=backoff)
+        self.configure()
+        for app in self.apps.values():
+            self.time_passes_for(app)
+
+    @precondition(lambda self: self.apps)
+    @rule(data=st.data(), held=st.booleans())
+    def operator_holds(self, data, held):
+        """An operator holds an app (held_at: no candidate by any rule, no retry) or
+        releases it; a lease it had runs on."""
+        appid = data.draw(st.sampled_from(sorted(self.apps)))
+        self.sql.run(
+            "UPDATE apps SET held_at = CASE WHEN :held THEN now() END WHERE appid = :a",
+            held=held,
+            a=appid,
+        )
+        self.apps[appid].held = held
+
+    def _retry_waits(self, app: App) -> bool:
+        return app.status == "failed" and app.retryable and self._retry_at(app) is not None
+
+    def _retry_at(self, app: App) -> datetime | None:
+        return retry_time(app.streak, app.analysed, self.policy)
+
+    @precondition(lambda self: any(self._retry_waits(a) for a in self.apps.values()))
+    @rule(data=st.data(), early=st.booleans())
+    def retry_falls_due(self, data, early):
+        """A retryable failure ages to a minute past its retry's time (RETRY_BACKOFF's
+        streak-th step after it), or to ten minutes before it."""
+        appid = data.draw(
+            st.sampled_from(sorted(a.appid for a in self.apps.values() if self._retry_waits(a)))
+        )
+        ahead = self._retry_at(self.apps[appid]) - self.now()
+        shift = ahead - timedelta(minutes=10) if early else ahead + timedelta(minutes=1)
+        if shift > timedelta(0):
+            self._age(appid, shift / timedelta(minutes=1))
 
     # --- invariants -------------------------------------------------------------------
 
@@ -673,6 +770,8 @@ class QueueModel(RuleBasedStateMachine):
                 refetch,
                 holder,
                 analysed_by,
+                streak,
+                held,
             ) = row
             app = self.apps[appid]
             assert (status, version, reason, retryable) == (
@@ -689,6 +788,7 @@ class QueueModel(RuleBasedStateMachine):
             ), appid
             assert (attempts, refetch) == (app.attempts, app.refetch_requested), appid
             assert (holder, analysed_by) == (app.holder, app.analysed_by), appid
+            assert (streak, held) == (app.streak, app.held), appid
 
     @invariant()
     def acknowledged_results_stand(self):
