@@ -4916,10 +4916,8 @@ def queue_metrics(status: QueueStatus) -> dict[str, float]:
         "RetriesNextHour": status.held_back.get("retries_next_hour", 0),
         "RetriesExhausted": status.held_back.get("retries_exhausted", 0),
     }
-    # No result in the hour: no value (the ratio alarm treats missing data as fine).
-    ratio = failure_ratio(throughput)
-    if ratio is not None:
-        values["FailureRatioLastHour"] = ratio
+    # No result in the hour counts as no failure: the line has no gap.
+    values["FailureRatioLastHour"] = failure_ratio(throughput) or 0
     for reason, name in BACKLOG_REASON_METRICS.items():
         values[name] = status.backlog.get(reason, 0)
     values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)

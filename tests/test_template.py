@@ -250,7 +250,7 @@ def test_report_schedule_parameter_defaults_to_hourly(source_template, transform
     assert target["Arn"] == {"Fn::GetAtt": ["ReportFunction", "Arn"]}
 
 
-def test_three_alarms_on_report_metrics(transformed):
+def test_the_alarms_on_report_metrics(transformed):
     # The other AnalysisQueue metrics the alarms read are counted from logs.
     from_logs = {"MigrationFailures", "Api5xx"}
     alarms = {
@@ -259,7 +259,13 @@ def test_three_alarms_on_report_metrics(transformed):
         if a["Properties"]["Namespace"] == "AnalysisQueue"
         and a["Properties"]["MetricName"] not in from_logs
     }
-    assert set(alarms) == {"MinutesSinceLastPing", "EtaHours", "ActiveAnalysers"}
+    assert set(alarms) == {
+        "MinutesSinceLastPing",
+        "EtaHours",
+        "ActiveAnalysers",
+        "BrokenAnalysers",
+        "FailureRatioLastHour",
+    }
     for name, props in alarms.items():
         assert props["Namespace"] == "AnalysisQueue"
         assert props["Dimensions"] == [{"Name": "service", "Value": "analysis-queue"}]
@@ -271,6 +277,8 @@ def test_three_alarms_on_report_metrics(transformed):
     assert int(ping["Threshold"]) == 60
     assert ping["TreatMissingData"] == "breaching"
     assert alarms["EtaHours"]["Threshold"] == {"Ref": "MaxBacklogEtaHours"}
+    assert int(alarms["BrokenAnalysers"]["Threshold"]) == 0
+    assert alarms["FailureRatioLastHour"]["Threshold"] == {"Ref": "MaxFleetFailureRatio"}
 
 
 def test_environment_variables(source_template, transformed):

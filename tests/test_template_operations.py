@@ -78,6 +78,7 @@ SUB_VALUES = {
     "MinActiveAnalysers": "2",
     "ProcessingTimeoutMinutes": "120",
     "ApiLatencyAlarmMs": "3000",
+    "MaxFleetFailureRatio": "0.5",
     **{name: f"fn-{name}" for name in FUNCTIONS},
 }
 
@@ -153,6 +154,19 @@ def test_the_dashboard_has_the_operators_widgets(transformed):
         "Lambda concurrency (max)",
         "API 4xx and 5xx",
         "API latency (ms)",
+        "Fleet health (hourly report)",
+        "Retries and holds (hourly report)",
+    }
+    assert names["Fleet health (hourly report)"] == {
+        "BrokenAnalysers",
+        "PausedAnalysers",
+        "QueuePaused",
+        "FailureRatioLastHour",
+    }
+    assert names["Retries and holds (hourly report)"] == {
+        "RetriesNextHour",
+        "RetriesExhausted",
+        "HeldApps",
     }
     # Every backlog reason and every failure class, nothing left out.
     assert names["Backlog by reason (hourly report)"] == set(
@@ -195,6 +209,7 @@ def test_the_dashboard_marks_the_thresholds(transformed):
         "Active analysers (hourly report)": [2],  # MinActiveAnalysers
         "Oldest lease, minutes (hourly report)": [120],  # ProcessingTimeoutMinutes
         "API latency (ms)": [3000],  # ApiLatencyAlarmMs
+        "Fleet health (hourly report)": [0.5],  # MaxFleetFailureRatio
     }
 
 
