@@ -3517,8 +3517,9 @@ WITH abandoned AS (
 SELECT (SELECT count(*) FROM abandoned) AS abandoned,
        (SELECT count(*) FROM returned) AS returned
 """
-# Such a lease with an operator's refetch waiting for it: the refetch wins, and the app
-# is queued (an operator asked for it) instead of backing off. No result is written.
+# Such a lease (or a held app's expired one) with an operator's refetch waiting for it:
+# the refetch wins, and the app is queued (an operator asked for it) instead of backing
+# off. No result is written.
 REQUEUE_REFETCHED_LEASES = f"""
 WITH requeued AS (
     UPDATE apps SET status = 'queued', processing_started = NULL, analysis_claim_token = NULL,
@@ -3526,8 +3527,8 @@ WITH requeued AS (
                     failure_streak = 0
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
-        WHERE status = 'processing' AND lease_attempts >= :max_lease_attempts
-          AND {LEASE_EXPIRED} AND refetch_requested
+        WHERE status = 'processing' AND {LEASE_EXPIRED} AND refetch_requested
+          AND (lease_attempts >= :max_lease_attempts OR held_at IS NOT NULL)
         LIMIT :batch FOR UPDATE SKIP LOCKED))
     RETURNING 1
 )

@@ -289,6 +289,10 @@ class QueueModel(RuleBasedStateMachine):
         batches, each committed) loses the reply to its n-th COMMIT (`lose_commit`): the
         service runs that batch again on a new connection and finds its own work done (a
         lease_expired failure is not written twice, nor a lease ended twice)."""
+        self._claim_next(analyser, lose_commit)
+
+    def _claim_next(self, analyser: str, lose_commit: int = 0) -> App | None:
+        """GET /queue, as the model predicts it; the app handed out (None: none)."""
         time_passes()  # the clock may have moved since the last promotion
         now = self.now()
         failed = self._promote(now)
@@ -306,6 +310,21 @@ class QueueModel(RuleBasedStateMachine):
         if chosen:
             token = answer.headers["x-analysis-claim-token"]
             self._handed_out(analyser, self.apps[answer.text], token, now)
+        return chosen
+
+    @rule(analyser=st.sampled_from(ANALYSERS), data=st.data())
+    def analysers_drain_the_queue(self, analyser, data):
+        """The fleet works until the queue is empty, each app answered at once with its
+        claim's token: a success or a retryable failure (drawn), so the failing apps wait
+        for their retries, which come only once nothing else is a candidate."""
+        for _ in range(len(self.apps) + 2):
+            app = self._claim_next(analyser)
+            if app is None:
+                return
+            appid, token = self.holding.pop(analyser)
+            kind = data.draw(st.sampled_from(("success", "retry", "retry")))
+            self.counter += 1
+            self._send(analyser, appid, (kind, self.counter), self.policy.analysis_version, token)
 
     def _due_retries_flagged(self, now: datetime, handed_out: str) -> None:
         """The promotion the claim ran first flagged every due retry (retry_due), so the
@@ -733,10 +752,25 @@ class QueueModel(RuleBasedStateMachine):
         return retry_time(app.streak, app.analysed, self.policy)
 
     @precondition(lambda self: any(self._retry_waits(a) for a in self.apps.values()))
-    @rule(data=st.data(), early=st.booleans())
-    def retry_falls_due(self, data, early):
+    @rule()
+    def every_retry_falls_due(self):
+        """Every retryable failure ages to a minute past its retry's time."""
+        now = self.now()
+        for app in list(self.apps.values()):
+            if self._retry_waits(app) and self._retry_at(app) > now - timedelta(minutes=1):
+                shift = self._retry_at(app) - now + timedelta(minutes=1)
+                self._age(app.appid, shift / timedelta(minutes=1))
+
+    @precondition(lambda self: any(self._retry_waits(a) for a in self.apps.values()))
+    @rule(
+        data=st.data(),
+        early=st.booleans(),
+        then_claim=st.sampled_from((None, None, *ANALYSERS)),
+    )
+    def retry_falls_due(self, data, early, then_claim):
         """A retryable failure ages to a minute past its retry's time (RETRY_BACKOFF's
-        streak-th step after it), or to ten minutes before it."""
+        streak-th step after it), or to ten minutes before it; maybe an exact-app host
+        then claims it by name (a due retry is handed out so in any tier)."""
         appid = data.draw(
             st.sampled_from(sorted(a.appid for a in self.apps.values() if self._retry_waits(a)))
         )
@@ -744,6 +778,8 @@ class QueueModel(RuleBasedStateMachine):
         shift = ahead - timedelta(minutes=10) if early else ahead + timedelta(minutes=1)
         if shift > timedelta(0):
             self._age(appid, shift / timedelta(minutes=1))
+        if then_claim is not None:
+            self._claim_app(then_claim, self.apps[appid])
 
     # --- invariants -------------------------------------------------------------------
 
