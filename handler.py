@@ -4092,6 +4092,7 @@ SELECT {CANDIDATE} AS candidate, {RETRY_DUE} AS retry_due_now, {RETRYABLE_NOW} A
        status = 'processing' AND {LEASE_EXPIRED} AS lease_over,
        lease_attempts, refetch_requested, COALESCE(analysisversion, 0) AS version,
        failure_streak, {RETRY_TIME} AS retry_at, held_at, held_by, hold_reason,
+       (SELECT paused_at FROM queue_pause) AS queue_paused_at,
        processing_started + make_interval(mins => :timeout_minutes) AS lease_ends,
        COALESCE(analysed, '-infinity') + make_interval(mins => :timeout_minutes)
            AS outdated_due,
@@ -4176,7 +4177,18 @@ def why_handed_out(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolic
     not, which part of the rule holds it back (`held`) and from when it will be one
     (`from`; None: not by time alone), in words (`why`). A retryable failure's retry is
     `retry` (failures in a row, the next retry's time, whether it is due); an operator's
-    hold is `hold` (who, when, why)."""
+    hold is `hold` (who, when, why). While the whole queue is paused, `queuePaused` says
+    since when, and a candidate's words say it waits for queue-resume."""
+    why = _why_by_rule(rule, row, policy)
+    if rule["queue_paused_at"] is not None:
+        why["queuePaused"] = _plain(rule["queue_paused_at"])
+        if why["candidate"]:
+            why["why"] += "; but the whole queue is paused: handed out after queue-resume"
+    return why
+
+
+def _why_by_rule(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolicy) -> dict:
+    """why_handed_out by the queue's rule alone."""
     status, version, attempts = row["status"], rule["version"], rule["lease_attempts"]
     current = policy.analysis_version
     retry_words, retry = (None, None)
