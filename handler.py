@@ -3905,6 +3905,11 @@ CLAIM_SET = """status = 'processing', processing_started = now(), due = false,
     analysis_claim_token = :token, claimed_by = :analyser, claimed_with = :token,
     refetch_requested = false, retry_due = false,
     lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END"""
+# The lowest tier's head: the first flagged failure whose retry is due, in claim order
+# (apps_retry_order, which holds the flagged rows only).
+RETRY_HEAD = f"""SELECT appid FROM apps WHERE retry_due AND {RETRY_DUE}
+    ORDER BY {CLAIM_ORDER}
+    LIMIT 1 FOR UPDATE SKIP LOCKED"""
 CLAIM_NEXT_APP = f"""
 WITH RECURSIVE {STALE_VERSIONS}, {OLD_VERSIONS}, {STALE_DAYS},
 head AS (
@@ -3950,12 +3955,8 @@ head AS (
     ORDER BY popularity DESC, added, appid
     LIMIT 1
 ), retry_head AS (
-    -- The lowest tier, read only when no other candidate is: the first flagged failure
-    -- whose retry is due (apps_retry_order).
-    SELECT appid FROM apps
-    WHERE retry_due AND {RETRY_DUE} AND NOT EXISTS (SELECT 1 FROM best)
-    ORDER BY {CLAIM_ORDER}
-    LIMIT 1 FOR UPDATE SKIP LOCKED
+    -- The lowest tier, read only when no other candidate is (a one-time filter).
+    SELECT appid FROM ({RETRY_HEAD}) r WHERE NOT EXISTS (SELECT 1 FROM best)
 ), choice AS (
     -- Nothing at all while claims are closed (a pause): a one-time filter, so no head is
     -- read.

@@ -438,6 +438,8 @@ class Bench:
             ("CLAIM_NEXT_APP", handler.CLAIM_NEXT_APP, {"token": EXPLAIN_TOKEN, "analyser": None}),
             ("PROMOTE_EXPIRED_LEASES", handler.PROMOTE_EXPIRED_LEASES, promoter),
             ("PROMOTE_STALE_BATCH", handler.PROMOTE_STALE_BATCH, promoter),
+            ("PROMOTE_DUE_RETRIES", handler.PROMOTE_DUE_RETRIES, promoter),
+            ("RETRY_HEAD", handler.RETRY_HEAD, {}),
         ):
             lines = self.plan(statement, analyze=False, **params, **policy.sql_params())
             for line in lines:
@@ -449,6 +451,25 @@ class Bench:
 # ---------------------------------------------------------------------------------------
 # Phases of one size
 # ---------------------------------------------------------------------------------------
+
+
+def retry_tier(bench: Bench) -> None:
+    """The retries due (the rows sql/031 counts as one failure: the build's old retryable
+    failures) and the lowest tier's head, which a claim reads when nothing else is a
+    candidate: an index read of the flagged rows, however many back off."""
+    ((flagged, waiting),) = bench.sql.run(
+        "SELECT count(*) FILTER (WHERE retry_due),"
+        " count(*) FILTER (WHERE status = 'failed' AND failure_retryable AND NOT retry_due)"
+        " FROM apps"
+    )
+    plan = bench.plan(bench.handler.RETRY_HEAD, **bench.policy.sql_params())
+    read = [x.strip() for x in plan if "Index" in x and "apps" in x][:1]
+    say(
+        f"   retries due (flagged) {flagged:,}, other retryable failures {waiting:,};"
+        f" the retry tier's head: {'; '.join(read + [x.strip() for x in plan if 'Time:' in x])}"
+    )
+    if flagged == 0:
+        bench.result.failures.append("no retry was due: the retry tier went unmeasured")
 
 
 def build_and_upgrade(bench: Bench, n: int) -> None:
@@ -808,6 +829,7 @@ def run_size(handler, url: str, n: int, args: argparse.Namespace, reuse: bool) -
             handler.CLAIM_NEXT_APP, token=EXPLAIN_TOKEN, analyser=None, **bench.policy.sql_params()
         )
         say("   the claim's plan: " + "; ".join(x.strip() for x in plan if "Time:" in x))
+        retry_tier(bench)
         latency_phase(bench, api)
         throughput_phase(bench)
         reports_phase(bench)
