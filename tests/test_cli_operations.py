@@ -383,6 +383,8 @@ LOCKED_TABLES = (
     "analyser_heartbeats",
     "queue_policy",
     "app_analyses",
+    "queue_pause",
+    "operator_actions",
 )
 TIMEOUTS = {
     "LOCK_TIMEOUT_MS": "300",
@@ -505,11 +507,22 @@ def runs_of(command: tuple[str, ...], parser) -> list[tuple[list[str], object]] 
             ["queue-refetch"],
             ["queue-refetch", "--failed"],
             ["queue-refetch", "--appid", "com.example.app", "--apply"],
+            ["queue-refetch", "--failed-by", "pi-locked", "--since", "12h", "--apply", "--yes"],
         ],
+        ("why",): [["why", "com.example.app"], ["why", "com.example.app", "--json"]],
+        ("queue-hold",): [
+            ["queue-hold", "com.example.app"],
+            ["queue-hold", "com.example.app", "--force", "--reason", "locked"],
+        ],
+        ("queue-release",): [["queue-release", "com.example.app"]],
+        ("queue-pause",): [["queue-pause"], ["queue-pause", "--reason", "locked"]],
+        ("queue-resume",): [["queue-resume"]],
         ("analysers", "list"): [["analysers", "list"]],
         ("analysers", "add"): [["analysers", "add", "pi-locked"]],
         ("analysers", "rotate"): [["analysers", "rotate", "pi-locked", "--overlap", "1h"]],
         ("analysers", "revoke"): [["analysers", "revoke", "pi-locked"]],
+        ("analysers", "pause"): [["analysers", "pause", "pi-locked"]],
+        ("analysers", "resume"): [["analysers", "resume", "pi-locked"]],
     }
     assert command in arguments, f"the walk does not know how to run {' '.join(command)}"
     return [(args, lock_timeout_line) for args in arguments[command]]
