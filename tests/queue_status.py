@@ -11,7 +11,8 @@ from helpers import insert_app
 
 
 def arrange_every_state(sql) -> None:
-    """Apps in every state under the default policy (version 4, 180 days, 120 min),
+    """Apps in every state under the default policy (version 4, 180 days, 120 min,
+    RETRY_BACKOFF 1h,6h,1d): retries due, waiting and past their last step, a held app,
     their recent results, and two analysers' pings."""
     insert_app(sql, "app.queued.big", reviews="500", added=datetime(2025, 1, 1, tzinfo=UTC))
     insert_app(sql, "app.queued.small", reviews="50")
@@ -100,6 +101,30 @@ def arrange_every_state(sql) -> None:
         retryable=True,
         analysed=datetime.now(UTC) - _minutes(60 * 3),
     )
+    # Held by an operator: no candidate, however popular.
+    insert_app(sql, "app.queued.held", reviews="9999", held=True)
+    # Retryable failures at the current version under RETRY_BACKOFF 1h,6h,1d: a first
+    # failure half an hour ago (its retry falls due in the next hour), and a fourth in a
+    # row two days ago (past the last step: it waits for staleness or a version bump).
+    insert_app(
+        sql,
+        "app.failed.retry.soon",
+        status="failed",
+        reviews="20",
+        version=4,
+        retryable=True,
+        analysed=datetime.now(UTC) - _minutes(30),
+    )
+    insert_app(
+        sql,
+        "app.failed.retry.exhausted",
+        status="failed",
+        reviews="30",
+        version=4,
+        retryable=True,
+        streak=4,
+        analysed=datetime.now(UTC) - _minutes(60 * 48),
+    )
     # History: 2 successes in the last hour, 4 more and a failure in the last day, one
     # success 3 days ago, one 10 days ago (outside the 7-day window).
     for appid, minutes, success in (
@@ -137,11 +162,11 @@ def assert_the_status_of_every_state(status: dict) -> None:
     """The queue-status document of arrange_every_state's queue, field by field: the one
     expectation the scheduled report's record and answer (here) and `queue-status --json`
     (tests/test_cli.py) are both held to, since they are one document."""
-    assert status["counts"] == {"queued": 4, "processing": 2, "analysed": 3, "failed": 5}
-    assert status["total"] == 14
-    assert status["failed_retryable"] == 3
+    assert status["counts"] == {"queued": 5, "processing": 2, "analysed": 3, "failed": 7}
+    assert status["total"] == 17
+    assert status["failed_retryable"] == 5
     assert status["failed_by_reason"] == [
-        {"reason": "analysis_failed", "apps": 3},
+        {"reason": "analysis_failed", "apps": 5},
         {"reason": "app_not_found", "apps": 1},
         {"reason": "ipa_too_large", "apps": 1},
     ]
@@ -151,8 +176,10 @@ def assert_the_status_of_every_state(status: dict) -> None:
         "outdated_version": 1,
         "stale": 1,
         "retry_failed": 1,
+        # The retries due (a first failure a day and three hours ago): the lowest tier.
+        "retry_due": 2,
     }
-    assert status["backlog_total"] == 8
+    assert status["backlog_total"] == 10
     assert status["expired_leases"] == 1
     assert status["throughput"] == {
         "analysed_1h": 2,
@@ -168,8 +195,20 @@ def assert_the_status_of_every_state(status: dict) -> None:
         "abandoned_leases": 0,
         "outdated_settling": 0,
         "refetch_waiting": 0,
+        "retries_next_hour": 1,
+        "retries_waiting": 1,
+        "retries_exhausted": 1,
+        "held_apps": 1,
     }
-    assert status["eta_hours"] == 27.4  # 8 apps at 7 finished per 24 h: 27.43 h
+    assert status["eta_hours"] == 34.3  # 10 apps at 7 finished per 24 h: 34.29 h
+    assert status["paused"] == {
+        "paused": False,
+        "paused_at": None,
+        "paused_by": None,
+        "reason": None,
+    }
+    assert (status["broken_analysers"], status["paused_analysers"]) == (0, 0)
+    assert status["failure_ratio_1h"] == 0.0  # 2 results in the last hour, no failure
     # The last ping is pi-named's, a minute ago (revoked since: it pinged all the same);
     # of the active analysers, only the heartbeat of 12 minutes ago counts.
     assert abs(status["minutes_since_last_ping"] - 1.0) <= 0.5
@@ -189,8 +228,13 @@ def assert_the_status_of_every_state(status: dict) -> None:
         "results_24h",
         "failures_24h",
         "outdated_version",
+        "failures_in_a_row",
+        "failing_since",
+        "broken",
+        "paused",
     }
     assert (named["name"], named["online"], named["results_24h"]) == ("pi-named", False, 0)
+    assert (named["broken"], named["paused"], named["failing_since"]) == (False, None, None)
     processing = status["processing"]
     assert [(p["appid"], p["expired"]) for p in processing] == [
         ("app.processing.expired", True),
@@ -208,6 +252,7 @@ def assert_the_status_of_every_state(status: dict) -> None:
         "stale_days": 180,
         "processing_timeout_minutes": 120,
         "max_lease_attempts": 3,
+        "retry_backoff": "1h,6h,1d",
     }
     assert set(status) == set(QUEUE_STATUS_KEYS)
     keys = all_keys(status)
@@ -229,6 +274,10 @@ QUEUE_STATUS_KEYS = (
     "analysers_last_hour",
     "processing",
     "held_back",
+    "paused",
+    "broken_analysers",
+    "paused_analysers",
+    "failure_ratio_1h",
     "analysers",
     "top_backlog",
     "policy",
@@ -257,4 +306,7 @@ EXPECTED_TOP_BACKLOG = [
     ("app.queued.mid", 60, "queued"),
     ("app.queued.small", 50, "queued"),
     ("app.queued.unknown", 0, "queued"),
+    # The lowest tier, last whatever its popularity: retries due, in claim order.
+    ("app.failed.retry.fresh", 7000, "retry_due"),
+    ("app.failed.retry.fresh2", 0, "retry_due"),
 ]

@@ -59,14 +59,23 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
     assert directive["Dimensions"] == [["service"]]
     units = {metric["Name"]: metric["Unit"] for metric in directive["Metrics"]}
     expected = {
-        "Backlog": 8,
-        "Queued": 4,
+        "Backlog": 10,
+        "Queued": 5,
         "Processing": 2,
-        "Failed": 5,
+        "Failed": 7,
         "AnalysedLast24h": 6,
         "OutdatedResultsLast24h": 0,
         "ActiveAnalysers": 1,
-        "EtaHours": 27.4,
+        "EtaHours": 34.3,
+        # Fleet health: no named analyser broken or paused, the queue not paused, one app
+        # held, retries in the next hour and past the last step, no failure in the hour.
+        "BrokenAnalysers": 0,
+        "PausedAnalysers": 0,
+        "QueuePaused": 0,
+        "HeldApps": 1,
+        "RetriesNextHour": 1,
+        "RetriesExhausted": 1,
+        "FailureRatioLastHour": 0,
         # The dashboard's: the backlog by reason, results in the last hour, failed apps
         # by class (zero for the classes no app is in).
         "BacklogQueued": 4,
@@ -74,9 +83,10 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
         "BacklogOutdatedVersion": 1,
         "BacklogStale": 1,
         "BacklogRetryFailed": 1,
+        "BacklogRetryDue": 2,
         "AnalysedLastHour": 2,
         "FailedLastHour": 0,
-        "FailedAnalysisFailed": 3,
+        "FailedAnalysisFailed": 5,
         "FailedAppNotFound": 1,
         "FailedIpaTooLarge": 1,
         "FailedIosVersionTooLow": 0,
@@ -88,9 +98,11 @@ def test_scheduled_report_log_and_metrics(database_url, sql, capsys):
     assert set(units) == {*expected, "MinutesSinceLastPing", "OldestLeaseMinutes"}
     assert set(document) == {"_aws", "service", *units}
     # Counts are Counts; hours and minutes have no CloudWatch unit and name theirs.
+    unitless = {"EtaHours", "FailureRatioLastHour"}
     assert units == {
-        **{name: "Count" for name in expected if name != "EtaHours"},
+        **{name: "Count" for name in expected if name not in unitless},
         "EtaHours": "None",
+        "FailureRatioLastHour": "None",
         "MinutesSinceLastPing": "None",
         "OldestLeaseMinutes": "None",
     }
