@@ -4260,10 +4260,14 @@ def _why_by_rule(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolicy)
         held, when = "fresh", rule["stale_due"]
         why = f"a fresh analysis: handed out again once it is {policy.stale_days} days old"
         if status == "failed":
+            retries = (
+                f"past its last retry (RETRY_BACKOFF {policy.retry_backoff_text})"
+                if policy.retry_backoff
+                else "not retried before (RETRY_BACKOFF off)"
+            )
             why = (
-                f"a retryable failure at version {version}, past its last retry"
-                f" (RETRY_BACKOFF {policy.retry_backoff_text}): tried again once it is"
-                f" {policy.stale_days} days old"
+                f"a retryable failure at version {version}, {retries}: tried again once it"
+                f" is {policy.stale_days} days old"
             )
     return {"candidate": False, "held": held, "from": _plain(when), "why": why, **extra}
 

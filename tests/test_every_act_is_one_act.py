@@ -40,7 +40,7 @@ from fastapi.routing import APIRoute
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit import ADMIN, ADMIN_TOKEN, ANALYSER, TableReset, configure_service
-from route_walk import APP_ID, Call, Values, calls_for
+from route_walk import APP_ID, Call, Values, calls_for, routes_walked
 
 import handler
 from helpers import (
@@ -100,15 +100,43 @@ def records(sql) -> int:
     return count
 
 
+def hold_the_app(sql, call: Call) -> None:
+    sql.run("UPDATE apps SET held_at = now(), held_by = 'walk' WHERE appid = :a", a=APP_ID)
+
+
+def pause_the_queue(sql, call: Call) -> None:
+    sql.run("UPDATE queue_pause SET paused_at = now(), paused_by = 'walk'")
+
+
+def pause_its_analyser(sql, call: Call) -> None:
+    name = call.path.split("/")[-2]  # .../analysers/{name}/resume
+    sql.run("UPDATE analysers SET paused_at = now(), paused_by = 'walk' WHERE name = :n", n=name)
+
+
+# What a route needs in the database to have an act to do: a release, a held app; a
+# resume, a paused analyser or queue. (Asked of what is as asked already, each changes
+# nothing and records nothing, as a revoked analyser's second revocation does.)
+ARRANGED = {
+    "POST /apps/{appId}/release": hold_the_app,
+    "POST /admin/api/apps/{appId}/release": hold_the_app,
+    "POST /queue/resume": pause_the_queue,
+    "POST /admin/api/queue/resume": pause_the_queue,
+    "POST /analysers/{name}/resume": pause_its_analyser,
+    "POST /admin/api/analysers/{name}/resume": pause_its_analyser,
+}
+
+
 class Walk:
     """The calls of a route table, each on the database as it was when the walk began
-    (reset between calls) with an app, a named analyser and a session: `each()` yields
-    (call, before) with `before` read after the call was built (building one signs in)."""
+    (reset between calls) with an app, a named analyser and a session, and what the
+    call's route needs (ARRANGED): `each()` yields (call, before) with `before` read
+    after the call was built (building one signs in) and its route's state arranged."""
 
     def __init__(self, sql, app: FastAPI = handler.app):
         self.sql, self.app = sql, app
         self.reset = TableReset(sql.run)
         self.labels = [call.label for call in self.calls()]
+        assert set(ARRANGED) <= routes_walked(self.calls())  # none arranged in vain
 
     def calls(self) -> list[Call]:
         self.reset.apply(self.sql.run)
@@ -117,6 +145,9 @@ class Walk:
 
     def call(self, label: str) -> tuple[Call, dict[str, list]]:
         (call,) = [call for call in self.calls() if call.label == label]
+        arrange = ARRANGED.get(label.split(" (")[0])
+        if arrange is not None:
+            arrange(self.sql, call)
         return call, everything(self.sql)
 
     def each(self) -> Iterator[tuple[Call, dict[str, list]]]:

@@ -20,7 +20,7 @@ from kit import ADMIN_TOKEN, UPLOAD_PASSWORD, configure_service
 
 import handler
 from helpers import call_api, gateway_event, insert_app, table_digest
-from queue_model import App, candidate
+from queue_model import App, claimable_by_name
 
 SAME_ORIGIN = {"sec-fetch-site": "same-origin"}
 BEARER = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -271,7 +271,19 @@ def test_read_only_shows_everything_and_refuses_every_action(web, sql):
         ("/admin/api/analysers", {"name": "pi-01"}),
         ("/admin/api/analysers/pi-01/rotate", {}),
         ("/admin/api/analysers/pi-01/revoke", {}),
+        ("/admin/api/analysers/pi-01/pause", {}),
+        ("/admin/api/analysers/pi-01/resume", {}),
+        ("/admin/api/apps/com.example.app/hold", {"reason": "read-only", "force": True}),
+        ("/admin/api/apps/com.example.app/release", {}),
+        ("/admin/api/queue/pause", {"reason": "read-only"}),
+        ("/admin/api/queue/resume", {}),
     ]
+    # Every write of the web view's table is one of them.
+    assert {path for path, _ in writes} >= {
+        path.replace("{appId}", "com.example.app").replace("{name}", "pi-01")
+        for method, path, _, who in handler.ADMIN_ROUTES
+        if who == "write" and path != "/admin/logout"
+    }
     for path, sent in writes:
         for auth in (cookie, BEARER):
             answer = request("POST", path, {**auth, **SAME_ORIGIN, **JSON}, json.dumps(sent))
@@ -392,6 +404,12 @@ def near_an_edge(minutes: int) -> bool:
     return any(abs(age - edge) < NOW_SLACK for edge in edges)
 
 
+def near_its_retry(minutes: int) -> bool:
+    """Whether a retryable failure `minutes` from now is within NOW_SLACK of its retry
+    (RETRY_BACKOFF's first step: insert_app's failure is the first in a row)."""
+    return abs(timedelta(minutes=-minutes, seconds=-POLICY.retry_backoff[0])) < NOW_SLACK
+
+
 @st.composite
 def apps(draw):
     status = draw(st.sampled_from(["queued", "processing", "analysed", "failed"]))
@@ -399,18 +417,19 @@ def apps(draw):
         lambda m: not near_an_edge(m)
     )
     version = draw(st.sampled_from([None, 1, 3, 4, 5]))
+    retryable = draw(st.booleans()) if status == "failed" else None
     started = analysed = None
     if status == "processing":
         started = draw(minutes)
     if status in ("analysed", "failed"):
-        analysed = draw(minutes)
+        analysed = draw(minutes.filter(lambda m: not (retryable and near_its_retry(m))))
     return {
         "status": status,
         "version": version if status in ("analysed", "failed") else None,
         "started": started,
         "analysed": analysed,
         "attempts": draw(st.integers(min_value=0, max_value=4)),
-        "retryable": draw(st.booleans()) if status == "failed" else None,
+        "retryable": retryable,
     }
 
 
@@ -479,6 +498,7 @@ def test_why_agrees_with_the_rule_and_with_what_a_claim_hands_out(web, sql, app)
     now = datetime.now(UTC)
     times = [app[part] for part in ("started", "analysed") if app[part] is not None]
     assert not any(near_an_edge(minutes) for minutes in times), app  # the examples too
+    assert not (app["retryable"] and near_its_retry(app["analysed"])), app
     insert_app(
         sql,
         "com.example.app",
@@ -499,14 +519,17 @@ def test_why_agrees_with_the_rule_and_with_what_a_claim_hands_out(web, sql, app)
         started=at(app["started"], now),
         attempts=app["attempts"],
         retryable=app["retryable"],
+        streak=1 if app["status"] == "failed" else 0,  # insert_app's failures in a row
     )
     why = body(request("GET", "/admin/api/apps/com.example.app", BEARER))["why"]
-    assert why["candidate"] == candidate(model, POLICY, now), (app, why)
+    # Handed out now: a candidate by the rule's upper tiers, or a retry that is due (the
+    # lowest tier, which a claim of this app by name reaches as well).
+    assert why["candidate"] == claimable_by_name(model, POLICY, now), (app, why)
     assert (why["held"] is None) == why["candidate"]
     if why["from"] is not None:  # when it will be one: a moment after, by the model
         then = datetime.fromisoformat(why["from"])
-        assert not candidate(model, POLICY, then - NOW_SLACK), (app, why)
-        assert candidate(model, POLICY, then + NOW_SLACK), (app, why)
+        assert not claimable_by_name(model, POLICY, then - NOW_SLACK), (app, why)
+        assert claimable_by_name(model, POLICY, then + NOW_SLACK), (app, why)
     # And a claim of that app (exact-app mode) hands it out exactly when it is one.
     claim = request(
         "GET",

@@ -137,6 +137,11 @@ def cells(page: Page, heading: str) -> list[list[str]]:
     )
 
 
+def percent(ratio: float | None) -> str:
+    """A failure ratio as the overview shows it."""
+    return "no results" if ratio is None else f"{round(ratio * 1000) / 10:g} %"
+
+
 def column(page: Page, number: int = 0) -> list[str]:
     """One column of the page's first table, header left out."""
     rows = page.locator("main table").first.evaluate(
@@ -450,6 +455,34 @@ def test_the_overview_shows_what_queue_status_counts(serve, tab, sql):
         assert dict(zip(*shown[heading], strict=True)) == {
             key: str(value) for key, value in status[part].items()
         }
+    held = status["held_back"]
+    assert cells(page, "Retries and holds") == [
+        [
+            "retries due",
+            "retries due in the next hour",
+            "retries waiting",
+            "retries exhausted",
+            "apps held",
+        ],
+        [
+            str(status["backlog"]["retry_due"]),
+            str(held["retries_next_hour"]),
+            str(held["retries_waiting"]),
+            str(held["retries_exhausted"]),
+            str(held["held_apps"]),
+        ],
+    ]
+    assert cells(page, "Analysers") == [
+        ["look broken", "paused", "failures in the last hour (the fleet)"],
+        [
+            str(status["broken_analysers"]),
+            str(status["paused_analysers"]),
+            percent(status["failure_ratio_1h"]),
+        ],
+    ]
+    assert status["paused"]["paused"] is False
+    expect(page.locator("#queue-paused")).to_have_count(0)
+    expect(page.locator("#broken-analysers")).to_have_count(0)
     # The figures are this queue's (tests/queue_status.py arranges one in every state).
     assert status["counts"] == {"queued": 4, "processing": 2, "analysed": 3, "failed": 5}
 

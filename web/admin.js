@@ -58,12 +58,58 @@ function refetched(result) {
     ` a lease to end, ${o.lease_broken} with the lease broken, ${o.skipped} left as they were.`;
 }
 
+// The queue's pause as an action answered it, and when: newer than a count made before it
+// (the overview's figures are counted at most once a minute), so shown instead of it.
+let pauseAnswered = null;
+function pauseOf(s, counted) {
+  if (pauseAnswered !== null && Date.parse(counted) < pauseAnswered.at) return pauseAnswered.pause;
+  const p = s.paused || {};
+  return {paused: Boolean(p.paused), at: p.paused_at, by: p.paused_by, reason: p.reason};
+}
+function pauseAnswer(result) {
+  pauseAnswered = {at: Date.now(), pause: {paused: result.paused, at: result.pausedAt,
+    by: result.pausedBy, reason: result.reason}};
+  const text = {paused: 'The queue is paused.', resumed: 'The queue is resumed.',
+    unchanged: result.paused ? 'The queue was paused already.' : 'The queue was not paused.'};
+  route().then(() => said(text[result.outcome] || result.outcome));
+}
+function queuePause(pause) {
+  if (pause.paused) {
+    return el('div', {className: 'banner', id: 'queue-paused'},
+      el('strong', {}, 'The queue is paused: no app is handed out until it is resumed. '),
+      `Since ${when(pause.at)}, by ${when(pause.by)}. `,
+      pause.reason ? `Reason: ${pause.reason}` : 'No reason given.',
+      full ? ' ' : null,
+      full ? el('button', {type: 'button', onclick: () => act('Resume the queue? Analysers' +
+        ' are handed apps again at once.', '/admin/api/queue/resume', {}, pauseAnswer)},
+      'Resume the queue') : null);
+  }
+  if (!full) return null;
+  const reason = el('input', {name: 'reason', size: 40, maxlength: 500});
+  const form = el('form', {id: 'pause-queue'}, el('label', {}, 'Reason (optional) ', reason),
+    ' ', el('button', {type: 'submit'}, 'Pause the queue'));
+  form.addEventListener('submit', (event) => {
+    event.preventDefault();
+    act('Pause the whole queue? No analyser is handed an app until it is resumed.' +
+      (reason.value ? ` Reason: ${reason.value}` : ''), '/admin/api/queue/pause',
+    reason.value ? {reason: reason.value} : {}, pauseAnswer);
+  });
+  return form;
+}
+function ratio(value) { return value === null || value === undefined ? 'no results' :
+  `${Math.round(value * 1000) / 10} %`; }
+
 async function overview() {
   const data = await api('/admin/api/status');
   const s = data.status;
   const age = Math.round((Date.now() - Date.parse(data.counted)) / 1000);
-  show(el('h1', {}, 'Overview'),
+  const h = s.held_back;
+  show(el('h1', {}, 'Overview'), queuePause(pauseOf(s, data.counted)),
+    el('div', {id: 'outcome'}),
     el('p', {className: 'note', id: 'counted'}, `Counted ${age} s ago (${data.counted}).`),
+    s.broken_analysers ? el('p', {className: 'warn', id: 'broken-analysers'},
+      `${s.broken_analysers} named analyser(s) look broken: `,
+      el('a', {href: '/admin/analysers'}, 'see the analysers'), '.') : null,
     el('h2', {}, 'Apps by state'),
     table(['state', 'apps'], Object.entries(s.counts).map(([k, v]) =>
       [el('a', {href: '/admin/apps?state=' + k}, k), v])),
@@ -74,6 +120,15 @@ async function overview() {
     el('h2', {}, 'Backlog'),
     table(['backlog', 'ETA (hours)', 'analysers in the last hour'],
       [[s.backlog_total, when(s.eta_hours), s.analysers_last_hour]]),
+    el('h2', {}, 'Analysers'),
+    table(['look broken', 'paused', 'failures in the last hour (the fleet)'],
+      [[el('a', {href: '/admin/analysers'}, String(s.broken_analysers)),
+        el('a', {href: '/admin/analysers'}, String(s.paused_analysers)),
+        ratio(s.failure_ratio_1h)]]),
+    el('h2', {}, 'Retries and holds'),
+    table(['retries due', 'retries due in the next hour', 'retries waiting', 'retries exhausted',
+      'apps held'], [[s.backlog.retry_due, h.retries_next_hour, h.retries_waiting,
+      h.retries_exhausted, h.held_apps]]),
     el('h2', {}, 'Next up, in claim order'),
     table(['bundle ID', 'popularity', 'added', 'why'], s.top_backlog.map((a) =>
       [appLink(a.appid), when(a.popularity), when(a.added), a.reason])),
@@ -123,6 +178,18 @@ async function app(id) {
   const why = el('div', {className: 'why' + (data.why.candidate ? ' candidate' : ''), id: 'why'},
     el('strong', {}, data.why.candidate ? 'Handed out now. ' : 'Not handed out now. '),
     data.why.why, data.why.from ? ` From ${data.why.from}.` : '');
+  const hold = data.why.hold;
+  const held = hold ? el('div', {className: 'banner', id: 'hold'},
+    el('strong', {}, 'Held: never handed out until released. '),
+    `Held by ${when(hold.by)} at ${when(hold.at)}. `,
+    hold.reason ? `Reason: ${hold.reason}` : 'No reason given.') : null;
+  const retry = data.why.retry;
+  const retries = retry ? el('p', {id: 'retry'}, `Failures in a row: ${retry.failuresInARow}. ` +
+    (retry.nextRetry === null ? 'No retry left (RETRY_BACKOFF).' :
+      `Next retry: ${retry.nextRetry}, ${retry.due ? 'due now' : 'not due yet'}.`)) : null;
+  const paused = data.why.queuePaused ? el('p', {className: 'warn', id: 'queue-paused'},
+    `The whole queue is paused (since ${data.why.queuePaused}): `,
+    el('a', {href: '/admin'}, 'see the overview'), '.') : null;
   const buttons = [];
   if (full) {
     for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
@@ -132,9 +199,15 @@ async function app(id) {
           route().then(() => said(text));  // the page drawn again, then what was done
         })}, label), ' ');
     }
+    buttons.push(hold ? el('button', {type: 'button', onclick: () => act(`Release ${a.appId}?` +
+      ' The rule decides again whether it is handed out.',
+    '/admin/api/apps/' + encodeURIComponent(a.appId) + '/release', {}, (r) => {
+      route().then(() => said(r.outcome === 'released' ? `${r.appId} is released.` :
+        `${r.appId} was not held.`));
+    })}, 'Release') : holdForm(a.appId));
   }
   const log = data.history.filter((h) => h.failure_log !== null);
-  show(el('h1', {}, a.appId), why, el('div', {id: 'outcome'}), ...buttons,
+  show(el('h1', {}, a.appId), why, held, retries, paused, el('div', {id: 'outcome'}), ...buttons,
     table(['state', 'failure', 'version', 'analysed', 'added', 'leased to', 'since',
       'lease attempts', 'analysed by'],
       [[a.status, when(data.failureReason), when(a.analysisVersion), when(a.analysed),
@@ -154,25 +227,66 @@ async function app(id) {
       [x.at, x.actor, x.source, x.action, when(x.outcome)])));
 }
 
+const HELD = {held: 'is held.', already_held: 'was held already: nothing changed.',
+  waiting: 'is held; its live lease runs to its end.',
+  lease_broken: 'is held; its lease was broken (force): back to its stored result.'};
+// Hold: a reason (optional) and whether to break a live lease (force).
+function holdForm(appId) {
+  const reason = el('input', {name: 'reason', size: 40, maxlength: 500});
+  const force = el('input', {type: 'checkbox', name: 'force'});
+  const form = el('form', {id: 'hold-app'}, el('label', {}, 'Reason (optional) ', reason), ' ',
+    el('label', {}, force, ' break a live lease (force)'), ' ',
+    el('button', {type: 'submit'}, 'Hold'));
+  form.addEventListener('submit', (event) => {
+    event.preventDefault();
+    const body = {force: force.checked};
+    if (reason.value) body.reason = reason.value;
+    act(`Hold ${appId}? It is never handed out until released.` +
+      (force.checked ? ' A live lease on it is broken.' : '') +
+      (reason.value ? ` Reason: ${reason.value}` : ''),
+    '/admin/api/apps/' + encodeURIComponent(appId) + '/hold', body, (r) => {
+      route().then(() => said(`${r.appId} ${HELD[r.outcome] || r.outcome}`));
+    });
+  });
+  return form;
+}
+
 async function analysers() {
   const data = await api('/admin/api/analysers');
   const rows = data.analysers.map((a) => {
+    const path = '/admin/api/analysers/' + encodeURIComponent(a.name);
     const cells = [a.name, when(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
-      when(a.results24h), when(a.failures24h), when(a.revoked)];
+      when(a.results24h), when(a.failures24h), when(a.revoked), String(a.failuresInARow),
+      when(a.failingSince), a.broken ? el('strong', {className: 'warn'}, 'broken') : 'no',
+      a.paused ? `paused by ${when(a.paused.by)} at ${when(a.paused.at)}` : 'no'];
+    const actions = [];
     if (full && !a.revoked) {
       // How long the old token keeps working after a rotation.
       const overlap = el('select', {'aria-label': 'overlap'},
         ...['24h', '7d', '1h', '0'].map((o) => el('option', {value: o}, o === '0' ? 'none' : o)));
-      cells.push(el('span', {},
+      actions.push(
         el('button', {type: 'button', onclick: () => act(`Rotate the token of ${a.name}? The` +
           ` old one keeps working for ${overlap.selectedOptions[0].text}.`,
-          '/admin/api/analysers/' + encodeURIComponent(a.name) + '/rotate',
-          {overlap: overlap.value}, newToken)}, 'Rotate'), ' overlap ', overlap, ' ',
+        path + '/rotate', {overlap: overlap.value}, newToken)}, 'Rotate'), ' overlap ', overlap, ' ',
         el('button', {type: 'button', onclick: () => act(`Revoke ${a.name}? Its tokens stop` +
-          ' working at once.', '/admin/api/analysers/' + encodeURIComponent(a.name) + '/revoke',
-          {}, () => route())}, 'Revoke')));
+          ' working at once.', path + '/revoke', {}, () => route())}, 'Revoke'), ' ',
+        a.paused ?
+          el('button', {type: 'button', onclick: () => act(`Resume ${a.name}? It is handed apps` +
+            ' again, and its failures in a row are counted from none (refetch what it failed' +
+            ' first, if that is to be done).', path + '/resume', {}, paused)}, 'Resume') :
+          el('button', {type: 'button', onclick: () => act(`Pause ${a.name}? It is handed no app` +
+            ' until it is resumed; a lease it holds stays its own.', path + '/pause', {}, paused)},
+          'Pause'));
     }
-    return cells;
+    if (full && a.failingSince !== null) {
+      actions.push(' ', el('button', {type: 'button', onclick: () => refetchFailedBy(a)},
+        'Refetch what it failed since it began failing'));
+    }
+    if (full) cells.push(actions.length ? el('span', {}, ...actions) : '');
+    const row = el('tr', {className: [a.broken ? 'broken' : '', a.paused ? 'paused' : '']
+      .join(' ').trim()}, ...cells.map((cell) => el('td', {}, cell)));
+    row.dataset.analyser = a.name;
+    return row;
   });
   // A pattern is compiled with the v flag, where a literal - in a class must be escaped.
   const name = el('input', {name: 'name', required: '', pattern: '[A-Za-z0-9._:@\\-]{1,64}'});
@@ -183,9 +297,37 @@ async function analysers() {
     act(`Add the analyser ${name.value}?`, '/admin/api/analysers', {name: name.value}, newToken);
   });
   const headers = ['name', 'last seen', 'online', 'holds', 'results 24 h', 'failures 24 h',
-    'revoked'];
+    'revoked', 'failures in a row', 'failing since', 'broken', 'paused'];
   show(el('h1', {}, 'Analysers'), full ? add : null, el('div', {id: 'outcome'}),
-    table(full ? [...headers, ''] : headers, rows));
+    el('table', {}, el('tr', {}, ...(full ? [...headers, ''] : headers).map((h) => el('th', {}, h))),
+      ...rows));
+}
+function paused(result) {
+  const text = {paused: 'is paused.', resumed: 'is resumed.',
+    unchanged: result.paused ? 'was paused already.' : 'was not paused.'};
+  analysers().then(() => said(`${result.name} ${text[result.outcome] || result.outcome}`));
+}
+// What an analyser failed since its failures in a row began (failingSince): first what a
+// refetch would do (a dry run, changing nothing), then, asked once, the refetch.
+async function refetchFailedBy(a) {
+  const where = {state: 'failed', failedBy: a.name, since: a.failingSince};
+  const out = document.getElementById('outcome');
+  let dry;
+  try { dry = await api('/admin/api/refetch', {filter: where, dryRun: true}); } catch (error) {
+    out.replaceChildren(el('p', {className: 'error'}, error.message));
+    return;
+  }
+  const o = dry.outcomes;
+  said(`Dry run: ${dry.selected} apps failed by ${a.name} since ${a.failingSince}` +
+    `${dry.more ? ' (the first of more)' : ''}: ${o.queued} would be queued now, ${o.waiting}` +
+    ` would wait for a lease to end, ${o.lease_broken} would have the lease broken,` +
+    ` ${o.skipped} would be left as they are.`);
+  if (dry.selected === 0) return;
+  act(`Refetch the ${dry.selected} apps ${a.name} failed since ${a.failingSince}?`,
+    '/admin/api/refetch', {filter: where}, (r) => {
+      const text = refetched(r) + (r.more ? ' More remain: refetch again.' : '');
+      analysers().then(() => said(text));
+    });
 }
 // A new token, shown once: here, in this answer, never again.
 function newToken(result) {
