@@ -5524,27 +5524,19 @@ WITH found AS (
 )
 SELECT appid, was_held FROM found
 """
-# An analyser's pause: paused_at set (kept when it is paused already). Resuming also
+# An analyser paused (:paused) or resumed, when it is not so already; resuming also
 # starts its failures in a row again: the operator says it is mended.
-PAUSE_ANALYSER = """
+SET_ANALYSER_PAUSE = """
 WITH found AS (
     SELECT name, paused_at IS NOT NULL AS was_paused FROM analysers
     WHERE name = :name FOR UPDATE
-), paused AS (
-    UPDATE analysers SET paused_at = now(), paused_by = :actor
-    FROM found WHERE analysers.name = found.name AND NOT found.was_paused
-    RETURNING analysers.name
-)
-SELECT name, was_paused FROM found
-"""
-RESUME_ANALYSER = """
-WITH found AS (
-    SELECT name, paused_at IS NOT NULL AS was_paused FROM analysers
-    WHERE name = :name FOR UPDATE
-), resumed AS (
-    UPDATE analysers SET paused_at = NULL, paused_by = NULL, failure_streak = 0,
-                         failing_since = NULL
-    FROM found WHERE analysers.name = found.name AND found.was_paused
+), changed AS (
+    UPDATE analysers
+    SET paused_at = CASE WHEN :paused THEN now() END,
+        paused_by = CASE WHEN :paused THEN CAST(:actor AS text) END,
+        failure_streak = CASE WHEN :paused THEN analysers.failure_streak ELSE 0 END,
+        failing_since = CASE WHEN :paused THEN analysers.failing_since END
+    FROM found WHERE analysers.name = found.name AND found.was_paused <> :paused
     RETURNING analysers.name
 )
 SELECT name, was_paused FROM found
@@ -5669,8 +5661,7 @@ def pause_analyser(
     name = checked_analyser_name(name, stored=True)
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
-        statement = PAUSE_ANALYSER if paused else RESUME_ANALYSER
-        rows = session.records(statement, name=name, actor=who(operator))
+        rows = session.records(SET_ANALYSER_PAUSE, name=name, paused=paused, actor=who(operator))
         if not rows:
             raise UnknownAnalyser(name)
         (row,) = rows

@@ -1,5 +1,10 @@
 
 SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
+       a.paused_at, a.paused_by, a.failure_streak, a.failing_since,
+       (a.revoked IS NULL AND a.failure_streak >= :broken_failures
+    AND EXISTS (SELECT 1 FROM app_analyses h
+                WHERE h.analysisversion = :analysis_version AND h.analysed >= a.failing_since
+                  AND h.success AND h.analyser IS DISTINCT FROM a.name)) AS broken,
        a.revoked IS NULL AND (a.last_seen > now() - interval '1 hour' AND a.last_seen <= now()) AS online,
        a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
        a.last_result_version < :analysis_version AS outdated_version,

@@ -35,7 +35,7 @@ WITH RECURSIVE stale_versions(version) AS (
 head AS (
     -- The first queued or flagged (due) candidate in claim order: apps_claim_order.
     SELECT appid, app_popularity(details) AS popularity, added FROM apps
-    WHERE (status = 'queued' OR due) AND (
+    WHERE (status = 'queued' OR due) AND (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -46,7 +46,7 @@ head AS (
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-)
+))
     ORDER BY app_popularity(details) DESC, added, appid
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), bar AS (
@@ -66,7 +66,7 @@ head AS (
     SELECT appid, app_popularity(details) AS popularity, added FROM apps
     WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started IS NULL
     UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started < now() - make_interval(mins => :timeout_minutes)
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes))) AND NOT due AND (
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes))) AND NOT due AND (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -77,7 +77,7 @@ head AS (
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-) AND app_popularity(details) >= (SELECT popularity FROM bar)
+)) AND app_popularity(details) >= (SELECT popularity FROM bar)
     ORDER BY app_popularity(details) DESC, added, appid
     LIMIT 1 FOR UPDATE SKIP LOCKED
 ), stale_heads AS (
@@ -90,7 +90,7 @@ head AS (
         ORDER BY app_popularity(details) DESC, added, appid
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
-), choice AS (
+), best AS (
     -- The best of the heads: the most popular, then the first added.
     SELECT appid FROM (
         SELECT * FROM head UNION ALL SELECT * FROM version_heads
@@ -98,11 +98,25 @@ head AS (
     ) c
     ORDER BY popularity DESC, added, appid
     LIMIT 1
+), retry_head AS (
+    -- The lowest tier, read only when no other candidate is (a one-time filter).
+    SELECT appid FROM (SELECT appid FROM apps WHERE retry_due AND ((held_at IS NULL AND status = 'failed' AND failure_retryable
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) <= now())
+    ORDER BY app_popularity(details) DESC, added, appid
+    LIMIT 1 FOR UPDATE SKIP LOCKED) r WHERE NOT EXISTS (SELECT 1 FROM best)
+), choice AS (
+    -- Nothing at all while claims are closed (a pause): a one-time filter, so no head is
+    -- read.
+    SELECT appid FROM (SELECT appid FROM best UNION ALL SELECT appid FROM retry_head) c
+    WHERE (NOT EXISTS (SELECT 1 FROM queue_pause WHERE paused_at IS NOT NULL)
+    AND NOT EXISTS (SELECT 1 FROM analysers
+                    WHERE name = CAST(:analyser AS text) AND paused_at IS NOT NULL))
+    LIMIT 1
 )
 -- Lease the chosen app to this claim's token.
 UPDATE apps SET status = 'processing', processing_started = now(), due = false,
     analysis_claim_token = :token, claimed_by = :analyser, claimed_with = :token,
-    refetch_requested = false,
+    refetch_requested = false, retry_due = false,
     lease_attempts = CASE WHEN apps.status = 'processing' THEN apps.lease_attempts + 1 ELSE 1 END
 FROM choice WHERE apps.appid = choice.appid
 RETURNING apps.appid

@@ -6,7 +6,7 @@ WITH examined AS (
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
         WHERE appid IN (SELECT appid FROM examined)
-          AND due AND status <> 'queued' AND NOT (
+          AND due AND status <> 'queued' AND NOT (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -17,7 +17,7 @@ WITH examined AS (
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-)
+))
           AND NOT (status = 'processing' AND NOT (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
      OR processing_started > now() + make_interval(mins => :timeout_minutes)))

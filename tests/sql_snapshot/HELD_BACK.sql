@@ -8,5 +8,13 @@ SELECT count(*) FILTER (WHERE status = 'failed' AND failure_reason = 'lease_expi
        count(*) FILTER (WHERE (status = 'analysed' OR (status = 'failed' AND failure_retryable))
                         AND COALESCE(analysisversion, 0) < :analysis_version
                         AND NOT COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes)) AS outdated_settling,
-       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting
+       count(*) FILTER (WHERE refetch_requested AND status = 'processing') AS refetch_waiting,
+       count(*) FILTER (WHERE (held_at IS NULL AND status = 'failed' AND failure_retryable
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) > now()
+                        AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) <= now() + interval '1 hour') AS retries_next_hour,
+       count(*) FILTER (WHERE (held_at IS NULL AND status = 'failed' AND failure_retryable
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) > now()) AS retries_waiting,
+       count(*) FILTER (WHERE (held_at IS NULL AND status = 'failed' AND failure_retryable
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) IS NULL) AS retries_exhausted,
+       count(*) FILTER (WHERE held_at IS NOT NULL) AS held_apps
 FROM apps

@@ -3,7 +3,7 @@ WITH flagged AS (
     UPDATE apps SET due = true
     WHERE appid = ANY(ARRAY(
         SELECT appid FROM apps
-        WHERE status = 'processing' AND NOT due
+        WHERE status = 'processing' AND NOT due AND held_at IS NULL
           AND ((processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
      OR processing_started > now() + make_interval(mins => :timeout_minutes))

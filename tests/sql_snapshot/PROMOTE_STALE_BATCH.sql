@@ -18,6 +18,7 @@ WITH RECURSIVE stale_versions(version) AS (
             WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = s.version
               AND COALESCE(analysed, '-infinity')
                   < now() - make_interval(days => :stale_days) + make_interval(secs => :horizon_seconds)
+              AND held_at IS NULL
             ORDER BY COALESCE(analysed, '-infinity')
             LIMIT :batch FOR UPDATE SKIP LOCKED) r
         LIMIT :batch))

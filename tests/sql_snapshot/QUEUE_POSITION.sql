@@ -15,7 +15,7 @@ WITH RECURSIVE stale_versions(version) AS (
 )
 SELECT
     (SELECT count(*) FROM (
-        (SELECT 1 FROM apps WHERE (status = 'queued' OR due) AND (
+        (SELECT 1 FROM apps WHERE (status = 'queued' OR due) AND (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -26,10 +26,10 @@ SELECT
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-) AND app_popularity(details) > :popularity
+)) AND app_popularity(details) > :popularity
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
     UNION ALL
-    (SELECT 1 FROM apps WHERE (status = 'queued' OR due) AND (
+    (SELECT 1 FROM apps WHERE (status = 'queued' OR due) AND (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -40,13 +40,13 @@ SELECT
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-) AND app_popularity(details) = :popularity
+)) AND app_popularity(details) = :popularity
        AND (added, appid) < (:added, :appid)
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
         UNION ALL
         (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started IS NULL
     UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started < now() - make_interval(mins => :timeout_minutes)
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes))) AND NOT due AND (
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes))) AND NOT due AND (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -57,12 +57,12 @@ SELECT
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-) AND app_popularity(details) > :popularity
+)) AND app_popularity(details) > :popularity
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
     UNION ALL
     (SELECT 1 FROM apps WHERE appid = ANY(ARRAY(SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started IS NULL
     UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started < now() - make_interval(mins => :timeout_minutes)
-    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes))) AND NOT due AND (
+    UNION ALL SELECT appid FROM apps WHERE status = 'processing' AND NOT due AND lease_attempts < :max_lease_attempts AND processing_started > now() + make_interval(mins => :timeout_minutes))) AND NOT due AND (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
      OR processing_started < now() - make_interval(mins => :timeout_minutes)
@@ -73,7 +73,7 @@ SELECT
              OR (COALESCE(analysisversion, 0) <= :analysis_version
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
-) AND app_popularity(details) = :popularity
+)) AND app_popularity(details) = :popularity
        AND (added, appid) < (:added, :appid)
      ORDER BY app_popularity(details) DESC, added, appid LIMIT :limit)
         UNION ALL

@@ -10,6 +10,9 @@ WHERE appid = ANY(CAST(:appids AS text[])) AND (status = 'failed' AND (failure_r
   AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
                          AND lower(appid) COLLATE "C" < :prefix_end)
+  AND (CAST(:failed_by AS text) IS NULL
+       OR analysed_by = :failed_by
+          AND analysed >= COALESCE(CAST(:since AS timestamptz), '-infinity'))
   AND length(appid) BETWEEN 1 AND 255
   AND appid ~ '^[A-Za-z0-9][A-Za-z0-9.-]*$' AND appid !~ '\.$')
 ORDER BY appid

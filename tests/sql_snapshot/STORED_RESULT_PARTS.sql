@@ -1,5 +1,6 @@
 
-SELECT appid, COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
+SELECT appid, analysis IS NULL AS no_result,
+       COALESCE(analysis->'success' = 'false'::jsonb, false) AS failure_record,
        COALESCE(analysis->>'analysis_source' = 'queue-server'
        AND analysis->>'reason' = 'lease_expired' AND analysed_by IS NULL, false) AS server_record,
        CASE WHEN jsonb_typeof(analysis->'reason') = 'string'
