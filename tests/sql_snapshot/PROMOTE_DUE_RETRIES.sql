@@ -1,0 +1,18 @@
+
+WITH flagged AS (
+    UPDATE apps SET retry_due = true
+    WHERE appid = ANY(ARRAY(
+        SELECT r.appid FROM generate_subscripts(CAST(:retry_backoff AS integer[]), 1) s
+        CROSS JOIN LATERAL (
+            SELECT appid FROM apps
+            WHERE status = 'failed' AND failure_retryable AND NOT retry_due
+              AND COALESCE(analysisversion, 0) = :analysis_version AND failure_streak = s
+              AND analysed < now() + make_interval(secs => :horizon_seconds)
+                             - make_interval(secs => (CAST(:retry_backoff AS integer[]))[s])
+              AND held_at IS NULL
+            ORDER BY analysed
+            LIMIT :batch FOR UPDATE SKIP LOCKED) r
+        LIMIT :batch))
+    RETURNING 1
+)
+SELECT count(*) AS flagged FROM flagged

@@ -1,0 +1,1 @@
+SELECT paused_at, paused_by, reason FROM queue_pause

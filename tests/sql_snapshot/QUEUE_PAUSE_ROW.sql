@@ -1,0 +1,2 @@
+
+INSERT INTO queue_pause (singleton) VALUES (true) ON CONFLICT DO NOTHING

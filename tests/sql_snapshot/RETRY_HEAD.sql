@@ -1,0 +1,4 @@
+SELECT appid FROM apps WHERE retry_due AND ((held_at IS NULL AND status = 'failed' AND failure_retryable
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) <= now())
+    ORDER BY app_popularity(details) DESC, added, appid
+    LIMIT 1 FOR UPDATE SKIP LOCKED
