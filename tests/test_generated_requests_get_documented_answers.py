@@ -9,9 +9,17 @@ from kit import ADMIN, ANALYSER
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 import handler
-from helpers import insert_app
+from helpers import insert_app, table_digest
 
 schema = schemathesis.openapi.from_asgi("/openapi.json", handler.app)
+# The operators' routes outside /analysers: they take the admin token.
+ADMIN_PATHS = {
+    "/apps",
+    "/apps/{appId}/hold",
+    "/apps/{appId}/release",
+    "/queue/pause",
+    "/queue/resume",
+}
 
 
 @schema.parametrize()
@@ -27,7 +35,7 @@ def test_no_server_errors(case, database_url, sql):
     if not sql.run("SELECT 1 FROM apps WHERE appid = 'com.example.app'"):
         insert_app(sql, "com.example.app")
     sql.run("INSERT INTO analyser_heartbeats (analyser_id) VALUES ('pi') ON CONFLICT DO NOTHING")
-    auth = ADMIN if case.path == "/apps" or case.path.startswith("/analysers") else ANALYSER
+    auth = ADMIN if case.path in ADMIN_PATHS or case.path.startswith("/analysers") else ANALYSER
     response = case.call(headers={**(case.headers or {}), **auth})
     assert response.status_code < 500, (case.method, case.path, response.text)
     # Every answer it gets is one the schema documents for that route.
@@ -48,6 +56,12 @@ def test_every_route_is_in_the_schema():
         "/analysers",
         "/analysers/{name}",
         "/analysers/{name}/rotate",
+        "/analysers/{name}/pause",
+        "/analysers/{name}/resume",
+        "/apps/{appId}/hold",
+        "/apps/{appId}/release",
+        "/queue/pause",
+        "/queue/resume",
     }
 
 
@@ -107,6 +121,63 @@ def test_the_error_answers_are_in_the_schema():
             "415",
             "503",
         ],
+        ("POST", "/analysers/{name}/pause"): ["200", "400", "401", "404", "503"],
+        ("POST", "/analysers/{name}/resume"): ["200", "400", "401", "404", "503"],
+        ("POST", "/apps/{appId}/hold"): ["200", "400", "401", "404", "413", "415", "503"],
+        ("POST", "/apps/{appId}/release"): ["200", "400", "401", "404", "503"],
+        ("POST", "/queue/pause"): ["200", "400", "401", "413", "415", "503"],
+        ("POST", "/queue/resume"): ["200", "400", "401", "503"],
     }
     conflict = paths["/uploadAnalysis"]["post"]["responses"]["409"]["description"]
     assert "stale X-Analysis-Claim-Token" in conflict and "newer analysisVersion" in conflict
+
+
+# The operators' POST routes, each with a path that names something there (the app and
+# the analyser the test adds).
+OPERATOR_POSTS = (
+    "/apps/com.example.app/hold",
+    "/apps/com.example.app/release",
+    "/queue/pause",
+    "/queue/resume",
+    "/analysers/pi-documented/pause",
+    "/analysers/pi-documented/resume",
+)
+
+
+def test_a_body_an_operators_route_cannot_take_gets_a_documented_answer(client, sql):
+    """Every operator's POST route, sent a body it cannot take (not JSON by its
+    Content-Type; larger than MAX_BODY_BYTES), answers with a status its schema documents
+    for it, and changes nothing."""
+    insert_app(sql, "com.example.app")
+    assert (
+        client.post("/analysers", json={"name": "pi-documented"}, headers=ADMIN).status_code == 201
+    )
+    paths = handler.app.openapi()["paths"]
+    before = operators_digest(sql)
+    too_large = b"{" + b" " * handler.settings().max_body_bytes + b"}"
+    undocumented = []
+    for path in OPERATOR_POSTS:
+        template = path.replace("com.example.app", "{appId}").replace("pi-documented", "{name}")
+        documented = set(paths[template]["post"]["responses"])
+        for label, body, content_type in (
+            ("text", b"hold it", "text/plain"),
+            ("too large", too_large, "application/json"),
+        ):
+            answer = client.post(
+                path, content=body, headers={**ADMIN, "Content-Type": content_type}
+            )
+            if str(answer.status_code) not in documented:
+                undocumented.append((path, label, answer.status_code))
+    assert undocumented == []
+    assert operators_digest(sql) == before
+
+
+def operators_digest(sql) -> list:
+    """What an operator's route could change: the apps and their history, the analysers,
+    the queue's pause, the operators' record."""
+    return [
+        *table_digest(sql),
+        sql.run("SELECT * FROM analysers ORDER BY name"),
+        sql.run("SELECT * FROM queue_pause"),
+        sql.run("SELECT act, action, outcome FROM operator_actions ORDER BY at, act"),
+    ]
