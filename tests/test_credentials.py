@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 import uuid
@@ -29,6 +30,7 @@ import handler
 from helpers import (
     LambdaContext,
     app_row,
+    call_cli,
     connect,
     database_at,
     invoke_api,
@@ -306,6 +308,7 @@ def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
         "outdated_version": 0,
         "stale": 0,
         "retry_failed": 0,
+        "retry_due": 0,
     }
     assert status["backlog_total"] == 1
     refetch = handler.report(
@@ -344,6 +347,84 @@ def test_named_analysers_work_as_the_queue_role(queue_role, sql):
 
 
 @pytest.mark.private_database  # queue_role grants on its schema and tables
+def test_holds_and_pauses_work_as_the_queue_role(queue_role, sql):
+    """The operators' holds and pauses, each way they are given (the admin API, the
+    report function's commands, the CLI), and the claims they stop and let go, as queue_app
+    with only the documented grants."""
+    from fastapi.testclient import TestClient
+
+    sql.run("INSERT INTO apps (appid, details) VALUES ('role.app', '{}'), ('role.other', '{}')")
+    with TestClient(handler.app, raise_server_exceptions=False) as client:
+        token = client.post("/analysers", json={"name": "pi-role"}, headers=ADMIN).json()["token"]
+        named = {"Authorization": f"Bearer {token}"}
+        answers = [
+            client.post("/queue/pause", json={"reason": "role"}, headers=ADMIN),
+            client.get("/queue", headers=ANALYSER),  # paused: empty
+            client.post("/queue/resume", headers=ADMIN),
+            client.post("/analysers/pi-role/pause", headers=ADMIN),
+            client.get("/queue", headers=named),  # paused: empty
+            client.post("/analysers/pi-role/resume", headers=ADMIN),
+            client.post("/apps/role.app/hold", json={"reason": "role"}, headers=ADMIN),
+            client.get("/queue", headers=named),  # role.other: role.app is held
+            client.post("/apps/role.app/release", headers=ADMIN),
+            client.post("/apps/role.other/hold", json={"force": True}, headers=ADMIN),
+            client.get("/apps/role.other", headers=ADMIN),
+        ]
+    assert [answer.status_code for answer in answers] == [200] * len(answers), [
+        answer.text for answer in answers
+    ]
+    assert [answers[1].text, answers[4].text, answers[7].text] == ["", "", "role.other"]
+    assert answers[9].json()["outcome"] == "lease_broken"
+    assert answers[10].json()["why"]["held"] == "hold"
+    # The report function's commands.
+    context = LambdaContext()
+    done = [
+        handler.report(event, context)
+        for event in (
+            {"command": "why", "appId": "role.app"},
+            {"command": "queue-hold", "appId": "role.app", "reason": "role"},
+            {"command": "queue-release", "appId": "role.app"},
+            {"command": "queue-pause", "reason": "role"},
+            {"command": "queue-resume"},
+            {"command": "analysers-pause", "name": "pi-role"},
+            {"command": "analysers-resume", "name": "pi-role"},
+        )
+    ]
+    assert [answer.get("outcome") for answer in done] == [
+        None,
+        "held",
+        "released",
+        "paused",
+        "resumed",
+        "paused",
+        "resumed",
+    ]
+    # The CLI's.
+    env = {**os.environ, "DATABASE_URL": queue_role["url"]}
+    runs = [
+        call_cli(*args, env=env)
+        for args in (
+            ("why", "role.app"),
+            ("why", "role.app", "--json"),
+            ("queue-hold", "role.app", "--force", "--reason", "role"),
+            ("queue-release", "role.app"),
+            ("queue-pause", "--reason", "role"),
+            ("queue-resume",),
+            ("analysers", "pause", "pi-role"),
+            ("analysers", "resume", "pi-role"),
+            ("queue-refetch", "--failed-by", "pi-role", "--since", "1h", "--apply", "--yes"),
+            ("queue-status",),
+        )
+    ]
+    # Each went through: exit 0, no error line (stderr holds the log's records only).
+    failed = [(run.args[2:], run.returncode, run.stderr) for run in runs]
+    assert failed == [(run.args[2:], 0, run.stderr) for run in runs]
+    assert not [line for run in runs for line in run.stderr.splitlines() if "error" in line]
+    ((actions,),) = sql.run("SELECT count(*) FROM operator_actions")
+    assert actions >= 18  # each change above is recorded (the refetch found nothing)
+
+
+@pytest.mark.private_database  # queue_role grants on its schema and tables
 def test_the_web_view_works_as_the_queue_role(queue_role, sql, monkeypatch):
     """Sign-in, a session, an action and its record, sign-out, as queue_app with only the
     documented grants."""
@@ -361,6 +442,19 @@ def test_the_web_view_works_as_the_queue_role(queue_role, sql, monkeypatch):
         assert refetch.status_code == 200, refetch.text
         story = client.get("/admin/api/apps/role.app").json()
         assert [action["action"] for action in story["actions"]] == ["refetch"]
+        for path, body in (
+            ("/admin/api/apps/role.app/hold", {"reason": "role"}),
+            ("/admin/api/apps/role.app/release", {}),
+            ("/admin/api/queue/pause", {"reason": "role"}),
+            ("/admin/api/queue/resume", {}),
+        ):
+            acted = client.post(path, json=body, headers=page)
+            assert acted.status_code == 200, (path, acted.text)
+        story = client.get("/admin/api/apps/role.app").json()
+        assert [action["action"] for action in story["actions"]][:2] == [
+            "release app",
+            "hold app",
+        ]
         assert client.post("/admin/logout", json={}, headers=page).status_code == 200
         assert client.get("/admin/api/status").status_code == 401
 
