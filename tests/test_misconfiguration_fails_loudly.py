@@ -36,6 +36,9 @@ MISCONFIGURATIONS = [
     ("MIGRATION_LOCK_TIMEOUT", "ten seconds", "MIGRATION_LOCK_TIMEOUT must be a duration"),
     ("UPLOAD_PASSWORD_SECRET", "vault:queue/upload", "UPLOAD_PASSWORD_SECRET must be"),
     ("ADMIN_TOKEN_SECRET", "ssm:", "ADMIN_TOKEN_SECRET must be"),
+    ("RETRY_BACKOFF", "1h,soon", "RETRY_BACKOFF must be off or durations such as 1h,6h,24h"),
+    ("BROKEN_ANALYSER_FAILURES", "0", "BROKEN_ANALYSER_FAILURES must be at least 1"),
+    ("PAUSE_BROKEN_ANALYSERS", "yes", "PAUSE_BROKEN_ANALYSERS must be true or false"),
 ]
 IDS = [name for name, _, _ in MISCONFIGURATIONS]
 
@@ -44,6 +47,69 @@ IDS = [name for name, _, _ in MISCONFIGURATIONS]
 def test_load_settings_names_the_variable(name, value, message):
     with pytest.raises(handler.ConfigError, match=message):
         handler.load_settings({"DATABASE_URL": "postgresql://u@127.0.0.1/q", name: value})
+
+
+# RETRY_BACKOFF as an operator might mistype it: each refused, none read as "off" or as
+# fewer steps than written.
+BAD_RETRY_BACKOFFS = [
+    "soon",
+    "0",
+    "0s",
+    "367d",
+    "1h,",
+    ",1h",
+    "1h,,6h",
+    "1h 6h",
+    "1h;6h",
+    "-1h",
+    "1.5h",
+    "1w",
+    "never",
+    "offf",
+    ",".join(["1h"] * 21),
+]
+
+
+@pytest.mark.parametrize("value", BAD_RETRY_BACKOFFS)
+def test_a_retry_backoff_it_cannot_read_is_refused(value):
+    with pytest.raises(handler.ConfigError, match="RETRY_BACKOFF"):
+        handler.load_settings(
+            {"DATABASE_URL": "postgresql://u@127.0.0.1/q", "RETRY_BACKOFF": value}
+        )
+
+
+@pytest.mark.parametrize(
+    ("value", "steps"),
+    [
+        ("", (3600, 6 * 3600, 86400)),  # the default: 1h,6h,1d
+        ("off", ()),
+        (" OFF ", ()),
+        ("30m", (1800,)),
+        ("90s, 2h ,1d", (90, 7200, 86400)),
+        ("366d", (366 * 86400,)),
+        (",".join(["1h"] * 20), (3600,) * 20),
+    ],
+)
+def test_a_retry_backoff_is_read_as_written(value, steps):
+    config = handler.load_settings(
+        {"DATABASE_URL": "postgresql://u@127.0.0.1/q", "RETRY_BACKOFF": value}
+    )
+    assert config.policy.retry_backoff == steps
+
+
+@pytest.mark.parametrize(
+    ("failures", "pause", "expected"),
+    [("", "", (5, False)), ("1", "true", (1, True)), ("12", " FALSE ", (12, False))],
+)
+def test_broken_analyser_settings_are_read_as_written(failures, pause, expected):
+    config = handler.load_settings(
+        {
+            "DATABASE_URL": "postgresql://u@127.0.0.1/q",
+            "BROKEN_ANALYSER_FAILURES": failures,
+            "PAUSE_BROKEN_ANALYSERS": pause,
+        }
+    )
+    assert (config.broken_analyser_failures, config.pause_broken_analysers) == expected
 
 
 def test_good_settings_load():
@@ -72,7 +138,19 @@ def test_serve_refuses_to_start(database_url, name, value, message):
 
 def test_cli_commands_refuse_to_start(database_url):
     env = {**os.environ, "DATABASE_URL": database_url, "STALE_ANALYSIS_DAYS": "0"}
-    for args in (("queue-status",), ("priority-report",), ("queue-refetch",), ("migrate",)):
+    for args in (
+        ("queue-status",),
+        ("priority-report",),
+        ("queue-refetch",),
+        ("migrate",),
+        ("why", "com.example.app"),
+        ("queue-hold", "com.example.app"),
+        ("queue-release", "com.example.app"),
+        ("queue-pause",),
+        ("queue-resume",),
+        ("analysers", "pause", "pi-kitchen"),
+        ("analysers", "resume", "pi-kitchen"),
+    ):
         out = call_cli(*args, env=env)
         assert out.returncode == 1, (args, out.stdout)
         assert "error: misconfigured: STALE_ANALYSIS_DAYS must be at least 1" in out.stderr
