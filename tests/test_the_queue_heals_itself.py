@@ -1,0 +1,515 @@
+"""A queue that heals itself (docs/operations.md, "Pausing and holding"; docs/monitoring.md,
+"A broken analyser"), against the real PostgreSQL: pauses and holds committed while claims
+run (threads; what is checked is which claim began after which commit, never a time),
+the undo of a broken analyser's failures (queue-refetch --failed-by NAME --since T), a
+broken analyser told apart from a fleet's bad hour, the operator's whole scenario through
+the HTTP routes and the CLI, and the parity of the operators' three ways in (the web
+view's actions, the CLI, the report function)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import UTC, datetime, timedelta
+
+import kit
+import pytest
+from kit import ADMIN, ANALYSER
+
+import handler
+from helpers import (
+    TEST_OPERATOR,
+    call_cli,
+    database_at,
+    days_ago,
+    insert_app,
+)
+
+TOKEN_HEADER = handler.CLAIM_TOKEN_HEADER
+VERSION = 4  # CURRENT_ANALYSIS_VERSION as the tests configure it (the default)
+
+
+# --- the analysers' side ---------------------------------------------------------------
+
+
+def add_analyser(client, name: str) -> dict[str, str]:
+    """A named analyser added through the admin API; its Authorization header."""
+    added = client.post("/analysers", json={"name": name}, headers=ADMIN)
+    assert added.status_code == 201, added.text
+    return {"Authorization": f"Bearer {added.json()['token']}"}
+
+
+def claim(client, headers: dict[str, str], app_id: str | None = None) -> tuple[str, str | None]:
+    """GET /queue: (the bundle ID, "" for none; the claim token)."""
+    answer = client.get("/queue", headers=headers, params={"appId": app_id} if app_id else None)
+    assert answer.status_code == 200, answer.text
+    return answer.text, answer.headers.get(TOKEN_HEADER)
+
+
+def upload(client, headers: dict[str, str], app_id: str, token: str | None):
+    """POST /uploadAnalysis: a successful analysis of app_id at the current version."""
+    return client.post(
+        f"/uploadAnalysis?appId={app_id}&analysisVersion={VERSION}",
+        json={"success": True, "bundleID": app_id, "trackers": {}},
+        headers={**headers, **({TOKEN_HEADER: token} if token else {})},
+    )
+
+
+def fail(client, headers: dict[str, str], app_id: str, token: str | None, log: str = "usb gone"):
+    """POST /reportAnalysisFailure: a failure log (retryable unless the log says
+    otherwise: "app not found" is app_not_found, which is not)."""
+    return client.post(
+        f"/reportAnalysisFailure?appId={app_id}&analysisVersion={VERSION}",
+        content=log.encode(),
+        headers={
+            **headers,
+            "Content-Type": "text/plain",
+            **({TOKEN_HEADER: token} if token else {}),
+        },
+    )
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """The CLI in this process, on the service's database (exit code, stdout, stderr)."""
+    done = call_cli(*args, env=dict(os.environ))
+    return done.returncode, done.stdout, done.stderr
+
+
+def columns(sql, app_id: str, *names: str) -> tuple:
+    """The app's columns `names`, as stored."""
+    (row,) = sql.run(f"SELECT {', '.join(names)} FROM apps WHERE appid = :appid", appid=app_id)
+    return tuple(row)
+
+
+def actions(sql, action: str) -> list[list]:
+    """The operator_actions rows of `action`: (actor, app_id, analyser, outcome)."""
+    return sql.run(
+        "SELECT actor, app_id, analyser, outcome FROM operator_actions WHERE action = :action"
+        " ORDER BY at, id",
+        action=action,
+    )
+
+
+# --- claims on threads of their own ----------------------------------------------------
+
+
+class Claimers:
+    """Claimers on threads of their own, each with its own connection (a process of the
+    service each), claiming through handler.claim_next_app until told to stop (or the
+    queue is empty for them after `stop` is set). Each claim is recorded with what was
+    committed when it began: `began_after` says whether the event `mark` was set before
+    the claim started (its statement's snapshot is taken after that), and `seen` is a
+    copy of the `watched` set then."""
+
+    def __init__(self, url: str, analysers: list[str | None], policy: handler.QueuePolicy):
+        self.url, self.analysers, self.policy = url, analysers, policy
+        self.mark = threading.Event()
+        self.stop = threading.Event()
+        self.watched: set[str] = set()
+        self.lock = threading.Lock()
+        self.claims: list[dict] = []
+        self.progress = threading.Semaphore(0)
+        self.errors: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self.run, args=(name,), daemon=True) for name in analysers
+        ]
+
+    def run(self, analyser: str | None) -> None:
+        db = database_at(self.url)
+        try:
+            empty_after_stop = 0
+            while empty_after_stop < 2:
+                stopping = self.stop.is_set()
+                with self.lock:
+                    began_after, seen = self.mark.is_set(), set(self.watched)
+                got = handler.claim_next_app(db, self.policy, analyser=analyser)
+                with self.lock:
+                    self.claims.append(
+                        {
+                            "analyser": analyser,
+                            "began_after": began_after,
+                            "seen": seen,
+                            "app": got[0] if got else None,
+                        }
+                    )
+                self.progress.release()
+                if stopping:
+                    empty_after_stop += 1
+        except BaseException as error:  # asserted by the test
+            self.errors.append(error)
+        finally:
+            db.discard()
+
+    def __enter__(self) -> Claimers:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def wait_for(self, claims: int) -> None:
+        """Until `claims` more claims ended (counted, not timed; a hang fails)."""
+        for _ in range(claims):
+            assert self.progress.acquire(timeout=120), "the claimers stopped making progress"
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in self.threads), "a claimer hangs"
+        assert not self.errors, self.errors
+
+
+def many_apps(sql, count: int, prefix: str = "heal.app") -> list[str]:
+    """`count` queued apps, the first the most popular; their bundle IDs in claim order."""
+    ids = [f"{prefix}{index:03d}" for index in range(count)]
+    for index, app_id in enumerate(ids):
+        insert_app(sql, app_id, reviews=str(10_000 - index))
+    return ids
+
+
+# --- pauses against claims -------------------------------------------------------------
+
+
+def test_no_claim_that_began_after_a_queue_pause_hands_out_an_app(database_url, sql):
+    """Claimers (two named analysers and two shared-password hosts) claim while the queue
+    is paused: every claim that began after the pause committed answers empty, though apps
+    are left; after queue-resume the claims hand them out again."""
+    policy = handler.settings().policy
+    for name in ("pi-a", "pi-b"):
+        sql.run(
+            "INSERT INTO analysers (name, token_hash) VALUES (:name, :hash)",
+            name=name,
+            hash=handler.token_hash(f"aqa_{name}"),
+        )
+    rounds = 3
+    many_apps(sql, 100 * rounds)
+    operator_db = database_at(database_url)
+    try:
+        for _ in range(rounds):
+            with Claimers(database_url, ["pi-a", "pi-b", None, None], policy) as claimers:
+                claimers.wait_for(6)  # some claims before the pause
+                paused = handler.pause_queue(operator_db, TEST_OPERATOR, True, "race")
+                assert paused["outcome"] == "paused"
+                claimers.mark.set()  # after the commit: a claim that starts now sees it
+                claimers.wait_for(12)  # claims after it
+            after = [c for c in claimers.claims if c["began_after"]]
+            assert len(after) >= 8
+            assert [c for c in after if c["app"] is not None] == []
+            handed = [c["app"] for c in claimers.claims if c["app"] is not None]
+            assert len(handed) == len(set(handed))  # no app handed out twice
+            ((queued,),) = sql.run("SELECT count(*) FROM apps WHERE status = 'queued'")
+            assert queued > 0  # the empty answers were the pause's, not an empty queue
+            resumed = handler.pause_queue(operator_db, TEST_OPERATOR, False)
+            assert resumed["outcome"] == "resumed"
+            assert handler.claim_next_app(operator_db, policy) is not None
+    finally:
+        operator_db.discard()
+    assert [row[3] for row in actions(sql, "pause queue")] == ["race"] * rounds
+    assert len(actions(sql, "resume queue")) == rounds
+
+
+def test_no_claim_that_began_after_an_analysers_pause_hands_it_an_app(database_url, sql):
+    """pi-a is paused while it and pi-b claim: no claim of pi-a's that began after the
+    pause committed gets an app; pi-b's go on getting them; after resume pi-a gets one."""
+    policy = handler.settings().policy
+    for name in ("pi-a", "pi-b"):
+        sql.run(
+            "INSERT INTO analysers (name, token_hash) VALUES (:name, :hash)",
+            name=name,
+            hash=handler.token_hash(f"aqa_{name}"),
+        )
+    many_apps(sql, 150)
+    operator_db = database_at(database_url)
+    try:
+        with Claimers(database_url, ["pi-a", "pi-a", "pi-b"], policy) as claimers:
+            claimers.wait_for(6)
+            done = handler.pause_analyser(operator_db, TEST_OPERATOR, "pi-a", True)
+            assert done["outcome"] == "paused"
+            claimers.mark.set()
+            claimers.wait_for(15)
+        after = [c for c in claimers.claims if c["began_after"]]
+        assert [c for c in after if c["analyser"] == "pi-a" and c["app"] is not None] == []
+        assert len([c for c in after if c["analyser"] == "pi-a"]) >= 2
+        assert [c for c in after if c["analyser"] == "pi-b" and c["app"] is not None]
+        handler.pause_analyser(operator_db, TEST_OPERATOR, "pi-a", False)
+        assert handler.claim_next_app(operator_db, policy, analyser="pi-a") is not None
+    finally:
+        operator_db.discard()
+    ((paused, resumed),) = sql.run(
+        "SELECT count(*) FILTER (WHERE action = 'pause analyser'),"
+        " count(*) FILTER (WHERE action = 'resume analyser') FROM operator_actions"
+        " WHERE analyser = 'pi-a'"
+    )
+    assert (paused, resumed) == (1, 1)
+
+
+def test_a_paused_analyser_keeps_its_lease_its_pings_and_its_result(client, sql):
+    """While paused, pi-a's GET /queue answers 200 and empty (exact-app mode too), its
+    /ping counts, the lease it holds stays its own (the promoter leaves it, the analysers
+    list shows it) and its result with that lease's token is stored as its own; resumed,
+    it is handed apps again. Another analyser is not paused with it."""
+    insert_app(sql, "heal.first", reviews="30")
+    insert_app(sql, "heal.second", reviews="20")
+    insert_app(sql, "heal.third", reviews="10")
+    pi_a, pi_b = add_analyser(client, "pi-a"), add_analyser(client, "pi-b")
+    app_id, token = claim(client, pi_a)
+    assert app_id == "heal.first"
+    paused = client.post("/analysers/pi-a/pause", headers=ADMIN)
+    assert (paused.status_code, paused.json()["outcome"]) == (200, "paused")
+    assert claim(client, pi_a) == ("", None)
+    assert claim(client, pi_a, "heal.second") == ("", None)
+    sql.run("UPDATE analysers SET last_seen = NULL WHERE name = 'pi-a'")
+    assert client.get("/ping", headers=pi_a).status_code == 200
+    ((seen,),) = sql.run("SELECT last_seen FROM analysers WHERE name = 'pi-a'")
+    assert seen is not None
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
+    (listed,) = [a for a in client.get("/analysers", headers=ADMIN).json()["analysers"]
+                 if a["name"] == "pi-a"]  # fmt: skip
+    assert listed["holding"]["appId"] == "heal.first"
+    assert listed["paused"]["by"].startswith("bearer token")
+    assert columns(sql, "heal.first", "status", "claimed_by", "claimed_with") == (
+        "processing",
+        "pi-a",
+        columns(sql, "heal.first", "analysis_claim_token")[0],
+    )
+    # Another analyser is handed apps meanwhile.
+    assert claim(client, pi_b)[0] == "heal.second"
+    stored = upload(client, pi_a, "heal.first", token)
+    assert stored.status_code == 200, stored.text
+    assert columns(sql, "heal.first", "status", "analysed_by") == ("analysed", "pi-a")
+    resumed = client.post("/analysers/pi-a/resume", headers=ADMIN)
+    assert (resumed.status_code, resumed.json()["outcome"]) == (200, "resumed")
+    assert claim(client, pi_a)[0] == "heal.third"
+    # Pausing twice, resuming twice: nothing changes, nothing more is recorded.
+    assert client.post("/analysers/pi-a/resume", headers=ADMIN).json()["outcome"] == "unchanged"
+    assert [row[2] for row in actions(sql, "pause analyser")] == ["pi-a"]
+    assert [row[2] for row in actions(sql, "resume analyser")] == ["pi-a"]
+
+
+# --- holds against claims --------------------------------------------------------------
+
+
+def test_no_claim_hands_out_an_app_after_its_hold_committed(database_url, sql):
+    """Claimers claim while an operator holds apps one by one: no claim that began after a
+    hold committed hands out that app, and no app held before any claim took it is ever
+    handed out (a claim that took it first leaves the hold waiting for its lease);
+    released, the held apps are handed out again."""
+    policy = handler.settings().policy
+    apps = many_apps(sql, 150)
+    # Held from the back of the queue while the claimers take it from the front: they
+    # meet, so some holds come first and some claims do.
+    to_hold = apps[:20:-2]
+    outcomes: dict[str, str] = {}
+    operator_db = database_at(database_url)
+    try:
+        with Claimers(database_url, ["pi-a", None, None], policy) as claimers:
+            claimers.wait_for(4)
+            for app_id in to_hold:
+                held = handler.hold_app(operator_db, TEST_OPERATOR, app_id, "race", False)
+                outcomes[app_id] = held["outcome"]
+                with claimers.lock:
+                    claimers.watched.add(app_id)
+            claimers.wait_for(10)
+        after_hold = [c for c in claimers.claims if c["app"] in c["seen"]]
+        assert after_hold == []
+        handed = [c["app"] for c in claimers.claims if c["app"] is not None]
+        assert len(handed) == len(set(handed))
+        held_first = {app_id for app_id, outcome in outcomes.items() if outcome == "held"}
+        assert held_first and set(handed) & held_first == set()
+        assert set(outcomes.values()) <= {"held", "waiting"}
+        for app_id, outcome in outcomes.items():
+            status = "queued" if outcome == "held" else "processing"
+            assert columns(sql, app_id, "status") == (status,), app_id
+        for app_id in held_first:
+            assert handler.release_app(operator_db, TEST_OPERATOR, app_id)["outcome"] == "released"
+        released = set()
+        while got := handler.claim_next_app(operator_db, policy):
+            released.add(got[0])
+        assert held_first <= released
+    finally:
+        operator_db.discard()
+    assert len(actions(sql, "hold app")) == len(to_hold)
+    assert len(actions(sql, "release app")) == len(held_first)
+
+
+def test_a_forced_hold_ends_a_live_lease_and_its_token_is_refused(client, sql):
+    """queue-hold --force on a leased app: the lease ends now, the app is back at its
+    stored result (an analysis; none: queued), its holder's result with that lease's token
+    is refused (409) and changes nothing, and the app is not handed out until released."""
+    old = {"success": True, "bundleID": "heal.stale", "trackers": {"old": 1}}
+    insert_app(sql, "heal.stale", status="analysed", version=VERSION, analysed=days_ago(200),
+               analysis=old, reviews="20")  # fmt: skip
+    insert_app(sql, "heal.new", reviews="10")
+    pi_a = add_analyser(client, "pi-a")
+    first, first_token = claim(client, pi_a)
+    second, second_token = claim(client, ANALYSER)
+    assert (first, second) == ("heal.stale", "heal.new")
+    for app_id in (first, second):
+        code, out, err = cli("queue-hold", app_id, "--force", "--reason", "bad build")
+        assert (code, out) == (0, f"{app_id}: {handler.HOLD_OUTCOMES['lease_broken']}\n"), err
+    assert columns(sql, first, "status", "analysis", "analysis_claim_token", "held_by") == (
+        "analysed",
+        old,
+        None,
+        handler.who(handler.cli_operator()),
+    )
+    assert columns(sql, second, "status", "analysis", "analysis_claim_token") == (
+        "queued",
+        None,
+        None,
+    )
+    before = [columns(sql, app_id, "status", "analysis", "analysed") for app_id in (first, second)]
+    assert upload(client, pi_a, first, first_token).status_code == 409
+    assert upload(client, ANALYSER, second, second_token).status_code == 409
+    assert fail(client, ANALYSER, second, second_token).status_code == 409
+    assert [columns(sql, a, "status", "analysis", "analysed") for a in (first, second)] == before
+    assert claim(client, pi_a) == ("", None)
+    assert claim(client, ANALYSER, second) == ("", None)
+    assert [row[3] for row in actions(sql, "hold app")] == ["lease_broken", "lease_broken"]
+    code, out, _ = cli("queue-release", second)
+    assert (code, out) == (0, f"{second}: released: the queue's rule decides again\n")
+    assert claim(client, ANALYSER)[0] == second
+
+
+def test_a_hold_without_force_lets_the_lease_run_to_its_result(client, sql):
+    """A hold on a leased app waits for the lease: the holder's result is stored as any
+    (its own), and from then on the app is not handed out by any rule, stale or not,
+    until released."""
+    insert_app(sql, "heal.leased", reviews="10")
+    pi_a = add_analyser(client, "pi-a")
+    app_id, token = claim(client, pi_a)
+    held = client.post(f"/apps/{app_id}/hold", json={"reason": "check it"}, headers=ADMIN)
+    assert (held.status_code, held.json()["outcome"]) == (200, "waiting")
+    why = client.get(f"/apps/{app_id}", headers=ADMIN).json()["why"]
+    assert (why["candidate"], why["held"], why["hold"]["reason"]) == (False, "hold", "check it")
+    assert "its live lease runs to its end" in why["why"]
+    stored = upload(client, pi_a, app_id, token)
+    assert stored.status_code == 200, stored.text
+    assert columns(sql, app_id, "status", "analysed_by") == ("analysed", "pi-a")
+    assert columns(sql, app_id, "held_at")[0] is not None
+    sql.run(
+        "UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = :appid",
+        appid=app_id,
+    )  # stale: a candidate, were it not held
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
+    assert claim(client, pi_a) == ("", None)
+    assert claim(client, ANALYSER, app_id) == ("", None)
+    released = client.post(f"/apps/{app_id}/release", headers=ADMIN)
+    assert released.json() == {"appId": app_id, "outcome": "released"}
+    assert claim(client, pi_a)[0] == app_id
+
+
+def test_an_expired_held_lease_goes_back_to_its_stored_result(client, sql):
+    """A held app's lease that expires without a result: the promoter returns it to its
+    stored result (an analysis; none: queued), records no lease_expired failure and no
+    history, and the app stays held."""
+    old = {"success": True, "bundleID": "heal.analysed", "trackers": {}}
+    insert_app(sql, "heal.analysed", status="analysed", version=VERSION,
+               analysed=days_ago(200), analysis=old, reviews="20")  # fmt: skip
+    insert_app(sql, "heal.queued", reviews="10")
+    leased = [claim(client, ANALYSER)[0], claim(client, ANALYSER)[0]]
+    assert leased == ["heal.analysed", "heal.queued"]
+    for app_id in leased:
+        held = client.post(f"/apps/{app_id}/hold", headers=ADMIN)
+        assert held.json()["outcome"] == "waiting"
+    ((history_before,),) = sql.run("SELECT count(*) FROM app_analyses")
+    sql.run("UPDATE apps SET processing_started = now() - interval '200 minutes'")
+    handler.promote_due_apps(handler.api_connection(), handler.settings().policy, force=True)
+    assert columns(
+        sql, "heal.analysed", "status", "analysis", "failure_reason", "processing_started"
+    ) == ("analysed", old, None, None)
+    assert columns(
+        sql, "heal.queued", "status", "analysis", "failure_reason", "processing_started"
+    ) == ("queued", None, None, None)
+    assert sql.run("SELECT count(*) FROM app_analyses") == [[history_before]]
+    assert sql.run("SELECT count(*) FROM apps WHERE held_at IS NULL") == [[0]]
+    assert claim(client, ANALYSER) == ("", None)
+
+
+def test_the_website_shows_the_same_before_during_and_after_a_hold(client, sql):
+    """The public GET /apps/{appId} (the website's read) answers the same for an app
+    before it is held, while held and once released: its state and result; only the
+    operators' answer (the admin token) says it is held."""
+    insert_app(sql, "heal.analysed", status="analysed", version=VERSION, reviews="5",
+               analysed=days_ago(3))  # fmt: skip
+    insert_app(sql, "heal.failed", status="failed", version=VERSION, retryable=True,
+               analysed=days_ago(1), reviews="7")  # fmt: skip
+    insert_app(sql, "heal.final", status="failed", version=VERSION, retryable=False,
+               reason="app_not_found", analysed=days_ago(1))  # fmt: skip
+    insert_app(sql, "heal.queued", reviews="3")
+    insert_app(sql, "heal.ahead", reviews="9")
+    apps = ["heal.analysed", "heal.failed", "heal.final", "heal.queued"]
+
+    def public() -> list:
+        answers = [client.get(f"/apps/{app_id}") for app_id in apps]
+        assert {answer.status_code for answer in answers} == {200}
+        return [answer.json() for answer in answers]
+
+    def held() -> list:
+        return [client.get(f"/apps/{a}", headers=ADMIN).json()["why"]["held"] for a in apps]
+
+    before = public()
+    assert "hold" not in held()
+    for app_id in apps:
+        assert client.post(f"/apps/{app_id}/hold", headers=ADMIN).json()["outcome"] == "held"
+    assert public() == before
+    assert held() == ["hold"] * len(apps)
+    for app_id in apps:
+        assert client.post(f"/apps/{app_id}/release", headers=ADMIN).status_code == 200
+    assert public() == before
+    assert "hold" not in held()
+
+
+# Every way an app is a candidate (docs/queue.md, "The rule"), or a due retry.
+CANDIDATE_STATES = {
+    "queued": {"status": "queued"},
+    "expired lease": {"status": "processing", "processing_started": "200 minutes"},
+    "stale analysis": {"status": "analysed", "version": VERSION, "analysed": "200 days"},
+    "outdated version": {"status": "analysed", "version": VERSION - 1, "analysed": "1 day"},
+    "retryable failure, stale": {
+        "status": "failed",
+        "version": VERSION,
+        "retryable": True,
+        "analysed": "200 days",
+    },
+    "retryable failure, outdated": {
+        "status": "failed",
+        "version": VERSION - 1,
+        "retryable": True,
+        "analysed": "1 day",
+    },
+    "due retry": {"status": "failed", "version": VERSION, "retryable": True, "analysed": "1 day"},
+}
+
+
+@pytest.mark.parametrize("state", CANDIDATE_STATES)
+def test_a_held_app_is_no_candidate_by_any_rule(client, sql, state):
+    """An app that would be handed out (in each way there is), held: GET /queue answers
+    empty, the next app and the named one alike, before the promoter flags it and after;
+    released, it is handed out. (Fails while a held stale or outdated-version analysis, or
+    such a retryable failure, is handed out by GET /queue's version and stale heads,
+    which do not read held_at.)"""
+    arranged = dict(CANDIDATE_STATES[state])
+    ago = {
+        key: datetime.now(UTC) - parse_ago(arranged.pop(key))
+        for key in ("analysed", "processing_started")
+        if key in arranged
+    }
+    insert_app(sql, "heal.held", reviews="10", **arranged, **ago)
+    assert client.get("/apps/heal.held", headers=ADMIN).json()["why"]["candidate"] is True
+    assert client.post("/apps/heal.held/hold", headers=ADMIN).status_code == 200
+    for flagged in (False, True):
+        if flagged:
+            handler.promote_due_apps(
+                handler.api_connection(), handler.settings().policy, force=True
+            )
+        assert claim(client, ANALYSER) == ("", None), (state, flagged)
+        assert claim(client, ANALYSER, "heal.held") == ("", None), (state, flagged)
+    assert client.post("/apps/heal.held/release", headers=ADMIN).status_code == 200
+    kit.time_passes()  # the promoter's next pass flags a due retry again (the hold cleared it)
+    assert claim(client, ANALYSER)[0] == "heal.held"
+
+
+def parse_ago(text: str) -> timedelta:
+    """ "200 minutes", "1 day", "200 days": that long."""
+    number, unit = text.split()
+    return timedelta(**{unit if unit.endswith("s") else unit + "s": int(number)})
