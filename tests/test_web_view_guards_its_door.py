@@ -654,7 +654,7 @@ def test_a_write_nobody_signed_is_refused_before_its_body_is_read(web, path, cre
     """The body of an /admin write, up to MAX_BODY_BYTES, is read only once its sender
     is known: serve would otherwise hold a stranger's upload in memory, however slowly
     it came."""
-    concrete = path.replace("{name}", "pi-1")
+    concrete = path.replace("{name}", "pi-1").replace("{appId}", "com.example.app")
     read: list[dict] = []
     sent: list[dict] = []
 

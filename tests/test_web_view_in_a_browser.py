@@ -257,6 +257,13 @@ def operator_actions(sql) -> list[tuple[str, str | None]]:
     ]
 
 
+def since_sign_in(sql) -> list[tuple[str, str | None]]:
+    """The operator actions after the last sign-in (the arranging before it left out)."""
+    actions = operator_actions(sql)
+    last = max(number for number, (action, _) in enumerate(actions) if action == "sign-in")
+    return actions[last + 1 :]
+
+
 # --------------------------------------------------------------------------- another site
 
 
@@ -484,7 +491,8 @@ def test_the_overview_shows_what_queue_status_counts(serve, tab, sql):
     expect(page.locator("#queue-paused")).to_have_count(0)
     expect(page.locator("#broken-analysers")).to_have_count(0)
     # The figures are this queue's (tests/queue_status.py arranges one in every state).
-    assert status["counts"] == {"queued": 4, "processing": 2, "analysed": 3, "failed": 5}
+    assert status["counts"] == {"queued": 5, "processing": 2, "analysed": 3, "failed": 7}
+    assert status["held_back"]["held_apps"] == 1  # app.queued.held
 
     # A state and a failure reason each lead to their apps.
     page.get_by_role("link", name="app_not_found").click()
@@ -646,6 +654,317 @@ def test_an_analyser_is_added_rotated_and_revoked_its_token_shown_once(serve, ta
     assert tab.errors == []
 
 
+# --------------------------------------------------------------------------- holds and pauses
+
+
+def queue_pause(sql) -> list:
+    return sql.run("SELECT paused_at, paused_by, reason FROM queue_pause")
+
+
+def claimed(service: Service, app_id: str, token: str = UPLOAD_PASSWORD) -> str:
+    """What GET /queue?appId= answers this token: the app, or "" (an empty queue)."""
+    answer = service.http.get(
+        "/queue", params={"appId": app_id}, headers={"Authorization": f"Bearer {token}"}
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.text
+
+
+def test_the_queue_is_paused_and_resumed_from_the_overview(serve, tab, sql):
+    base = serve()
+    service = Service(base)
+    service.add("com.example.waiting", title="Waiting")
+    sign_in(tab, base)
+    page = tab.page
+    expect(page.locator("#counted")).to_be_visible()
+    expect(page.locator("#queue-paused")).to_have_count(0)
+    tab.accepting = True
+    reason = "the store's API is down: <b>again</b>"
+    page.get_by_label("Reason (optional)").fill(reason)
+    page.get_by_role("button", name="Pause the queue").click()
+
+    banner = page.locator("#queue-paused")
+    expect(page.locator("#outcome")).to_have_text("The queue is paused.")
+    ((paused_at, paused_by, stored_reason),) = queue_pause(sql)
+    assert re.fullmatch(r"session \S+ \(127\.0\.0\.1\)", paused_by), paused_by
+    assert stored_reason == reason
+    expect(banner).to_have_text(
+        "The queue is paused: no app is handed out until it is resumed. Since"
+        f" {paused_at.astimezone(UTC).isoformat()}, by {paused_by}. Reason: {reason} Resume"
+        " the queue"
+    )
+    assert page.locator("main b").count() == 0  # the reason is text
+    expect(page.get_by_role("button", name="Pause the queue")).to_have_count(0)
+    assert claimed(service, "com.example.waiting") == ""  # every claim: an empty queue
+
+    # The overview drawn again (as its refresh does) from figures counted before the
+    # pause still shows the pause its answer told.
+    page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+    expect(page.locator("#outcome")).to_be_empty()
+    expect(banner).to_contain_text(f"by {paused_by}. Reason: {reason}")
+
+    page.get_by_role("button", name="Resume the queue").click()
+    expect(page.locator("#outcome")).to_have_text("The queue is resumed.")
+    expect(banner).to_have_count(0)
+    expect(page.get_by_role("button", name="Pause the queue")).to_be_visible()
+    assert queue_pause(sql) == [[None, None, None]]
+    assert claimed(service, "com.example.waiting") == "com.example.waiting"
+
+    assert tab.dialogs == [
+        "confirm: Pause the whole queue? No analyser is handed an app until it is resumed."
+        f" Reason: {reason}",
+        "confirm: Resume the queue? Analysers are handed apps again at once.",
+    ]
+    assert since_sign_in(sql) == [("pause queue", None), ("resume queue", None)]
+    assert tab.errors == []
+
+
+def test_a_queue_paused_elsewhere_is_shown_with_who_when_and_why(serve, tab, sql):
+    """Paused and an app held through the admin API before the overview counted: the
+    figures say so, on every page, in read-only too (which shows no button)."""
+    base = serve("read-only")
+    service = Service(base)
+    service.add("com.example.waiting", title="Waiting")
+    service.add("com.example.held", title="Held")
+    paused = service.http.post("/queue/pause", headers=ADMIN, json={"reason": "moving the Macs"})
+    held = service.http.post("/apps/com.example.held/hold", headers=ADMIN, json={})
+    assert (paused.status_code, held.status_code) == (200, 200)
+    ((paused_at, paused_by, _),) = queue_pause(sql)
+    assert paused_by == "bearer token (127.0.0.1)"
+    sign_in(tab, base)
+    page = tab.page
+    expect(page.locator("#queue-paused")).to_have_text(
+        "The queue is paused: no app is handed out until it is resumed. Since"
+        f" {paused_at.astimezone(UTC).isoformat()}, by bearer token (127.0.0.1)."
+        " Reason: moving the Macs"
+    )
+    assert cells(page, "Retries and holds")[1][4] == "1"  # apps held
+    expect(page.locator("main button, main form")).to_have_count(0)
+
+    page.goto(f"{base}/admin/apps/com.example.waiting")
+    expect(page.locator("#why")).to_contain_text(
+        "Handed out now. queued: it is handed out in claim order; but the whole queue is paused"
+    )
+    expect(page.locator("#queue-paused")).to_have_text(
+        f"The whole queue is paused (since {paused_at.astimezone(UTC).isoformat()}): see the"
+        " overview."
+    )
+    page.goto(f"{base}/admin/apps/com.example.held")
+    expect(page.locator("#hold")).to_contain_text(
+        "Held: never handed out until released. Held by bearer token (127.0.0.1) at"
+    )
+    expect(page.locator("#hold")).to_contain_text("No reason given.")
+    expect(page.locator("main button, main form")).to_have_count(0)
+    assert tab.dialogs == [] and tab.errors == []
+
+
+def test_an_analyser_is_paused_and_resumed_from_its_row(serve, tab, sql):
+    base = serve()
+    service = Service(base)
+    kitchen = service.add_analyser("pi-kitchen")
+    attic = service.add_analyser("pi-attic")
+    service.add("com.example.waiting", title="Waiting")
+    sign_in(tab, base)
+    page = tab.page
+    tab.accepting = True
+    page.goto(f"{base}/admin/analysers")
+    row = page.locator("main tr[data-analyser='pi-kitchen']")
+    paused_cell = row.locator("td").nth(10)
+    expect(paused_cell).to_have_text("no")
+    expect(row.get_by_role("button", name="Resume")).to_have_count(0)
+
+    row.get_by_role("button", name="Pause").click()
+    expect(page.locator("#outcome")).to_have_text("pi-kitchen is paused.")
+    ((paused_at, paused_by),) = sql.run(
+        "SELECT paused_at, paused_by FROM analysers WHERE name = 'pi-kitchen'"
+    )
+    assert re.fullmatch(r"session \S+ \(127\.0\.0\.1\)", paused_by), paused_by
+    expect(paused_cell).to_have_text(
+        f"paused by {paused_by} at {paused_at.astimezone(UTC).isoformat()}"
+    )
+    expect(row).to_have_class("paused")
+    expect(row.get_by_role("button", name="Pause")).to_have_count(0)
+    expect(page.locator("main tr[data-analyser='pi-attic'] td").nth(10)).to_have_text("no")
+    # Its claims are answered as an empty queue; another analyser's are not.
+    assert claimed(service, "com.example.waiting", kitchen) == ""
+    assert sql.run("SELECT paused_at IS NULL FROM analysers WHERE name = 'pi-attic'") == [[True]]
+
+    row.get_by_role("button", name="Resume").click()
+    expect(page.locator("#outcome")).to_have_text("pi-kitchen is resumed.")
+    expect(paused_cell).to_have_text("no")
+    expect(row).not_to_have_class("paused")
+    assert sql.run("SELECT paused_at, paused_by FROM analysers WHERE name = 'pi-kitchen'") == [
+        [None, None]
+    ]
+    assert claimed(service, "com.example.waiting", kitchen) == "com.example.waiting"
+    assert claimed(service, "com.example.waiting", attic) == ""  # leased to pi-kitchen now
+
+    assert tab.dialogs == [
+        "confirm: Pause pi-kitchen? It is handed no app until it is resumed; a lease it holds"
+        " stays its own.",
+        "confirm: Resume pi-kitchen? It is handed apps again, and its failures in a row are"
+        " counted from none (refetch what it failed first, if that is to be done).",
+    ]
+    assert sql.run(
+        "SELECT action, analyser FROM operator_actions WHERE action LIKE '%analyser' ORDER BY id"
+    ) == [
+        ["add analyser", "pi-kitchen"],
+        ["add analyser", "pi-attic"],
+        ["pause analyser", "pi-kitchen"],
+        ["resume analyser", "pi-kitchen"],
+    ]
+    assert tab.errors == []
+
+
+def test_an_app_is_held_with_a_reason_and_released(serve, tab, sql):
+    base = serve()
+    service = Service(base)
+    pi = service.add_analyser("pi-kitchen")
+    service.add("com.example.held", title="Held")
+    service.add("com.example.leased", title="Leased")
+    service.claim("com.example.leased", pi)
+    sign_in(tab, base)
+    page = tab.page
+    tab.accepting = True
+    page.goto(f"{base}/admin/apps/com.example.held")
+    expect(page.locator("#why")).to_contain_text("Handed out now. queued")
+    expect(page.locator("#hold")).to_have_count(0)
+    expect(page.get_by_role("button", name="Release")).to_have_count(0)
+
+    reason = "the developer asked us to wait <script>window.__pwned=1</script>"
+    page.get_by_label("Reason (optional)").fill(reason)
+    page.get_by_role("button", name="Hold", exact=True).click()
+    expect(page.locator("#outcome")).to_have_text("com.example.held is held.")
+    ((held_at, held_by, hold_reason),) = sql.run(
+        "SELECT held_at, held_by, hold_reason FROM apps WHERE appid = 'com.example.held'"
+    )
+    assert re.fullmatch(r"session \S+ \(127\.0\.0\.1\)", held_by), held_by
+    assert hold_reason == reason
+    expect(page.locator("#hold")).to_have_text(
+        "Held: never handed out until released. Held by"
+        f" {held_by} at {held_at.astimezone(UTC).isoformat()}. Reason: {reason}"
+    )
+    expect(page.locator("#why")).to_contain_text(f"Not handed out now. held by {held_by}")
+    assert app_row(sql, "com.example.held")["status"] == "queued"  # its state stays
+    assert claimed(service, "com.example.held") == ""
+    assert cells(page, "Operator actions")[1][3:] == ["hold app", "held"]
+    expect(page.get_by_role("button", name="Hold", exact=True)).to_have_count(0)
+
+    page.get_by_role("button", name="Release").click()
+    expect(page.locator("#outcome")).to_have_text("com.example.held is released.")
+    expect(page.locator("#hold")).to_have_count(0)
+    expect(page.locator("#why")).to_contain_text("Handed out now. queued")
+    assert sql.run(
+        "SELECT held_at, held_by, hold_reason FROM apps WHERE appid = 'com.example.held'"
+    ) == [[None, None, None]]
+    assert cells(page, "Operator actions")[1][3:] == ["release app", "released"]
+
+    # A live lease: held with force, the lease is broken and the app is back to its
+    # stored result (none: queued), held.
+    page.goto(f"{base}/admin/apps/com.example.leased")
+    expect(page.locator("#why")).to_contain_text("leased to pi-kitchen")
+    page.get_by_label("break a live lease (force)").check()
+    page.get_by_role("button", name="Hold", exact=True).click()
+    expect(page.locator("#outcome")).to_have_text(
+        "com.example.leased is held; its lease was broken (force): back to its stored result."
+    )
+    leased = app_row(sql, "com.example.leased")
+    assert (leased["status"], leased["held_at"] is not None) == ("queued", True)
+    expect(page.locator("#hold")).to_contain_text("No reason given.")
+    assert cells(page, "Operator actions")[1][3:] == ["hold app", "lease_broken"]
+
+    assert tab.dialogs == [
+        f"confirm: Hold com.example.held? It is never handed out until released. Reason: {reason}",
+        "confirm: Release com.example.held? The rule decides again whether it is handed out.",
+        "confirm: Hold com.example.leased? It is never handed out until released. A live lease"
+        " on it is broken.",
+    ]
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert tab.errors == []
+
+
+def test_what_a_broken_analyser_failed_is_refetched_after_a_dry_run(serve, tab, sql):
+    """pi-broken fails five apps in a row while another host analyses one: it looks
+    broken. Its button refetches the failures of that streak only: first a dry run that
+    says what it would do, then, asked once, the refetch."""
+    base = serve()
+    service = Service(base)
+    broken = service.add_analyser("pi-broken")
+    attic = service.add_analyser("pi-attic")
+    streak = [f"com.example.streak{number}" for number in range(1, 6)]
+    for app_id in ["com.example.before", "com.example.fine", *streak, "com.example.attic"]:
+        service.add(app_id, title=app_id)
+    service.add("com.example.other", title="Other")
+    timeout = "device timeout: no response from iPhone in 300 s"
+    service.fail("com.example.before", timeout, broken)  # before its streak began
+    service.analyse("com.example.fine", {"success": True, "trackers": {}}, broken)
+    for app_id in streak:
+        service.fail(app_id, timeout, broken)
+    service.fail("com.example.attic", timeout, attic)  # another analyser's failure
+    service.analyse("com.example.other", {"success": True, "trackers": {}})  # another host
+    ((since,),) = sql.run("SELECT failing_since FROM analysers WHERE name = 'pi-broken'")
+    since = since.astimezone(UTC).isoformat()
+
+    sign_in(tab, base)
+    page = tab.page
+    expect(page.locator("#broken-analysers")).to_have_text(
+        "1 named analyser(s) look broken: see the analysers."
+    )
+    listed = run_cli("queue-status", "--json", env=dict(os.environ))
+    assert listed.returncode == 0, listed.stderr
+    status = json.loads(listed.stdout)
+    assert (status["broken_analysers"], status["failure_ratio_1h"]) == (1, 0.778)  # 7 of 9
+    assert cells(page, "Analysers")[1] == ["1", "0", "77.8 %"]
+
+    page.goto(f"{base}/admin/analysers")
+    row = page.locator("main tr[data-analyser='pi-broken']")
+    expect(row).to_have_class("broken")
+    expect(row.locator("td").nth(7)).to_have_text("5")  # failures in a row
+    expect(row.locator("td").nth(8)).to_have_text(since)
+    expect(row.locator("td").nth(9)).to_have_text("broken")
+    expect(page.locator("main tr[data-analyser='pi-attic'] td").nth(9)).to_have_text("no")
+    button = row.get_by_role("button", name="Refetch what it failed since it began failing")
+    dry_run = (
+        f"Dry run: 5 apps failed by pi-broken since {since}: 5 would be queued now, 0 would"
+        " wait for a lease to end, 0 would have the lease broken, 0 would be left as they are."
+    )
+    failed = sql.run("SELECT appid FROM apps WHERE status = 'failed' ORDER BY appid")
+    assert failed == [["com.example.attic"], ["com.example.before"], *([a] for a in streak)]
+
+    # Declined: the dry run changed nothing, recorded nothing.
+    with page.expect_event("dialog"):
+        button.click()
+    expect(page.locator("#outcome")).to_have_text(dry_run)
+    assert sql.run("SELECT appid FROM apps WHERE status = 'failed' ORDER BY appid") == failed
+    assert since_sign_in(sql) == []
+
+    tab.accepting = True
+    button.click()
+    expect(page.locator("#outcome")).to_have_text(
+        "5 selected: 5 queued now, 0 waiting for a lease to end, 0 with the lease broken,"
+        " 0 left as they were."
+    )
+    assert sql.run("SELECT appid, status FROM apps ORDER BY appid") == [
+        ["com.example.attic", "failed"],
+        ["com.example.before", "failed"],
+        ["com.example.fine", "analysed"],
+        ["com.example.other", "analysed"],
+        *([app_id, "queued"] for app_id in streak),
+    ]
+    assert sorted(since_sign_in(sql)) == [("refetch", app_id) for app_id in streak]
+    question = f"confirm: Refetch the 5 apps pi-broken failed since {since}?"
+    assert tab.dialogs == [question, question]
+
+    # Clicked again, the dry run finds nothing left to refetch, and nothing is asked.
+    row.get_by_role("button", name="Refetch what it failed since it began failing").click()
+    expect(page.locator("#outcome")).to_have_text(
+        f"Dry run: 0 apps failed by pi-broken since {since}: 0 would be queued now, 0 would"
+        " wait for a lease to end, 0 would have the lease broken, 0 would be left as they are."
+    )
+    assert tab.dialogs == [question, question]
+    assert tab.errors == []
+
+
 # --------------------------------------------------------------------------- what it defends
 
 
@@ -758,6 +1077,9 @@ def test_read_only_shows_no_actions_and_refuses_every_write(serve, tab, sql):
     expect(page.get_by_role("cell", name="pi-kitchen", exact=True)).to_be_visible()
     expect(page.locator("main button, main form")).to_have_count(0)
     expect(page.locator("main")).not_to_contain_text("null")
+    page.goto(f"{base}/admin")
+    expect(page.locator("#counted")).to_be_visible()
+    expect(page.locator("main button, main form")).to_have_count(0)
     before = operator_actions(sql)
 
     # The page's own requests (same origin, JSON), and the bearer token's: 403 each.
@@ -766,6 +1088,9 @@ def test_read_only_shows_no_actions_and_refuses_every_write(serve, tab, sql):
         ("/admin/api/analysers", {"name": "pi-attic"}),
         ("/admin/api/analysers/pi-kitchen/rotate", {}),
         ("/admin/api/analysers/pi-kitchen/revoke", {}),
+        ("/admin/api/analysers/pi-kitchen/pause", {}),
+        ("/admin/api/apps/com.example.gone/hold", {"reason": "not here"}),
+        ("/admin/api/queue/pause", {"reason": "not here"}),
     ]
     for path, body in writes:
         status = page.evaluate(
@@ -777,7 +1102,11 @@ def test_read_only_shows_no_actions_and_refuses_every_write(serve, tab, sql):
         assert service.http.post(path, headers=ADMIN, json=body).status_code == 403, path
     assert operator_actions(sql) == before
     assert app_row(sql, "com.example.gone")["status"] == "failed"
-    assert sql.run("SELECT name, revoked IS NULL FROM analysers") == [["pi-kitchen", True]]
+    assert app_row(sql, "com.example.gone")["held_at"] is None
+    assert sql.run("SELECT name, revoked IS NULL, paused_at FROM analysers") == [
+        ["pi-kitchen", True, None]
+    ]
+    assert queue_pause(sql) == [[None, None, None]]
     assert tab.errors == []
 
 

@@ -177,7 +177,7 @@ async function app(id) {
   const a = data.app;
   const why = el('div', {className: 'why' + (data.why.candidate ? ' candidate' : ''), id: 'why'},
     el('strong', {}, data.why.candidate ? 'Handed out now. ' : 'Not handed out now. '),
-    data.why.why, data.why.from ? ` From ${data.why.from}.` : '');
+    data.why.why, data.why.from ? `. From ${data.why.from}.` : '');
   const hold = data.why.hold;
   const held = hold ? el('div', {className: 'banner', id: 'hold'},
     el('strong', {}, 'Held: never handed out until released. '),
