@@ -19,6 +19,7 @@ from kit import ADMIN, ANALYSER
 import handler
 from helpers import (
     TEST_OPERATOR,
+    LambdaContext,
     call_cli,
     database_at,
     days_ago,
@@ -513,3 +514,201 @@ def parse_ago(text: str) -> timedelta:
     """ "200 minutes", "1 day", "200 days": that long."""
     number, unit = text.split()
     return timedelta(**{unit if unit.endswith("s") else unit + "s": int(number)})
+
+
+# --- undoing a broken analyser's failures ----------------------------------------------
+
+
+def failed_by(sql, app_id: str, analyser: str | None, ago: timedelta, **row) -> None:
+    """A failure stored by `analyser` (None: the shared password) `ago`."""
+    insert_app(sql, app_id, status="failed", version=VERSION, analysed=datetime.now(UTC) - ago,
+               **row)  # fmt: skip
+    sql.run("UPDATE apps SET analysed_by = :who WHERE appid = :appid", who=analyser, appid=app_id)
+
+
+def arrange_failures(sql) -> tuple[list[str], datetime]:
+    """Failures of pi-broken since T (retryable and not), before T, pi-good's since T,
+    the shared password's since T, and pi-broken's analysis since T; (the apps
+    `--failed-by pi-broken --since T` selects; T)."""
+    ((since,),) = sql.run("SELECT now() - interval '1 hour'")
+    failed_by(sql, "undo.retryable", "pi-broken", timedelta(minutes=10), retryable=True,
+              reviews="50")  # fmt: skip
+    failed_by(sql, "undo.final", "pi-broken", timedelta(minutes=20), retryable=False,
+              reason="app_not_found", reviews="40")  # fmt: skip
+    failed_by(sql, "undo.paid", "pi-broken", timedelta(minutes=30), retryable=False,
+              reason="paid_app", reviews="30")  # fmt: skip
+    failed_by(sql, "keep.before", "pi-broken", timedelta(hours=3), retryable=True)
+    failed_by(sql, "keep.good", "pi-good", timedelta(minutes=10), retryable=True)
+    failed_by(sql, "keep.shared", None, timedelta(minutes=10), retryable=False,
+              reason="app_not_found")  # fmt: skip
+    insert_app(sql, "keep.analysed", status="analysed", version=VERSION,
+               analysed=datetime.now(UTC) - timedelta(minutes=5))  # fmt: skip
+    sql.run("UPDATE apps SET analysed_by = 'pi-broken' WHERE appid = 'keep.analysed'")
+    return ["undo.retryable", "undo.final", "undo.paid"], since
+
+
+def test_refetch_failed_by_selects_that_analysers_failures_since_t(database_url, sql):
+    """queue-refetch --failed-by pi-broken --since T: a dry run lists pi-broken's failures
+    stored since T, retryable or not, and nothing else (not its older ones, not another
+    analyser's or the shared password's, not its analyses); --apply queues them, each
+    recorded, and leaves the rest as they were. The report function's queue-refetch
+    (failedBy, since) selects the same."""
+    selected, since = arrange_failures(sql)
+    keep = ["keep.before", "keep.good", "keep.shared", "keep.analysed"]
+    kept = {app_id: columns(sql, app_id, "status", "analysis", "analysed") for app_id in keep}
+    args = ("queue-refetch", "--failed-by", "pi-broken", "--since", since.isoformat())
+    code, out, err = cli(*args)
+    assert code == 0, err
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert sorted(listed) == sorted(selected)  # a walk: in bundle-ID order
+    assert f"Would queue {len(selected)} apps for refetch" in out
+    assert sql.run("SELECT count(*) FROM operator_actions") == [[0]]
+    report = handler.report(
+        {"command": "queue-refetch", "failedBy": "pi-broken", "since": since.isoformat()},
+        LambdaContext(),
+    )
+    assert sorted(app["appId"] for app in report["apps"]) == sorted(selected)
+    assert (report["applied"], report["queuedNow"]) == (False, len(selected))
+    code, out, err = cli(*args, "--apply", "--yes")
+    assert code == 0, err
+    assert f"Queued {len(selected)} apps for refetch." in out
+    for app_id in selected:
+        assert columns(sql, app_id, "status", "failure_reason", "failure_streak") == (
+            "queued",
+            None,
+            0,
+        )
+    assert {app_id: columns(sql, app_id, "status", "analysis", "analysed") for app_id in keep} == (
+        kept
+    )
+    assert sorted(row[1] for row in actions(sql, "refetch")) == sorted(selected)
+    # Again: nothing is left to undo.
+    code, out, _ = cli(*args, "--apply", "--yes")
+    assert (code, "Queued 0 apps for refetch." in out) == (0, True)
+
+
+def test_refetch_failed_by_without_since_takes_every_failure_of_that_analyser(database_url, sql):
+    """Without --since: every failure pi-broken stored, whenever; --since alone is refused."""
+    selected, _ = arrange_failures(sql)
+    code, out, err = cli("queue-refetch", "--failed-by", "pi-broken")
+    assert code == 0, err
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert sorted(listed) == sorted([*selected, "keep.before"])
+    code, out, err = cli("queue-refetch", "--failed", "--since", "1h")
+    assert (code, out) == (2, "")
+    assert "--since goes with --failed-by" in err
+    code, _, err = cli("queue-refetch", "--failed-by", "pi-broken", "--since", "yesterday")
+    assert code == 2 and "--since is a time such as" in err
+
+
+def test_refetch_failed_by_undoes_a_failure_whatever_the_analyser_called_it(database_url, sql):
+    """A broken analyser's failure is undone whatever reason it gave, invalid_bundle_id
+    included (its bundle ID is a valid one: the analyser said otherwise). (Fails while
+    the refetch's failed rows leave every invalid_bundle_id failure out.)"""
+    failed_by(sql, "undo.called.invalid", "pi-broken", timedelta(minutes=5), retryable=False,
+              reason="invalid_bundle_id")  # fmt: skip
+    code, _, err = cli("queue-refetch", "--failed-by", "pi-broken", "--apply", "--yes")
+    assert code == 0, err
+    assert columns(sql, "undo.called.invalid", "status") == ("queued",)
+
+
+def test_a_bulk_refetch_failed_by_asks_about_failed_apps(database_url, sql):
+    """Off a terminal, --apply without --yes refuses in one line that says what it would
+    have done: re-queue the failures of that analyser, not every analysed app. (Fails while
+    the question names analysed apps.)"""
+    arrange_failures(sql)
+    code, out, err = cli("queue-refetch", "--failed-by", "pi-broken", "--apply")
+    assert (code, out) == (2, "")
+    assert "failed app" in err and "analysed app" not in err, err
+    assert "pi-broken" in err, err
+
+
+def test_refetch_failed_by_in_batches_each_recorded(database_url, sql):
+    """The undo walks the table in batches, each committed with its own record."""
+    selected = []
+    for index in range(7):
+        app_id = f"undo.batch{index}"
+        failed_by(sql, app_id, "pi-broken", timedelta(minutes=5), retryable=index % 2 == 0)
+        selected.append(app_id)
+    for index in range(5):
+        failed_by(sql, f"keep.batch{index}", "pi-good", timedelta(minutes=5), retryable=True)
+    request = handler.RefetchRequest.checked(
+        handler.REFETCH_EVENT_NAMES, failed_by="pi-broken", since="1h", apply=True
+    )
+    batches: list[list[str]] = []
+    progress = handler.refetch_in_batches(
+        handler.api_connection(),
+        request,
+        lambda rows, _: batches.append([row["appid"] for row in rows]),
+        TEST_OPERATOR,
+        batch_size=3,
+        policy=handler.settings().policy,
+    )
+    assert progress.complete and progress.selected == len(selected)
+    assert progress.outcomes["queued"] == len(selected)
+    assert sorted(app_id for batch in batches for app_id in batch) == selected
+    assert progress.batches == len(batches) >= 4  # 12 rows, 3 a window
+    acts = sql.run(
+        "SELECT act, array_agg(app_id ORDER BY app_id) FROM operator_actions"
+        " WHERE action = 'refetch' GROUP BY act"
+    )
+    assert sorted(sorted(apps) for _, apps in acts) == sorted(sorted(b) for b in batches if b)
+
+
+def test_refetch_failed_by_races_claims(database_url, sql):
+    """The undo applies in small batches while claimers claim: the broken analyser's
+    retryable failures are due retries the claimers may take first. Every app it failed
+    ends queued (the undo) or leased (a claim); the undo skips those a claim took before
+    it came to them; a failure that no rule hands out (not retryable) is handed out only
+    once the undo queued it; no app is handed out twice, and the other analyser's failures
+    are left alone."""
+    policy = handler.settings().policy
+    broken, final = [], []
+    for index in range(60):
+        app_id = f"undo.race{index:02d}"
+        retryable = index % 3 != 0
+        failed_by(sql, app_id, "pi-broken", timedelta(hours=2), retryable=retryable,
+                  reason=None if retryable else "app_not_found", reviews=str(index))  # fmt: skip
+        broken.append(app_id)
+        if not retryable:
+            final.append(app_id)
+    for index in range(10):
+        failed_by(sql, f"keep.race{index}", "pi-good", timedelta(hours=2), retryable=False,
+                  reason="app_not_found")  # fmt: skip
+    handler.promote_due_apps(handler.api_connection(), policy, force=True)  # flags the retries
+    request = handler.RefetchRequest.checked(
+        handler.REFETCH_EVENT_NAMES, failed_by="pi-broken", since="3h", apply=True
+    )
+    outcomes: dict[str, str] = {}
+    operator_db = database_at(database_url)
+    try:
+        with Claimers(database_url, [None, "pi-good"], policy) as claimers:
+            claimers.wait_for(3)
+
+            def record(rows, _):
+                for row in rows:
+                    outcomes[row["appid"]] = row["outcome"]
+
+            progress = handler.refetch_in_batches(
+                operator_db, request, record, TEST_OPERATOR, batch_size=5, policy=policy
+            )
+            claimers.wait_for(10)
+    finally:
+        operator_db.discard()
+    assert progress.complete
+    handed = [c["app"] for c in claimers.claims if c["app"] is not None]
+    assert len(handed) == len(set(handed))
+    assert set(handed) <= set(broken)
+    assert {app_id for app_id in handed if app_id in final} <= {
+        app_id for app_id, outcome in outcomes.items() if outcome == "queued"
+    }
+    assert set(outcomes.values()) <= {"queued", "skipped"}
+    for app_id in broken:
+        (status,) = columns(sql, app_id, "status")
+        assert status == ("processing" if app_id in handed else "queued"), app_id
+    for app_id, outcome in outcomes.items():
+        if outcome == "skipped":
+            assert app_id in handed and app_id not in final
+    assert sql.run("SELECT count(*) FROM apps WHERE appid LIKE 'keep.%' AND status = 'failed'") == [
+        [10]
+    ]
