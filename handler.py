@@ -2502,7 +2502,7 @@ def _analyser_view(row: dict[str, Any]) -> dict[str, Any]:
         "results24h": row["results_24h"],
         "failures24h": row["failures_24h"],
         "outdatedVersion": bool(row["outdated_version"]),
-        "failuresInARow": row["failure_streak"],
+        "consecutiveFailures": row["failure_streak"],
         "failingSince": _plain(row["failing_since"]),
         "broken": bool(row["broken"]),
         "paused": None
@@ -3128,6 +3128,7 @@ UPDATE analysers SET last_result_app = :appid, last_result_at = now(),
                      last_result_success = :success, last_result_version = :version,
                      failure_streak = CASE WHEN :success THEN 0 ELSE failure_streak + 1 END,
                      failing_since = CASE WHEN :success THEN NULL
+                                          WHEN failure_streak = 0 THEN now()
                                           ELSE COALESCE(failing_since, now()) END
 WHERE name = :name
 """
@@ -3926,7 +3927,7 @@ head AS (
     SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
         SELECT {CLAIM_KEYS} FROM apps
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
-          AND {OUTDATED_RESULT_SETTLED} AND {ABOVE_BAR}
+          AND {OUTDATED_RESULT_SETTLED} AND {ABOVE_BAR} AND held_at IS NULL
         ORDER BY {CLAIM_ORDER}
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
@@ -3943,6 +3944,7 @@ head AS (
         WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = d.version
           AND analysis_day(analysed) = d.day
           AND COALESCE(analysed, '-infinity') < {STALE_CUTOFF} AND {ABOVE_BAR}
+          AND held_at IS NULL
         ORDER BY {CLAIM_ORDER}
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
@@ -4124,7 +4126,7 @@ def _rows_ahead(where: str, order: str) -> str:
 
 QUEUED_OR_DUE_CANDIDATE = f"(status = 'queued' OR due) AND {CANDIDATE}"
 OLD_VERSION_ROW = f"""NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = v.version
-    AND {OUTDATED_RESULT_SETTLED}"""
+    AND {OUTDATED_RESULT_SETTLED} AND held_at IS NULL"""
 QUEUE_POSITION = f"""
 WITH RECURSIVE {STALE_VERSIONS}, {OLD_VERSIONS}
 SELECT
@@ -4156,7 +4158,7 @@ RETURNING appid
 def _retry_words(rule: dict[str, Any], policy: QueuePolicy) -> tuple[str | None, dict | None]:
     """A retryable failure's retry in words, and as the "retry" member of the why."""
     streak, steps = rule["failure_streak"], len(policy.retry_backoff)
-    retry = {"failuresInARow": streak, "nextRetry": _plain(rule["retry_at"]), "due": False}
+    retry = {"consecutiveFailures": streak, "nextRetry": _plain(rule["retry_at"]), "due": False}
     if rule["retry_due_now"]:
         retry["due"] = True
         words = (
@@ -4976,7 +4978,7 @@ def _format_analyser_rows(rows: list[dict[str, Any]]) -> list[str]:
         holding = row["holding"]["app_id"] if row["holding"] else "-"
         flag = "  outdated analysis version" if row["outdated_version"] else ""
         if row["broken"]:
-            flag += f"  BROKEN: {row['failures_in_a_row']} failures in a row"
+            flag += f"  BROKEN: {row['consecutive_failures']} failures in a row"
         if row["paused"]:
             flag += f"  paused by {row['paused']['by']}"
         lines.append(
@@ -5035,9 +5037,10 @@ ORDER BY app_popularity(details) DESC, added, appid
 REFETCH_VALID_BUNDLE_ID = f"""length(appid) BETWEEN 1 AND {MAX_BUNDLE_ID_LENGTH}
   AND appid ~ '^{BUNDLE_ID.pattern}$' AND appid !~ '\\.$'"""
 # :failed_by, a named analyser: only the failures it stored (analysed_by), since :since
-# (NULL: any time), to undo what a broken analyser did.
+# (NULL: any time), to undo what a broken analyser did: whatever it called a failure,
+# invalid_bundle_id too (of a valid bundle ID: REFETCH_VALID_BUNDLE_ID still holds).
 REFETCH_FAILED_ROWS = f"""status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
+  AND (failure_reason IS DISTINCT FROM 'invalid_bundle_id' OR CAST(:failed_by AS text) IS NOT NULL)
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND {BUNDLE_ID_STARTS}
   AND (CAST(:failed_by AS text) IS NULL
        OR analysed_by = :failed_by
@@ -5525,7 +5528,8 @@ WITH found AS (
 SELECT appid, was_held FROM found
 """
 # An analyser paused (:paused) or resumed, when it is not so already; resuming also
-# starts its failures in a row again: the operator says it is mended.
+# starts its failures in a row again (the operator says it is mended), and keeps when
+# its last run of failures began, to refetch what it failed (--failed-by --since).
 SET_ANALYSER_PAUSE = """
 WITH found AS (
     SELECT name, paused_at IS NOT NULL AS was_paused FROM analysers
@@ -5535,7 +5539,7 @@ WITH found AS (
     SET paused_at = CASE WHEN :paused THEN now() END,
         paused_by = CASE WHEN :paused THEN CAST(:actor AS text) END,
         failure_streak = CASE WHEN :paused THEN analysers.failure_streak ELSE 0 END,
-        failing_since = CASE WHEN :paused THEN analysers.failing_since END
+        failing_since = analysers.failing_since
     FROM found WHERE analysers.name = found.name AND found.was_paused <> :paused
     RETURNING analysers.name
 )
@@ -5766,7 +5770,12 @@ async def hold(request: Request) -> JSONResponse:
     dependencies=[Depends(require_admin)],
     openapi_extra={
         "parameters": APP_ID_PATH["parameters"],
-        "responses": _analyser_errors(e400="Bad input (the bundle ID).", e404=NO_SUCH_APP),
+        "responses": _analyser_errors(
+            e400="Bad input (the bundle ID, or a body); nothing was changed.",
+            e404=NO_SUCH_APP,
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
     },
 )
 async def release(request: Request) -> JSONResponse:
@@ -5792,7 +5801,12 @@ def _pause_route(paused: bool) -> Callable[[Request], Any]:
 
 ANALYSER_PAUSE_DOC = {
     "parameters": [ANALYSER_NAME_PATH],
-    "responses": _analyser_errors(e400="Bad input (the name).", e404=NO_SUCH_ANALYSER),
+    "responses": _analyser_errors(
+        e400="Bad input (the name, or a body); nothing was changed.",
+        e404=NO_SUCH_ANALYSER,
+        e413=ERROR_ANSWERS[413],
+        e415=ERROR_ANSWERS[415],
+    ),
 }
 app.post(
     "/analysers/{name}/pause",
@@ -5834,7 +5848,13 @@ async def pause_the_queue(request: Request) -> JSONResponse:
 @app.post(
     "/queue/resume",
     dependencies=[Depends(require_admin)],
-    openapi_extra={"responses": _analyser_errors(e400="Bad input (a body).")},
+    openapi_extra={
+        "responses": _analyser_errors(
+            e400="Bad input (a body); nothing was changed.",
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        )
+    },
 )
 async def resume_the_queue(request: Request) -> JSONResponse:
     """Resume the queue: claims hand out apps again."""
@@ -6833,7 +6853,12 @@ def _sign_out(request: Request, operator: Operator, body: bytes) -> Response:
 
 
 def _api_status(request: Request, operator: Operator, body: bytes) -> Response:
-    return JSONResponse(overview(api_connection(), settings().policy))
+    """The overview; the queue's pause read now (one row), not with the cached counts: a
+    pause from the CLI or another container shows at once."""
+    db = api_connection()
+    counted = overview(db, settings().policy)
+    status = {**counted["status"], "paused": snake_case_keys(queue_pause_state(db))}
+    return JSONResponse({**counted, "status": status})
 
 
 def _api_apps(request: Request, operator: Operator, body: bytes) -> Response:
@@ -8226,8 +8251,10 @@ def _bulk_refetch_confirmed(args: argparse.Namespace) -> bool:
     the operator says yes on a terminal; otherwise it refuses in one line."""
     if not args.apply or args.appid or args.yes:
         return True
-    which = "failed app" if args.failed else "analysed app"
+    which = "failed app" if args.failed or args.failed_by else "analysed app"
     scope = f"up to {args.limit} of the most popular {which}s" if args.limit else f"every {which}"
+    if args.failed_by:
+        scope += f" that {args.failed_by} failed" + (f" since {args.since}" if args.since else "")
     if args.reason:
         scope += f" of reason {args.reason}"
     if args.prefix:
@@ -8342,7 +8369,7 @@ def _print_analyser(row: dict[str, Any]) -> None:
     print(f"  last 24 hours: {row['results24h']} analysed, {row['failures24h']} failed")
     if row["broken"]:
         print(
-            f"  BROKEN: {row['failuresInARow']} failures in a row since {row['failingSince']}"
+            f"  BROKEN: {row['consecutiveFailures']} failures in a row since {row['failingSince']}"
             " while others succeeded (docs/operations.md)"
         )
     if row["paused"]:
@@ -8415,7 +8442,7 @@ def _cli_why(args: argparse.Namespace) -> int:
     if why.get("retry"):
         retry = why["retry"]
         print(
-            f"failures in a row: {retry['failuresInARow']};"
+            f"failures in a row: {retry['consecutiveFailures']};"
             f" next retry: {retry['nextRetry'] or 'none (past RETRY_BACKOFF)'}"
         )
     return 0

@@ -228,7 +228,7 @@ def assert_the_status_of_every_state(status: dict) -> None:
         "results_24h",
         "failures_24h",
         "outdated_version",
-        "failures_in_a_row",
+        "consecutive_failures",
         "failing_since",
         "broken",
         "paused",

@@ -184,7 +184,7 @@ async function app(id) {
     `Held by ${when(hold.by)} at ${when(hold.at)}. `,
     hold.reason ? `Reason: ${hold.reason}` : 'No reason given.') : null;
   const retry = data.why.retry;
-  const retries = retry ? el('p', {id: 'retry'}, `Failures in a row: ${retry.failuresInARow}. ` +
+  const retries = retry ? el('p', {id: 'retry'}, `Failures in a row: ${retry.consecutiveFailures}. ` +
     (retry.nextRetry === null ? 'No retry left (RETRY_BACKOFF).' :
       `Next retry: ${retry.nextRetry}, ${retry.due ? 'due now' : 'not due yet'}.`)) : null;
   const paused = data.why.queuePaused ? el('p', {className: 'warn', id: 'queue-paused'},
@@ -256,7 +256,7 @@ async function analysers() {
   const rows = data.analysers.map((a) => {
     const path = '/admin/api/analysers/' + encodeURIComponent(a.name);
     const cells = [a.name, when(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
-      when(a.results24h), when(a.failures24h), when(a.revoked), String(a.failuresInARow),
+      when(a.results24h), when(a.failures24h), when(a.revoked), String(a.consecutiveFailures),
       when(a.failingSince), a.broken ? el('strong', {className: 'warn'}, 'broken') : 'no',
       a.paused ? `paused by ${when(a.paused.by)} at ${when(a.paused.at)}` : 'no'];
     const actions = [];

@@ -57,7 +57,7 @@ head AS (
     SELECT h.* FROM old_versions v CROSS JOIN LATERAL (
         SELECT appid, app_popularity(details) AS popularity, added FROM apps
         WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = v.version
-          AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND app_popularity(details) >= (SELECT popularity FROM bar)
+          AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND app_popularity(details) >= (SELECT popularity FROM bar) AND held_at IS NULL
         ORDER BY app_popularity(details) DESC, added, appid
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
@@ -87,6 +87,7 @@ head AS (
         WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = d.version
           AND analysis_day(analysed) = d.day
           AND COALESCE(analysed, '-infinity') < now() - make_interval(days => :stale_days) AND app_popularity(details) >= (SELECT popularity FROM bar)
+          AND held_at IS NULL
         ORDER BY app_popularity(details) DESC, added, appid
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h

@@ -79,11 +79,11 @@ SELECT
         UNION ALL
         (SELECT 1 FROM old_versions v CROSS JOIN LATERAL (
             (SELECT 1 FROM apps WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = v.version
-    AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND app_popularity(details) > :popularity
+    AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND held_at IS NULL AND app_popularity(details) > :popularity
      ORDER BY COALESCE(analysisversion, 0), app_popularity(details) DESC, added, appid LIMIT :limit)
     UNION ALL
     (SELECT 1 FROM apps WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = v.version
-    AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND app_popularity(details) = :popularity
+    AND COALESCE(analysed, '-infinity') < now() - make_interval(mins => :timeout_minutes) AND held_at IS NULL AND app_popularity(details) = :popularity
        AND (added, appid) < (:added, :appid)
      ORDER BY COALESCE(analysisversion, 0), app_popularity(details) DESC, added, appid LIMIT :limit)) x
          WHERE v.version IS NOT NULL)

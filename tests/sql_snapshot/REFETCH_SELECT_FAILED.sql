@@ -6,7 +6,7 @@ SELECT appid, status, CASE
      OR processing_started > now() + make_interval(mins => GREATEST(:timeout_minutes, COALESCE((SELECT processing_timeout_minutes FROM queue_policy), 0)))) THEN 'waiting'
     ELSE 'queued'
 END AS outcome FROM apps WHERE status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
+  AND (failure_reason IS DISTINCT FROM 'invalid_bundle_id' OR CAST(:failed_by AS text) IS NOT NULL)
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
                          AND lower(appid) COLLATE "C" < :prefix_end)
   AND (CAST(:failed_by AS text) IS NULL

@@ -1,6 +1,6 @@
 
 SELECT appid, status, (status = 'failed' AND (failure_retryable OR :include_non_retryable)
-  AND failure_reason IS DISTINCT FROM 'invalid_bundle_id'
+  AND (failure_reason IS DISTINCT FROM 'invalid_bundle_id' OR CAST(:failed_by AS text) IS NOT NULL)
   AND (CAST(:reason AS text) IS NULL OR failure_reason = :reason) AND (:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
                          AND lower(appid) COLLATE "C" < :prefix_end)
   AND (CAST(:failed_by AS text) IS NULL
