@@ -8,13 +8,14 @@ view's actions, the CLI, the report function)."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from datetime import UTC, datetime, timedelta
 
 import kit
 import pytest
-from kit import ADMIN, ANALYSER
+from kit import ADMIN, ANALYSER, configure_service
 
 import handler
 from helpers import (
@@ -24,6 +25,8 @@ from helpers import (
     database_at,
     days_ago,
     insert_app,
+    load_event,
+    output_records,
 )
 
 TOKEN_HEADER = handler.CLAIM_TOKEN_HEADER
@@ -712,3 +715,193 @@ def test_refetch_failed_by_races_claims(database_url, sql):
     assert sql.run("SELECT count(*) FROM apps WHERE appid LIKE 'keep.%' AND status = 'failed'") == [
         [10]
     ]
+
+
+# --- a broken analyser -----------------------------------------------------------------
+
+BROKEN_AFTER = 3  # BROKEN_ANALYSER_FAILURES in these tests
+
+
+@pytest.fixture
+def broken_after(database_url, monkeypatch):
+    """The service with BROKEN_ANALYSER_FAILURES=3 (PAUSE_BROKEN_ANALYSERS as the test
+    sets it: configure(pause=True))."""
+
+    def configure(pause: bool = False) -> None:
+        configure_service(
+            monkeypatch,
+            database_url,
+            BROKEN_ANALYSER_FAILURES=str(BROKEN_AFTER),
+            PAUSE_BROKEN_ANALYSERS="true" if pause else "false",
+        )
+
+    configure()
+    return configure
+
+
+def one_failure(client, headers: dict[str, str]) -> str:
+    """The analyser claims the next app and reports it failed (a retryable failure)."""
+    app_id, token = claim(client, headers)
+    assert app_id, "the analyser was handed no app"
+    answer = fail(client, headers, app_id, token)
+    assert answer.status_code == 200, answer.text
+    return app_id
+
+
+def one_success(client, headers: dict[str, str]) -> str:
+    app_id, token = claim(client, headers)
+    assert app_id, "the analyser was handed no app"
+    answer = upload(client, headers, app_id, token)
+    assert answer.status_code == 200, answer.text
+    return app_id
+
+
+def listed(client, name: str) -> dict:
+    (found,) = [
+        a for a in client.get("/analysers", headers=ADMIN).json()["analysers"] if a["name"] == name
+    ]
+    return found
+
+
+def report_metrics(capsys) -> dict[str, float]:
+    """The scheduled report's metrics (its EMF document), name -> value."""
+    capsys.readouterr()
+    handler.report(load_event("schedule.json"), LambdaContext())
+    _, emf = output_records(capsys.readouterr())
+    (document,) = emf
+    names = [m["Name"] for m in document["_aws"]["CloudWatchMetrics"][0]["Metrics"]]
+    return {name: document[name][0] if isinstance(document[name], list) else document[name]
+            for name in names}  # fmt: skip
+
+
+def test_a_named_analyser_failing_while_another_succeeds_is_flagged(
+    client, sql, broken_after, capsys
+):
+    """pi-bad fails every app while pi-good succeeds: it is flagged broken by its third
+    failure in a row (BROKEN_ANALYSER_FAILURES=3), not before, in GET /analysers, the
+    analysers list, queue-status --json and the report's metrics (BrokenAnalysers, and
+    FailureRatioLastHour: 3 of 4 results failed); it is not paused (PAUSE_BROKEN_ANALYSERS
+    is off), and a success ends its flag."""
+    many_apps(sql, 20)
+    pi_bad, pi_good = add_analyser(client, "pi-bad"), add_analyser(client, "pi-good")
+    one_failure(client, pi_bad)
+    one_success(client, pi_good)
+    for failures in range(2, BROKEN_AFTER + 1):
+        assert listed(client, "pi-bad")["broken"] is False
+        one_failure(client, pi_bad)
+        assert listed(client, "pi-bad")["consecutiveFailures"] == failures
+    bad = listed(client, "pi-bad")
+    assert (bad["broken"], bad["consecutiveFailures"], bad["paused"]) == (True, BROKEN_AFTER, None)
+    assert bad["failingSince"] is not None
+    assert listed(client, "pi-good")["broken"] is False
+    code, out, err = cli("queue-status", "--json")
+    assert code == 0, err
+    status = json.loads(out)
+    assert (status["broken_analysers"], status["paused_analysers"]) == (1, 0)
+    assert status["failure_ratio_1h"] == 0.75
+    assert {a["name"]: a["broken"] for a in status["analysers"]} == {
+        "pi-bad": True,
+        "pi-good": False,
+    }
+    code, out, err = cli("analysers", "list")
+    assert code == 0, err
+    assert f"BROKEN: {BROKEN_AFTER} failures in a row since" in out
+    metrics = report_metrics(capsys)
+    assert (metrics["BrokenAnalysers"], metrics["PausedAnalysers"]) == (1, 0)
+    assert metrics["FailureRatioLastHour"] == 0.75
+    # Not paused: it is handed apps still; one success ends the flag.
+    one_success(client, pi_bad)
+    bad = listed(client, "pi-bad")
+    assert (bad["broken"], bad["consecutiveFailures"]) == (False, 0)
+    assert actions(sql, "pause analyser") == []
+
+
+def test_queue_status_text_names_a_broken_analyser(client, sql, broken_after):
+    """queue-status (text) names the broken analyser and its failures in a row. (Fails
+    while the text reads a key the document does not have: failures_in_a_row.)"""
+    many_apps(sql, 10)
+    pi_bad, pi_good = add_analyser(client, "pi-bad"), add_analyser(client, "pi-good")
+    one_failure(client, pi_bad)
+    one_success(client, pi_good)
+    for _ in range(BROKEN_AFTER - 1):
+        one_failure(client, pi_bad)
+    code, out, err = cli("queue-status")
+    assert code == 0, err
+    (line,) = [line for line in out.splitlines() if line.strip().startswith("pi-bad")]
+    assert f"BROKEN: {BROKEN_AFTER} failures in a row" in line
+    assert "broken (failing while others succeed)" in out
+
+
+def test_pause_broken_analysers_pauses_it_by_the_failure_that_flags_it(
+    client, sql, broken_after, capsys
+):
+    """With PAUSE_BROKEN_ANALYSERS=true: failures in a row while nobody else succeeds are
+    no sign of a broken analyser (the apps may be bad), and nothing is paused; once
+    pi-good succeeds, pi-bad reads as broken, and its next failure pauses it, in that
+    failure's transaction, with one operator_actions row by the service. Its GET /queue
+    then answers empty; resumed by an operator, it is handed apps again, its count
+    started afresh."""
+    broken_after(pause=True)
+    many_apps(sql, 20)
+    pi_bad, pi_good = add_analyser(client, "pi-bad"), add_analyser(client, "pi-good")
+    for _ in range(BROKEN_AFTER):
+        one_failure(client, pi_bad)
+    assert (listed(client, "pi-bad")["broken"], listed(client, "pi-bad")["paused"]) == (False, None)
+    one_success(client, pi_good)
+    assert (listed(client, "pi-bad")["broken"], listed(client, "pi-bad")["paused"]) == (True, None)
+    assert actions(sql, "pause analyser") == []
+    one_failure(client, pi_bad)
+    bad = listed(client, "pi-bad")
+    assert bad["broken"] is True and bad["paused"]["by"] == handler.BROKEN_PAUSE_ACTOR
+    ((actor, app_id, analyser, outcome),) = actions(sql, "pause analyser")
+    assert (actor, app_id, analyser) == (handler.BROKEN_PAUSE_ACTOR, None, "pi-bad")
+    assert f"{BROKEN_AFTER + 1} failures in a row" in outcome
+    assert claim(client, pi_bad) == ("", None)
+    assert claim(client, pi_good)[0]  # the queue itself is not paused
+    metrics = report_metrics(capsys)
+    assert (metrics["BrokenAnalysers"], metrics["PausedAnalysers"]) == (1, 1)
+    code, out, err = cli("analysers", "resume", "pi-bad")
+    assert (code, out) == (0, "Analyser pi-bad resumed: it is handed apps again.\n"), err
+    bad = listed(client, "pi-bad")
+    assert (bad["broken"], bad["consecutiveFailures"]) == (False, 0)
+    one_failure(client, pi_bad)  # handed an app again; one failure is no streak
+    assert listed(client, "pi-bad")["paused"] is None
+
+
+def test_the_first_failure_that_shows_it_broken_pauses_it(client, sql, broken_after):
+    """With PAUSE_BROKEN_ANALYSERS=true and another analyser succeeding first, the
+    BROKEN_ANALYSER_FAILURES-th failure in a row pauses the analyser: not one before."""
+    broken_after(pause=True)
+    many_apps(sql, 20)
+    pi_bad, pi_good = add_analyser(client, "pi-bad"), add_analyser(client, "pi-good")
+    one_failure(client, pi_bad)
+    one_success(client, pi_good)
+    for _ in range(BROKEN_AFTER - 2):
+        one_failure(client, pi_bad)
+        assert listed(client, "pi-bad")["paused"] is None
+    one_failure(client, pi_bad)
+    assert listed(client, "pi-bad")["paused"]["by"] == handler.BROKEN_PAUSE_ACTOR
+    assert claim(client, pi_bad) == ("", None)
+    assert len(actions(sql, "pause analyser")) == 1
+
+
+def test_shared_password_failures_move_the_ratio_only(client, sql, broken_after, capsys):
+    """Hosts on the shared password cannot be told apart: their failures in a row move
+    the fleet's failure ratio (5 of 6 results failed), never a named analyser's flag or a
+    pause."""
+    broken_after(pause=True)
+    many_apps(sql, 20)
+    pi_good = add_analyser(client, "pi-good")
+    one_failure(client, ANALYSER)
+    one_success(client, pi_good)
+    for _ in range(4):
+        one_failure(client, ANALYSER)
+    metrics = report_metrics(capsys)
+    assert (metrics["BrokenAnalysers"], metrics["PausedAnalysers"]) == (0, 0)
+    assert metrics["FailureRatioLastHour"] == round(5 / 6, 3)
+    code, out, _ = cli("queue-status", "--json")
+    status = json.loads(out)
+    assert (status["broken_analysers"], status["failure_ratio_1h"]) == (0, round(5 / 6, 3))
+    assert listed(client, "pi-good")["broken"] is False
+    assert actions(sql, "pause analyser") == []
+    assert claim(client, ANALYSER)[0]
