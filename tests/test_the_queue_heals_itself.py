@@ -899,7 +899,8 @@ def test_shared_password_failures_move_the_ratio_only(client, sql, broken_after,
     metrics = report_metrics(capsys)
     assert (metrics["BrokenAnalysers"], metrics["PausedAnalysers"]) == (0, 0)
     assert metrics["FailureRatioLastHour"] == round(5 / 6, 3)
-    code, out, _ = cli("queue-status", "--json")
+    code, out, err = cli("queue-status", "--json")
+    assert code == 0, err
     status = json.loads(out)
     assert (status["broken_analysers"], status["failure_ratio_1h"]) == (0, round(5 / 6, 3))
     assert listed(client, "pi-good")["broken"] is False
