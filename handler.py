@@ -2326,13 +2326,13 @@ ORDER BY a.name
 ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
 # How an analyser's name is spelt, and an X-Analyser-Id label (checked_analyser_name),
 # and the same in words: the one rule, for the API, the CLI and the OpenAPI schema.
-# Not dots alone: "." and ".." are path segments a browser or proxy folds away, so such an
-# analyser's /analysers/{name} routes could never be reached.
-ANALYSER_NAME = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,64}")
-# A name the table may hold (sql/022's CHECK, dots alone included: an older release, or
+# Not "." or "..": path segments a browser or proxy folds away, so such an analyser's
+# /analysers/{name} routes could never be reached ("..." is no such segment: it is kept).
+ANALYSER_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._:@-]{1,64}")
+# A name the table may hold (sql/022's CHECK, "." and ".." included: an older release, or
 # SQL by hand, may have added one): what rotating and revoking take back.
 STORED_ANALYSER_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
-ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-, not dots alone"
+ANALYSER_NAME_WORDS = "1-64 letters, digits or ._:@-, not . or .."
 MAX_ROTATION_OVERLAP_SECONDS = 30 * 86400
 DEFAULT_ROTATION_OVERLAP = "24h"
 

@@ -26,10 +26,14 @@
 --   analyser (it knows neither); this release re-checks both on every claim, so each
 --   holds again from the moment the deploy ends. A retry flag that release leaves on a
 --   row it changed is bookkeeping only: the claim re-checks the retry rule.
--- * queue_pause is a new table no release before names; the README's least-privilege
---   block grants the API role its rights through ALTER DEFAULT PRIVILEGES.
+-- * queue_pause is a new table no release before names; the least-privilege block of
+--   docs/operations.md grants the API role its rights through ALTER DEFAULT PRIVILEGES,
+--   and every role may read it (below).
 -- * One short transaction; ACCESS EXCLUSIVE on apps, analysers and queue_policy only for
 --   the catalog change (under the runner's lock_timeout).
+-- The failures in a row (apps, analysers) are counts of one app's or one host's results,
+-- as lease_attempts beside them: an integer is far more than enough.
+-- squawk-ignore prefer-bigint-over-int
 ALTER TABLE apps
     ADD COLUMN IF NOT EXISTS failure_streak integer NOT NULL DEFAULT 1,
     ADD COLUMN IF NOT EXISTS retry_due boolean NOT NULL DEFAULT false,
@@ -38,6 +42,7 @@ ALTER TABLE apps
     ADD COLUMN IF NOT EXISTS hold_reason text;
 ALTER TABLE apps ALTER COLUMN failure_streak SET DEFAULT 0;
 
+-- squawk-ignore prefer-bigint-over-int
 ALTER TABLE analysers
     ADD COLUMN IF NOT EXISTS paused_at timestamptz,
     ADD COLUMN IF NOT EXISTS paused_by text,
@@ -53,3 +58,8 @@ CREATE TABLE IF NOT EXISTS queue_pause (
     reason text
 );
 INSERT INTO queue_pause (singleton) VALUES (true) ON CONFLICT DO NOTHING;
+-- Every claim reads queue_pause: any role that may claim must read it, or every claim
+-- would fail (a least-privilege role set up without the default privileges of
+-- docs/operations.md). Reading it tells nothing but whether the queue is paused;
+-- pausing (UPDATE) stays with the roles granted it.
+GRANT SELECT ON queue_pause TO PUBLIC;

@@ -355,8 +355,8 @@ def test_docs_analysers_states_what_the_code_does():
     assert handler.MAX_ROTATION_OVERLAP_SECONDS == 30 * 86400 and "at most 30 days" in text
     assert f"`{handler.ANALYSER_TOKEN_PREFIX}` followed by 43" in text
     assert len(handler.new_analyser_token()) == len(handler.ANALYSER_TOKEN_PREFIX) + 43
-    assert handler.ANALYSER_NAME.pattern == r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,64}"
-    assert "1 to 64 letters, digits or `._:@-`, not dots alone" in text
+    assert handler.ANALYSER_NAME.pattern == r"(?!\.\.?\Z)[A-Za-z0-9._:@-]{1,64}"
+    assert "1 to 64 letters, digits or `._:@-`, not `.` or `..`" in text
     assert "ACCEPT_SHARED_UPLOAD_PASSWORD=false" in text
     assert "AcceptSharedUploadPassword=false" in text
     template = (handler.HERE / "template.yaml").read_text()

@@ -15,6 +15,8 @@ from datetime import UTC, datetime, timedelta
 
 import kit
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kit import ADMIN, ANALYSER, configure_service
 
 import handler
@@ -906,3 +908,267 @@ def test_shared_password_failures_move_the_ratio_only(client, sql, broken_after,
     assert listed(client, "pi-good")["broken"] is False
     assert actions(sql, "pause analyser") == []
     assert claim(client, ANALYSER)[0]
+
+
+# --- the operator's scenario, end to end -----------------------------------------------
+
+
+def test_the_operators_scenario_end_to_end(client, sql, broken_after):
+    """Issue 36's scenario through the HTTP routes and the CLI, the web view off: a named
+    analyser fails everything it is handed while another succeeds; queue-status --json
+    flags it by its BROKEN_ANALYSER_FAILURES-th result; the operator pauses it (CLI), asks
+    why an app it failed waits, refetches what it failed since it began (queue-refetch
+    --failed-by --since --apply), and once the healthy analyser has taken the queue, no
+    app it failed is left failed. Resumed, it is counted afresh."""
+    assert client.get("/admin/api/status", headers=ADMIN).status_code == 404  # web view off
+    apps = many_apps(sql, 12)
+    pi_broken, pi_good = add_analyser(client, "pi-broken"), add_analyser(client, "pi-good")
+    ((since,),) = sql.run("SELECT now()")
+    failed: list[str] = []
+    flags = []
+    for result in range(1, BROKEN_AFTER + 1):
+        app_id, token = claim(client, pi_broken)
+        log = "ERROR: app not found" if result % 2 == 0 else "usb: device gone"
+        assert fail(client, pi_broken, app_id, token, log).status_code == 200
+        failed.append(app_id)
+        if result == 1:
+            one_success(client, pi_good)
+        code, out, err = cli("queue-status", "--json")
+        assert code == 0, err
+        flags.append(json.loads(out)["broken_analysers"])
+    assert flags == [0] * (BROKEN_AFTER - 1) + [1]
+    # The operator stops it.
+    code, out, err = cli("analysers", "pause", "pi-broken")
+    assert code == 0, err
+    assert out.startswith("Analyser pi-broken paused")
+    assert claim(client, pi_broken) == ("", None)
+    code, out, err = cli("why", failed[1], "--json")
+    assert code == 0, err
+    assert json.loads(out)["candidate"] is False
+    # ... and undoes what it did.
+    code, out, err = cli("queue-refetch", "--failed-by", "pi-broken", "--since", since.isoformat())
+    assert code == 0, err
+    listed_apps = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert sorted(listed_apps) == sorted(failed)
+    code, out, err = cli(
+        "queue-refetch",
+        "--failed-by",
+        "pi-broken",
+        "--since",
+        since.isoformat(),
+        "--apply",
+        "--yes",
+    )
+    assert code == 0, err
+    assert f"Queued {len(failed)} apps for refetch." in out
+    # The healthy analyser takes the queue; the paused one is handed nothing.
+    taken = []
+    while True:
+        assert claim(client, pi_broken) == ("", None)
+        app_id, token = claim(client, pi_good)
+        if not app_id:
+            break
+        assert upload(client, pi_good, app_id, token).status_code == 200
+        taken.append(app_id)
+    assert set(failed) <= set(taken)
+    assert sql.run("SELECT appid FROM apps WHERE status <> 'analysed'") == []
+    for app_id in failed:
+        assert columns(sql, app_id, "status", "analysed_by") == ("analysed", "pi-good")
+    assert len(apps) == len(taken) + 2  # and pi-good's first, and one the broken one
+    code, out, err = cli("queue-status", "--json")
+    status = json.loads(out)
+    assert (status["broken_analysers"], status["paused_analysers"]) == (1, 1)
+    assert status["counts"]["failed"] == 0
+    code, out, err = cli("analysers", "resume", "pi-broken")
+    assert code == 0, err
+    code, out, err = cli("queue-status", "--json")
+    assert (json.loads(out)["broken_analysers"], json.loads(out)["paused_analysers"]) == (0, 0)
+    recorded = [row[0] for row in sql.run("SELECT action FROM operator_actions ORDER BY at, id")]
+    assert recorded == ["add analyser", "add analyser", "pause analyser"] + ["refetch"] * len(
+        failed
+    ) + ["resume analyser"]
+
+
+# --- the operators' three ways in ------------------------------------------------------
+
+# The web view's actions (handler.ADMIN_ROUTES' writes), each with the CLI command that
+# does the same. A write that is the browser's own (its session) has none.
+SESSION_ONLY = {("POST", "/admin/logout")}
+WEB_ACTION_COMMANDS = {
+    ("POST", "/admin/api/refetch"): ("queue-refetch",),
+    ("POST", "/admin/api/apps/{appId}/hold"): ("queue-hold",),
+    ("POST", "/admin/api/apps/{appId}/release"): ("queue-release",),
+    ("POST", "/admin/api/queue/pause"): ("queue-pause",),
+    ("POST", "/admin/api/queue/resume"): ("queue-resume",),
+    ("POST", "/admin/api/analysers"): ("analysers", "add"),
+    ("POST", "/admin/api/analysers/{name}/rotate"): ("analysers", "rotate"),
+    ("POST", "/admin/api/analysers/{name}/revoke"): ("analysers", "revoke"),
+    ("POST", "/admin/api/analysers/{name}/pause"): ("analysers", "pause"),
+    ("POST", "/admin/api/analysers/{name}/resume"): ("analysers", "resume"),
+}
+# Commands that print a new token: the CLI's and the admin API's alone, never a log's.
+PRINTS_A_TOKEN = {("analysers", "add"), ("analysers", "rotate")}
+
+
+def cli_commands(parser, path: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    """Every command of the CLI's table, subcommands by their path."""
+    import argparse
+
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        return {path}
+    return {
+        found
+        for group in groups
+        for name, child in group.choices.items()
+        for found in cli_commands(child, (*path, name))
+    }
+
+
+def web_actions_without_a_command(routes, commands: set[tuple[str, ...]]) -> list[str]:
+    """The web view's actions that no CLI command does, by method and path."""
+    missing = []
+    for method, path, _, who in routes:
+        if who != "write" or (method, path) in SESSION_ONLY:
+            continue
+        if WEB_ACTION_COMMANDS.get((method, path)) not in commands:
+            missing.append(f"{method} {path}")
+    return missing
+
+
+def test_every_web_view_action_has_a_cli_command():
+    """Each action the web view offers, the CLI offers too: an operator without a browser
+    (or with the web view off, its default) can do everything."""
+    commands = cli_commands(handler.cli_parser())
+    assert web_actions_without_a_command(handler.ADMIN_ROUTES, commands) == []
+    assert set(WEB_ACTION_COMMANDS.values()) <= commands
+
+
+def test_a_new_web_view_action_without_a_command_fails_by_name():
+    routes = (*handler.ADMIN_ROUTES, ("POST", "/admin/api/apps/{appId}/bless", None, "write"))
+    commands = cli_commands(handler.cli_parser())
+    assert web_actions_without_a_command(routes, commands) == ["POST /admin/api/apps/{appId}/bless"]
+
+
+def test_the_report_function_takes_every_web_view_action_but_a_token_printing_one(database_url):
+    """The report function (for an operator with only `aws lambda invoke`) takes each of
+    the web view's actions under the CLI command's name (analysers-pause for `analysers
+    pause`), except adding and rotating an analyser, which print a token. Each is invoked
+    bare: it answers, or asks for its fields, but never calls the command unknown.
+    (Fails while analysers-revoke is unknown to it.)"""
+    unknown = []
+    for command in sorted(set(WEB_ACTION_COMMANDS.values()) - PRINTS_A_TOKEN):
+        name = "-".join(command)
+        try:
+            handler.report({"command": name}, LambdaContext())
+        except handler.BadInput as refused:
+            if "unknown command" in str(refused):
+                unknown.append(name)
+    assert unknown == []
+
+
+# --- why: the CLI's and the web view's are one -----------------------------------------
+
+AGES = {
+    "10 minutes": timedelta(minutes=10),
+    "3 hours": timedelta(hours=3),
+    "2 days": timedelta(days=2),
+    "200 days": timedelta(days=200),
+}
+APP_STATES = st.fixed_dictionaries(
+    {
+        "status": st.sampled_from(["queued", "processing", "analysed", "failed"]),
+        "version": st.sampled_from([VERSION - 1, VERSION, VERSION + 1]),
+        "analysed": st.sampled_from(sorted(AGES)),
+        "started": st.sampled_from(["5 minutes", "200 minutes"]),
+        "lease_attempts": st.integers(1, 4),
+        "refetch_requested": st.booleans(),
+        "retryable": st.booleans(),
+        "streak": st.integers(0, 4),
+        "held": st.booleans(),
+        "queue_paused": st.booleans(),
+    }
+)
+
+
+@pytest.mark.parametrize("backoff", ["", "off", "30m,2h"])
+def test_why_on_the_command_line_is_the_web_views_why(database_url, sql, monkeypatch, backoff):
+    """For generated app states (every status, versions below, at and above the current
+    one, ages on each side of the policy's lines, live and expired leases, retries by
+    RETRY_BACKOFF, held or not, the queue paused or not): `why APPID --json` is the web
+    view's app page's why with the app's state, and `why APPID` says the same in words."""
+    configure_service(monkeypatch, database_url, ADMIN_WEB="read-only", RETRY_BACKOFF=backoff)
+    from fastapi.testclient import TestClient
+
+    with TestClient(handler.app, raise_server_exceptions=False) as client:
+
+        @settings(
+            max_examples=kit.examples(60),
+            deadline=None,
+            suppress_health_check=[HealthCheck.function_scoped_fixture],
+        )
+        @given(APP_STATES)
+        def check(state):
+            arrange_why(sql, state)
+            story = client.get("/admin/api/apps/Why.App", headers=ADMIN)
+            assert story.status_code == 200, story.text
+            story = story.json()
+            code, out, err = cli("why", "why.app", "--json")
+            assert code == 0, err
+            document = json.loads(out)
+            assert document == {
+                "appId": "Why.App",
+                "status": story["app"]["status"],
+                "failureReason": story["failureReason"],
+                "leaseAttempts": story["leaseAttempts"],
+                **story["why"],
+            }
+            code, text, err = cli("why", "WHY.APP")
+            assert code == 0, err
+            assert text == why_in_words(document)
+
+        check()
+
+
+def arrange_why(sql, state: dict) -> None:
+    """The one app Why.App in `state` (APP_STATES), alone in the queue."""
+    sql.run("DELETE FROM apps")
+    sql.run("UPDATE queue_pause SET paused_at = NULL, paused_by = NULL, reason = NULL")
+    status = state["status"]
+    row: dict = {"status": status, "held": state["held"]}
+    if status in ("analysed", "failed"):
+        row |= {
+            "version": state["version"],
+            "analysed": datetime.now(UTC) - AGES[state["analysed"]],
+        }
+    if status == "failed":
+        row |= {"retryable": state["retryable"], "streak": state["streak"]}
+        if not state["retryable"]:
+            row["reason"] = "app_not_found"
+    if status == "processing":
+        row["processing_started"] = datetime.now(UTC) - parse_ago(state["started"])
+    insert_app(sql, "Why.App", **row)
+    if status == "processing":
+        sql.run(
+            "UPDATE apps SET lease_attempts = :attempts, refetch_requested = :refetch",
+            attempts=state["lease_attempts"],
+            refetch=state["refetch_requested"],
+        )
+    if state["queue_paused"]:
+        sql.run("UPDATE queue_pause SET paused_at = now(), paused_by = 'tests'")
+
+
+def why_in_words(why: dict) -> str:
+    """What `why APPID` prints for the document `why APPID --json` prints (docs/cli.md)."""
+    state = why["status"] + (f" ({why['failureReason']})" if why["failureReason"] else "")
+    lines = [f"{why['appId']}: {state}"]
+    lines.append(("handed out: " if why["candidate"] else "not handed out: ") + why["why"])
+    if why["from"]:
+        lines.append(f"from: {why['from']}")
+    if why.get("retry"):
+        retry = why["retry"]
+        lines.append(
+            f"failures in a row: {retry['consecutiveFailures']};"
+            f" next retry: {retry['nextRetry'] or 'none (past RETRY_BACKOFF)'}"
+        )
+    return "\n".join(lines) + "\n"

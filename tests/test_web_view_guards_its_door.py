@@ -583,7 +583,7 @@ def test_an_app_with_a_bundle_id_from_before_the_checks_still_has_its_page(web, 
 
 @given(name=st.text(alphabet="abz09._:@-", min_size=1, max_size=64))
 def test_an_analyser_name_is_one_every_url_keeps_as_written(name):
-    """The names the rule takes are those a URL path keeps as written (dots alone are
+    """The names the rule takes are those a URL path keeps as written ("." and ".." are
     segments a browser or proxy folds away, so their routes could never be reached)."""
     import httpx
 
