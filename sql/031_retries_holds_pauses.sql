@@ -31,10 +31,9 @@
 --   and every role may read it (below).
 -- * One short transaction; ACCESS EXCLUSIVE on apps, analysers and queue_policy only for
 --   the catalog change (under the runner's lock_timeout).
--- The failures in a row (apps, analysers) are counts of one app's or one host's results,
--- as lease_attempts beside them: an integer is far more than enough.
--- squawk-ignore prefer-bigint-over-int
 ALTER TABLE apps
+-- Failures in a row of one app, as lease_attempts beside it: an integer is plenty.
+-- squawk-ignore prefer-bigint-over-int
     ADD COLUMN IF NOT EXISTS failure_streak integer NOT NULL DEFAULT 1,
     ADD COLUMN IF NOT EXISTS retry_due boolean NOT NULL DEFAULT false,
     ADD COLUMN IF NOT EXISTS held_at timestamptz,
@@ -42,10 +41,11 @@ ALTER TABLE apps
     ADD COLUMN IF NOT EXISTS hold_reason text;
 ALTER TABLE apps ALTER COLUMN failure_streak SET DEFAULT 0;
 
--- squawk-ignore prefer-bigint-over-int
 ALTER TABLE analysers
     ADD COLUMN IF NOT EXISTS paused_at timestamptz,
     ADD COLUMN IF NOT EXISTS paused_by text,
+-- Failures in a row of one host's results: an integer is plenty.
+-- squawk-ignore prefer-bigint-over-int
     ADD COLUMN IF NOT EXISTS failure_streak integer NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS failing_since timestamptz;
 
