@@ -3029,14 +3029,17 @@ FROM apps WHERE appid = ANY(CAST(:appids AS text[]))
 # or the back-off's failure; Verdict.lease "ended"): the app goes back to the state its
 # stored result says (:ended, from stored_result_state), or is queued when an operator's
 # refetch waited for this lease. The lease is answered, so lease_attempts starts again
-# at 0.
+# at 0. Back to a stored failure, it counts as one at least (a refetch set 0): it is
+# retried as any failure is.
 RETURN_TO_STORED_RESULT = """
 UPDATE apps SET status = CASE WHEN apps.refetch_requested THEN 'queued' ELSE e.status END,
     failure_reason = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_reason END,
     failure_retryable = CASE WHEN apps.refetch_requested THEN NULL ELSE e.failure_retryable END,
     processing_started = NULL, analysis_claim_token = NULL, due = false, lease_attempts = 0,
     refetch_requested = false,
-    failure_streak = CASE WHEN apps.refetch_requested THEN 0 ELSE apps.failure_streak END
+    failure_streak = CASE WHEN apps.refetch_requested THEN 0
+                          WHEN e.status = 'failed' THEN GREATEST(apps.failure_streak, 1)
+                          ELSE apps.failure_streak END
 FROM jsonb_to_recordset(CAST(:ended AS jsonb))
      AS e(appid text, status text, failure_reason text, failure_retryable boolean)
 WHERE apps.appid = e.appid AND apps.status = 'processing'
@@ -4871,7 +4874,7 @@ def format_queue_status(status: QueueStatus) -> str:
         f"  {'outdated-version results in the last 24 hours':<52}{t['outdated_24h']:>10}",
         f"  {'refetches waiting for a lease to end':<52}{held['refetch_waiting']:>10}",
         f"  {'retryable failures, retry due in the next hour':<52}{held['retries_next_hour']:>10}",
-        f"  {'retryable failures, retry later (RETRY_BACKOFF)':<52}{held['retries_waiting']:>10}",
+        f"  {'retryable failures waiting for their retry':<52}{held['retries_waiting']:>10}",
         f"  {'retryable failures past the last retry':<52}{held['retries_exhausted']:>10}",
         f"  {'held by an operator (queue-hold)':<52}{held['held_apps']:>10}",
     ]
@@ -5486,11 +5489,11 @@ def refetch_in_batches(
 
 
 # == Holds and pauses ===================================================================
-# An operator stops the queue, one analyser, or one app (docs/operations.md, "Pausing
-# and holding"): a paused queue or analyser is answered as an empty queue is (the
-# analysers' frozen contract: they sleep and ask again), a held app is no candidate by
-# any rule. Each is a row's column the claim reads in its own statement (CLAIMS_OPEN,
-# CANDIDATE), and each change is an operator action (act).
+# An operator stops the queue, one analyser, or one app (docs/queue.md, "Holding an app"
+# and "Pausing an analyser or the queue"): a paused queue or analyser is answered as an
+# empty queue is (the analysers' frozen contract: they sleep and ask again), a held app is
+# no candidate by any rule. Each is a row's column the claim reads in its own statement
+# (CLAIMS_OPEN, CANDIDATE), and each change is an operator action (act).
 
 
 # -- SQL
@@ -5571,7 +5574,7 @@ HOLD_OUTCOMES = {
     " not handed out again; --force ends the lease now",
     "lease_broken": "held, its lease ended (--force): back to its stored result, and its"
     " holder's claim token is refused",
-    "already_held": "held already: nothing changed",
+    "already_held": "held already: nothing changed (--force ends a live lease)",
 }
 
 
@@ -5588,6 +5591,14 @@ def checked_reason(reason: object) -> str | None:
     if not isinstance(reason, str) or len(reason) > MAX_REASON_LENGTH or "\x00" in reason:
         raise BadInput(f"a reason is text of at most {MAX_REASON_LENGTH} characters")
     return reason
+
+
+def end_lease(session: Session, appid: str) -> None:
+    """End the app's lease now (its holder's token is refused from here): back to the
+    state its stored result says (queued if it has none, or a refetch waited)."""
+    (parts,) = session.records(STORED_RESULT_PARTS, appids=[appid])
+    ended = [{"appid": appid, **dataclasses.asdict(stored_result_state(parts))}]
+    session.run(RETURN_TO_STORED_RESULT, ended=json.dumps(ended))
 
 
 def _hold_view(appid: str, outcome: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -5617,15 +5628,18 @@ def hold_app(
         if not rows:
             raise NoSuchApp(app_id)
         (row,) = rows
-        if row["held_at"] is not None:
+        if row["held_at"] is not None and not (force and row["ends_lease"]):
             return _hold_view(row["appid"], "already_held", row), None
+        if row["held_at"] is not None:  # held already; --force ends its lease now
+            end_lease(session, row["appid"])
+            return _hold_view(row["appid"], "lease_broken", row), ActionRecord(
+                "hold app", [(row["appid"], "lease_broken")]
+            )
         (held,) = session.records(
             HOLD_APPLY, appid=row["appid"], actor=who(operator), reason=reason
         )
         if row["ends_lease"]:
-            (parts,) = session.records(STORED_RESULT_PARTS, appids=[row["appid"]])
-            ended = [{"appid": row["appid"], **dataclasses.asdict(stored_result_state(parts))}]
-            session.run(RETURN_TO_STORED_RESULT, ended=json.dumps(ended))
+            end_lease(session, row["appid"])
         view = _hold_view(
             row["appid"],
             row["outcome"],
@@ -7654,9 +7668,10 @@ def _bundle_id_field(event: dict[str, Any]) -> str:
 
 def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
     """The report function's operator actions, as the CLI has them (docs/cli.md): why,
-    queue-hold, queue-release, queue-pause, queue-resume, analysers-pause and
-    analysers-resume, each answered and logged with the CLI's outcome. (Adding and rotating
-    analysers print a token: the CLI's and the admin API's alone, never a function's log.)"""
+    queue-hold, queue-release, queue-pause, queue-resume, analysers-pause,
+    analysers-resume and analysers-revoke, each answered and logged with the CLI's
+    outcome. (Adding and rotating analysers print a token: the CLI's and the admin API's
+    alone, never a function's log.)"""
     command, db, policy = event["command"], api_connection(), settings().policy
     if command == "why":
         app_id = _bundle_id_field(_event_fields(event, ("appId",), ()))
@@ -7677,6 +7692,8 @@ def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
         fields = _event_fields(event, (), ("reason",) if paused else ())
         return {"command": command, **pause_queue(db, operator, paused, fields.get("reason"))}
     fields = _event_fields(event, ("name",), ())
+    if command == "analysers-revoke":
+        return {"command": command, **revoke_analyser(db, operator, fields["name"])}
     paused = command == "analysers-pause"
     return {"command": command, **pause_analyser(db, operator, fields["name"], paused)}
 
@@ -7689,6 +7706,7 @@ REPORT_ACTIONS = (
     "queue-resume",
     "analysers-pause",
     "analysers-resume",
+    "analysers-revoke",
 )
 
 

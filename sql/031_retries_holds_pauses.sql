@@ -1,6 +1,6 @@
 -- 031: what a queue that heals itself needs: retries with back-off, apps held back,
--- analysers and the whole queue paused (docs/queue.md, "Retries" and "Holding an app";
--- docs/operations.md, "Pausing").
+-- analysers and the whole queue paused (docs/queue.md, "Retries", "Holding an app" and
+-- "Pausing an analyser or the queue").
 --
 -- apps.failure_streak: the stored result's failures in a row at its analysis version
 -- (0 after a success, a refetch; 1 for a first failure). The Nth retry waits the Nth
