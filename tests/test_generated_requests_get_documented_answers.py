@@ -121,12 +121,12 @@ def test_the_error_answers_are_in_the_schema():
             "415",
             "503",
         ],
-        ("POST", "/analysers/{name}/pause"): ["200", "400", "401", "404", "503"],
-        ("POST", "/analysers/{name}/resume"): ["200", "400", "401", "404", "503"],
+        ("POST", "/analysers/{name}/pause"): ["200", "400", "401", "404", "413", "415", "503"],
+        ("POST", "/analysers/{name}/resume"): ["200", "400", "401", "404", "413", "415", "503"],
         ("POST", "/apps/{appId}/hold"): ["200", "400", "401", "404", "413", "415", "503"],
-        ("POST", "/apps/{appId}/release"): ["200", "400", "401", "404", "503"],
+        ("POST", "/apps/{appId}/release"): ["200", "400", "401", "404", "413", "415", "503"],
         ("POST", "/queue/pause"): ["200", "400", "401", "413", "415", "503"],
-        ("POST", "/queue/resume"): ["200", "400", "401", "503"],
+        ("POST", "/queue/resume"): ["200", "400", "401", "413", "415", "503"],
     }
     conflict = paths["/uploadAnalysis"]["post"]["responses"]["409"]["description"]
     assert "stale X-Analysis-Claim-Token" in conflict and "newer analysisVersion" in conflict
