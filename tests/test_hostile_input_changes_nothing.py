@@ -188,7 +188,7 @@ def hostile_events(draw) -> dict:
     for name in ("user-agent", "x-analyser-id", "x-analysis-claim-token", "content-length"):
         if name in mutations:
             headers[name] = draw(HOSTILE_HEADER_VALUES)
-    route = draw(st.integers(0, 7))
+    route = draw(st.integers(0, 8))
     method, path, query, body = "GET", "/ping", "", None
     if route == 1:
         path, query = "/queue", draw(st.sampled_from(["", f"appId={encoded}"]))
@@ -213,6 +213,35 @@ def hostile_events(draw) -> dict:
         path = "/apps/" + encoded
     elif route == 6:
         path = draw(st.sampled_from(["/healthz", "/healthz/analyser"]))
+    elif route == 8:  # an operator's hold, release or pause, with a body of any kind
+        method = "POST"
+        name = query_value(draw(hostile_text)) if "app_id" in mutations else "pi-none"
+        path = draw(
+            st.sampled_from(
+                [
+                    f"/apps/{encoded}/hold",
+                    f"/apps/{encoded}/release",
+                    f"/analysers/{name}/pause",
+                    f"/analysers/{name}/resume",
+                    "/queue/pause",
+                    "/queue/resume",
+                ]
+            )
+        )
+        headers = {**headers, **ADMIN, "content-type": "application/json"}
+        members = st.dictionaries(
+            st.sampled_from(["reason", "force", "appId", "reason\x00"]), json_values, max_size=3
+        )
+        body = draw(
+            st.one_of(
+                st.just(b""),
+                json_bodies(),
+                members.map(lambda value: json.dumps(value).encode()),
+                hostile_text.map(
+                    lambda text: json.dumps({"reason": text}).encode("utf-8", "surrogatepass")
+                ),
+            )
+        )
     if "content-type" in mutations:
         headers["content-type"] = draw(hostile_text)
     if "host" in mutations:
@@ -274,14 +303,28 @@ def claim_matches_oracle(sql) -> None:
 def test_generated_requests_never_get_a_500_and_a_4xx_changes_nothing(database_url, sql, event):
     if not sql.run("SELECT 1 FROM apps LIMIT 1"):
         seed_queue(sql)
-    before = table_digest(sql)
+    before = operators_digest(sql)
     answer = call_api(event)
     assert answer["statusCode"] < 500, (event, answer)
     if 400 <= answer["statusCode"] < 500:
-        assert table_digest(sql) == before, (event, answer)
+        assert operators_digest(sql) == before, (event, answer)
         # The database's own refusal is a last resort; the input checks name the field.
         assert "cannot be stored" not in answer["body"], (event, answer)
+    # An operator's hold or pause that was taken is lifted, so that the supply lasts.
+    sql.run("UPDATE apps SET held_at = NULL, held_by = NULL, hold_reason = NULL")
+    sql.run("UPDATE queue_pause SET paused_at = NULL, paused_by = NULL, reason = NULL")
     claim_matches_oracle(sql)
+
+
+def operators_digest(sql) -> list:
+    """table_digest, and what an operator's request could change besides: the queue's
+    pause, the analysers' pauses, the operators' record."""
+    return [
+        *table_digest(sql),
+        sql.run("SELECT * FROM queue_pause"),
+        sql.run("SELECT name, paused_at, paused_by FROM analysers ORDER BY name"),
+        sql.run("SELECT count(*) FROM operator_actions"),
+    ]
 
 
 # --- anything accepted can be finished ---------------------------------------------------
