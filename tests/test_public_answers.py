@@ -102,6 +102,36 @@ def test_the_admin_token_still_opens_the_admin_view(database_url, sql):
         assert "claimedBy" in view and "analysedBy" in view
 
 
+def test_a_hold_a_pause_and_the_why_are_for_operators_only(database_url, sql):
+    """An operator's hold (who, from where, why) and the queue's pause are the operators'
+    business: the public answer is the same as before them and names neither; the admin
+    token's answer says why the app is not handed out, its hold and the pause included."""
+    insert_app(sql, "com.example.failed", status="failed", retryable=True, version=4)
+    before = get_app({})
+    admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    held = call_api(
+        gateway_event(
+            "POST",
+            "/apps/com.example.failed/hold",
+            headers={**admin, "content-type": "application/json"},
+            body=json.dumps({"reason": "ticket 4711: legal asked"}).encode(),
+        )
+    )
+    assert held["statusCode"] == 200, held
+    sql.run("UPDATE queue_pause SET paused_at = now(), paused_by = 'ops', reason = 'db upgrade'")
+    public = get_app({})
+    assert public["body"] == before["body"]
+    for private in ("4711", "203.0.113.9", "db upgrade", "why", "held"):
+        assert private not in public["body"], private
+    why = json.loads(get_app(admin)["body"])["why"]
+    assert (why["candidate"], why["held"], why["hold"]["reason"]) == (
+        False,
+        "hold",
+        "ticket 4711: legal asked",
+    )
+    assert "203.0.113.9" in why["hold"]["by"] and why["queuePaused"] is not None
+
+
 @pytest.mark.parametrize("status", ["failed", "processing", "queued", "analysed"])
 @pytest.mark.parametrize("success", [False, True])
 def test_what_is_stored_decides_what_is_public_in_every_status(database_url, sql, status, success):
