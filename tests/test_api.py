@@ -150,6 +150,125 @@ def test_adding_apps_needs_the_admin_token(client, sql, authorization):
     assert sql.run("SELECT count(*) FROM apps") == [[0]]
 
 
+# The operators' holds and pauses (docs/api.md): the admin token's routes.
+OPERATOR_ROUTES = [
+    "/apps/com.example.app/hold",
+    "/apps/com.example.app/release",
+    "/analysers/pi-kitchen/pause",
+    "/analysers/pi-kitchen/resume",
+    "/queue/pause",
+    "/queue/resume",
+]
+
+
+def holds_and_pauses(sql) -> list:
+    """What a hold or a pause changes: the apps' holds, the analysers' and the queue's
+    pauses, the operators' record."""
+    return [
+        sql.run("SELECT appid, held_at, held_by, hold_reason FROM apps ORDER BY appid"),
+        sql.run("SELECT name, paused_at, paused_by FROM analysers ORDER BY name"),
+        sql.run("SELECT paused_at, paused_by, reason FROM queue_pause"),
+        sql.run("SELECT count(*) FROM operator_actions"),
+    ]
+
+
+def add_pi_kitchen(sql) -> None:
+    sql.run(
+        "INSERT INTO analysers (name, token_hash) VALUES ('pi-kitchen', :hash)",
+        hash=handler.token_hash("aqa_kitchen"),
+    )
+
+
+@pytest.mark.parametrize("path", OPERATOR_ROUTES)
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer wrong", f"Bearer {UPLOAD_PASSWORD}", "Bearer aqa_kitchen"]
+)
+def test_holds_and_pauses_need_the_admin_token(client, sql, path, authorization):
+    insert_app(sql, "com.example.app")
+    add_pi_kitchen(sql)
+    if path.endswith(("release", "resume")):  # something to release or resume
+        sql.run("UPDATE apps SET held_at = now(), held_by = 'ops'")
+        sql.run("UPDATE analysers SET paused_at = now(), paused_by = 'ops'")
+        sql.run("UPDATE queue_pause SET paused_at = now(), paused_by = 'ops'")
+    before = holds_and_pauses(sql)
+    headers = {} if authorization is None else {"Authorization": authorization}
+    answer = client.post(path, headers=headers)
+    assert answer.status_code == 401
+    assert holds_and_pauses(sql) == before
+
+
+@pytest.mark.parametrize(
+    ("label", "path", "body", "status"),
+    [
+        ("unknown app", "/apps/com.example.nope/hold", b"", 404),
+        ("unknown app to release", "/apps/com.example.nope/release", b"", 404),
+        ("invalid bundle ID", "/apps/bad%20id/hold", b"", 400),
+        ("unknown analyser", "/analysers/pi-nope/pause", b"", 404),
+        ("unknown analyser to resume", "/analysers/pi-nope/resume", b"", 404),
+        ("reason not text", "/apps/com.example.app/hold", b'{"reason": 5}', 400),
+        ("force not a boolean", "/apps/com.example.app/hold", b'{"force": "yes"}', 400),
+        ("unknown member", "/apps/com.example.app/hold", b'{"reasons": "x"}', 400),
+        ("not an object", "/apps/com.example.app/hold", b'["x"]', 400),
+        ("not JSON", "/apps/com.example.app/hold", b"hold it", 400),
+        ("reason too long", "/queue/pause", b'{"reason": "' + b"x" * 501 + b'"}', 400),
+        ("reason with NUL", "/queue/pause", b'{"reason": "a\\u0000b"}', 400),
+        ("a body to release", "/apps/com.example.app/release", b'{"reason": "x"}', 400),
+        ("a body to resume", "/queue/resume", b'{"reason": "x"}', 400),
+        ("a body to pause one", "/analysers/pi-kitchen/pause", b'{"reason": "x"}', 400),
+    ],
+)
+def test_bad_holds_and_pauses_get_a_clear_4xx_and_change_nothing(
+    client, sql, label, path, body, status
+):
+    insert_app(sql, "com.example.app")
+    add_pi_kitchen(sql)
+    before = holds_and_pauses(sql)
+    answer = client.post(path, content=body, headers={**ADMIN, "Content-Type": "application/json"})
+    assert answer.status_code == status, answer.text
+    assert answer.json()["detail"]
+    assert holds_and_pauses(sql) == before
+
+
+def test_holds_and_pauses_answer_what_they_did(client, sql):
+    """Each operator's route answers its outcome, and does nothing twice: a second hold,
+    release, pause or resume changes nothing and is not recorded."""
+    insert_app(sql, "com.Example.App")
+    add_pi_kitchen(sql)
+    steps = [
+        ("/apps/COM.example.app/hold", {"reason": "check"}, "held"),
+        ("/apps/com.example.app/hold", {}, "already_held"),
+        ("/apps/com.example.app/release", None, "released"),
+        ("/apps/com.example.app/release", None, "not_held"),
+        ("/analysers/pi-kitchen/pause", None, "paused"),
+        ("/analysers/pi-kitchen/pause", None, "unchanged"),
+        ("/analysers/pi-kitchen/resume", None, "resumed"),
+        ("/analysers/pi-kitchen/resume", None, "unchanged"),
+        ("/queue/pause", {"reason": "upgrade"}, "paused"),
+        ("/queue/pause", {"reason": "again"}, "unchanged"),
+        ("/queue/resume", None, "resumed"),
+        ("/queue/resume", None, "unchanged"),
+    ]
+    for path, body, outcome in steps:
+        answer = (
+            client.post(path, json=body, headers=ADMIN)
+            if body is not None
+            else (client.post(path, headers=ADMIN))
+        )
+        assert (answer.status_code, answer.json()["outcome"]) == (200, outcome), path
+        assert answer.headers["cache-control"] == "no-store"
+        if path.startswith("/apps/"):
+            assert answer.json()["appId"] == "com.Example.App"  # the stored bundle ID
+    recorded = sql.run("SELECT action, app_id, analyser FROM operator_actions ORDER BY at, id")
+    assert recorded == [
+        ["hold app", "com.Example.App", None],
+        ["release app", "com.Example.App", None],
+        ["pause analyser", None, "pi-kitchen"],
+        ["resume analyser", None, "pi-kitchen"],
+        ["pause queue", None, None],
+        ["resume queue", None, None],
+    ]
+
+
 def test_add_app_and_read_it_back(client, sql):
     created = client.post(
         "/apps", json={"appId": "com.Example.New", "details": {"reviews": "12"}}, headers=ADMIN
