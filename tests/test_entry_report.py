@@ -285,11 +285,95 @@ def test_report_unknown_command_fails_clearly(database_url, sql):
         ({"command": "queue-refetch", "failed": "yes", "apply": True}, "failed"),
         ({"command": "priority-report", "limit": -1}, "limit"),
         ({"command": "priority-report", "top": 5}, "top"),
+        ({"command": "queue-refetch", "failedBy": "no such/name", "apply": True}, "failedBy"),
+        ({"command": "queue-refetch", "since": "1h", "failed": True, "apply": True}, "since"),
+        ({"command": "queue-refetch", "failedBy": "pi", "since": "soon", "apply": True}, "since"),
+        ({"command": "why"}, "appId"),
+        ({"command": "why", "appId": "not a bundle id"}, "appId"),
+        ({"command": "why", "appIds": ["com.example.app"]}, "appIds"),
+        ({"command": "queue-hold", "appId": "com.example.app", "force": "yes"}, "force"),
+        ({"command": "queue-hold", "appId": "com.example.app", "reason": 5}, "reason"),
+        ({"command": "queue-hold", "appid": "com.example.app"}, "appid"),
+        ({"command": "queue-release", "appId": "com.example.app", "force": True}, "force"),
+        ({"command": "queue-pause", "reason": "x" * 501}, "reason"),
+        ({"command": "queue-pause", "why": "upgrade"}, "why"),
+        ({"command": "queue-resume", "reason": "done"}, "reason"),
+        ({"command": "analysers-pause"}, "name"),
+        ({"command": "analysers-pause", "name": "bad name"}, "name"),
+        ({"command": "analysers-resume", "name": "pi", "force": True}, "force"),
     ],
 )
 def test_report_commands_reject_malformed_options(database_url, sql, event, complaint):
     insert_app(sql, "com.example.app", status="analysed", version=4, analysed=datetime.now(UTC))
-    before = table_digest(sql)
+    before = [*table_digest(sql), *operators_state(sql)]
     with pytest.raises(handler.BadInput, match=complaint):
         handler.report(event, LambdaContext())
-    assert table_digest(sql) == before
+    assert [*table_digest(sql), *operators_state(sql)] == before
+
+
+def operators_state(sql) -> list:
+    """The holds, the pauses and the operators' record."""
+    return [
+        sql.run("SELECT appid, held_at, held_by, hold_reason FROM apps ORDER BY appid"),
+        sql.run("SELECT name, paused_at, paused_by FROM analysers ORDER BY name"),
+        sql.run("SELECT paused_at, paused_by, reason FROM queue_pause"),
+        sql.run("SELECT count(*) FROM operator_actions"),
+    ]
+
+
+def test_report_operator_commands_act_log_and_record(database_url, sql, capsys):
+    """The report function's why, queue-hold, queue-release, queue-pause, queue-resume,
+    analysers-pause and analysers-resume: each answers as the CLI's command does (the
+    same outcome), logs one "operator command" record with that answer, and each change is
+    recorded as the report function's, by the invocation's request id."""
+    insert_app(sql, "com.Example.App", status="analysed", version=4, analysed=datetime.now(UTC))
+    sql.run(
+        "INSERT INTO analysers (name, token_hash) VALUES ('pi-kitchen', :hash)",
+        hash=handler.token_hash("aqa_kitchen"),
+    )
+    context = LambdaContext("analysis-queue-ReportFunction")
+    events = [
+        ({"command": "why", "appId": "com.example.app"}, None),
+        ({"command": "queue-hold", "appId": "com.example.app", "reason": "legal"}, "held"),
+        ({"command": "queue-hold", "appId": "com.example.app", "force": True}, "already_held"),
+        ({"command": "why", "appId": "com.example.app"}, None),
+        ({"command": "queue-release", "appId": "com.example.app"}, "released"),
+        ({"command": "queue-pause", "reason": "upgrade"}, "paused"),
+        ({"command": "queue-resume"}, "resumed"),
+        ({"command": "analysers-pause", "name": "pi-kitchen"}, "paused"),
+        ({"command": "analysers-resume", "name": "pi-kitchen"}, "resumed"),
+        ({"command": "analysers-resume", "name": "pi-kitchen"}, "unchanged"),
+    ]
+    answers = []
+    for event, outcome in events:
+        capsys.readouterr()
+        answer = handler.report(event, context)
+        logs, emf = output_records(capsys.readouterr())
+        assert one_record(logs, "operator command")["report_action"] == answer
+        assert emf == []
+        assert answer["command"] == event["command"]
+        assert answer.get("outcome") == outcome, event
+        answers.append(answer)
+    assert (answers[0]["appId"], answers[0]["candidate"], answers[0]["held"]) == (
+        "com.Example.App",
+        False,
+        "fresh",
+    )
+    assert (answers[3]["held"], answers[3]["hold"]["reason"]) == ("hold", "legal")
+    assert answers[3]["hold"]["by"] == f"report function ({context.aws_request_id})"
+    recorded = sql.run("SELECT actor, source, action FROM operator_actions ORDER BY at, id")
+    assert {(actor, source) for actor, source, _ in recorded} == {
+        ("report function", context.aws_request_id)
+    }
+    assert [action for _, _, action in recorded] == [
+        "hold app",
+        "release app",
+        "pause queue",
+        "resume queue",
+        "pause analyser",
+        "resume analyser",
+    ]
+    with pytest.raises(handler.NoSuchApp):
+        handler.report({"command": "why", "appId": "com.example.nope"}, context)
+    with pytest.raises(handler.UnknownAnalyser):
+        handler.report({"command": "analysers-pause", "name": "pi-nope"}, context)
