@@ -171,6 +171,70 @@ def test_queue_status_report_sections(database_url, sql):
     assert text.index("q.one") < text.index("a.stale")
 
 
+def test_queue_status_text_says_pauses_holds_and_retries(database_url, sql):
+    """queue-status names a paused queue first (since when, by whom, why), counts retries
+    due (the lowest tier, listed last), retries waiting and held apps."""
+    insert_app(sql, "q.held", reviews="900", held=True)
+    insert_app(sql, "q.one", reviews="100")
+    insert_app(sql, "f.due", status="failed", retryable=True, version=4, analysed=days_ago(1),
+               reviews="5000")  # fmt: skip
+    insert_app(sql, "f.soon", status="failed", retryable=True, version=4,
+               analysed=minutes_ago(30))  # fmt: skip
+    assert cli(database_url, "queue-pause", "--reason", "db upgrade").returncode == 0
+    text = cli(database_url, "queue-status").stdout
+    first = text.splitlines()[0]
+    assert first.startswith("THE QUEUE IS PAUSED since ") and "(db upgrade)" in first
+    assert "command line (" in first  # who paused it, from where
+    for line, count in (
+        ("retry due (handed out last of all)", 1),
+        ("retryable failures, retry due in the next hour", 1),
+        ("held by an operator (queue-hold)", 1),
+    ):
+        found = [row for row in text.splitlines() if row.strip().startswith(line)]
+        assert found[0].split()[-1] == str(count), found  # the count (then the top's rows)
+    assert text.index("q.one") < text.index("f.due")  # the retry last, though more popular
+    assert "q.held" not in text.split("Top of the backlog")[1]
+    assert cli(database_url, "queue-resume").returncode == 0
+    assert "PAUSED" not in cli(database_url, "queue-status").stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "line"),
+    [
+        (("why", "com.example.nope"), 1, "error: "),
+        (("why", "not a bundle id"), 1, "error: "),
+        (("queue-hold", "com.example.nope"), 1, "error: "),
+        (("queue-release", "com.example.nope"), 1, "error: "),
+        (("analysers", "pause", "pi-nope"), 1, "error: "),
+        (("analysers", "resume", "pi-nope"), 1, "error: "),
+        (("analysers", "pause", "bad name"), 2, "error: "),
+        (("queue-pause", "--reason", "x" * 501), 1, "error: "),
+        (("queue-refetch", "--failed-by", "bad name"), 2, "error: "),
+        (("queue-refetch", "--failed-by", "pi", "--appid", "com.example.app"), 2, "error: "),
+    ],
+)
+def test_the_operators_commands_fail_in_one_line(database_url, sql, args, code, line):
+    """A hold, release, pause or why of something that is not there, or asked wrongly,
+    is one `error:` line on stderr, with the exit code, and changes nothing."""
+    insert_app(sql, "com.example.app")
+    before = (
+        sql.run("SELECT appid, held_at, status FROM apps"),
+        sql.run("SELECT paused_at FROM queue_pause"),
+    )
+    done = cli(database_url, *args)
+    assert done.returncode == code, (done.stdout, done.stderr)
+    errors = [text for text in done.stderr.splitlines() if text.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(line), done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+    after = (
+        sql.run("SELECT appid, held_at, status FROM apps"),
+        sql.run("SELECT paused_at FROM queue_pause"),
+    )
+    assert after == before
+    assert sql.run("SELECT count(*) FROM operator_actions") == [[0]]
+
+
 def test_priority_report_lists_claim_order(database_url, sql):
     insert_app(sql, "low", reviews="1")
     insert_app(sql, "high", reviews="1000")
