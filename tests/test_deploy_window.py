@@ -6,11 +6,14 @@ statements, run after each ledger file from 007 to the head.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import uuid
+from pathlib import Path
 
 import pg8000.native
 import pytest
+from kit import ADMIN as ADMIN_HEADERS
 from kit import configure_service, time_passes
 
 import handler
@@ -434,4 +437,85 @@ def test_the_release_before_named_analysers_keeps_working_after_022(client, sql)
     client.get("/ping", headers=ANALYSER)
     # Its heartbeat count reads the shared password's table only.
     assert sql.run(legacy.RELEASE_019_LAST_PING)[0][1] == 1
+    check_holds(sql)
+
+
+# --- Retries, holds and pauses (sql/031-033) while the release before them still runs ----
+
+# The release before sql/031, its claim and its result's store verbatim (its rendered
+# statements: tests/sql_snapshot as it was then).
+RELEASE_030 = Path(__file__).resolve().parent / "legacy_sql" / "release_030"
+
+
+def release_030(sql, name: str, **values) -> list:
+    """That release's statement `name`, with the parameters it names taken from values."""
+    text = (RELEASE_030 / f"{name}.sql").read_text()
+    named = set(re.findall(r"(?<!:):([a-z_]+)", text))
+    return sql.run(text, **{key: value for key, value in values.items() if key in named})
+
+
+def test_the_release_before_holds_and_retries_keeps_working_after_031(client, sql):
+    """The release before sql/031 serves claims and results beside this one during the
+    deploy: its claim and its store work on the migrated schema. What does not hold in
+    the window (sql/031 says so): it knows no hold and no pause, so it may hand out a held
+    app or claim for a paused analyser; the hold stays, and holds again for this release's
+    claims from the moment the deploy ends. A failure it stores is retried by the back-off
+    as a first failure."""
+    from kit import ANALYSER
+
+    policy = handler.QueuePolicy().sql_params()
+    sql.run(OLD_ADD_APP, appid="w.held", details=json.dumps({"reviews": "900"}))
+    sql.run(OLD_ADD_APP, appid="w.failing", details=json.dumps({"reviews": "5"}))
+    assert client.post("/apps/w.held/hold", headers=ADMIN_HEADERS).json()["outcome"] == "held"
+    token = uuid.uuid4()
+    assert release_030(sql, "CLAIM_NEXT_APP", token=token, analyser=None, **policy) == [
+        ["w.held"]
+    ]  # the window's gap: that release knows no hold
+    assert app_row(sql, "w.held")["status"] == "processing"
+    stored = release_030(
+        sql,
+        "STORE_RESULT",
+        analysis=json.dumps({"success": True}),
+        version=4,
+        status="analysed",
+        failure_reason=None,
+        failure_retryable=None,
+        result_claim=token,
+        verified=True,
+        analyser=None,
+        unless_stored=False,
+        appid="w.held",
+        document_limit=1000,
+    )
+    assert stored[0][0] == "w.held"
+    # A failure that release stores (it writes no failure_streak) is a first failure.
+    token = uuid.uuid4()
+    assert release_030(sql, "CLAIM_NEXT_APP", token=token, analyser=None, **policy) == [
+        ["w.failing"]
+    ]
+    release_030(
+        sql,
+        "STORE_RESULT",
+        analysis=json.dumps({"success": False, "logs": "usb gone"}),
+        version=4,
+        status="failed",
+        failure_reason="analysis_failed",
+        failure_retryable=True,
+        result_claim=token,
+        verified=True,
+        analyser=None,
+        unless_stored=False,
+        appid="w.failing",
+        document_limit=1000,
+    )
+    sql.run("UPDATE apps SET analysed = now() - interval '2 hours' WHERE appid = 'w.failing'")
+    why = client.get("/apps/w.failing", headers=ADMIN_HEADERS).json()["why"]
+    assert why["retry"]["due"] is True, why
+    time_passes()
+    assert client.get("/queue", headers=ANALYSER).text == "w.failing"
+    # The hold is still there: stale, w.held is handed out by no rule of this release.
+    sql.run("UPDATE apps SET analysed = now() - interval '400 days' WHERE appid = 'w.held'")
+    assert app_row(sql, "w.held")["status"] == "analysed"
+    assert client.get("/queue?appId=w.held", headers=ANALYSER).text == ""
+    assert client.get("/queue", headers=ANALYSER).text == ""
     check_holds(sql)
