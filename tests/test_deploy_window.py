@@ -519,3 +519,41 @@ def test_the_release_before_holds_and_retries_keeps_working_after_031(client, sq
     assert client.get("/queue?appId=w.held", headers=ANALYSER).text == ""
     assert client.get("/queue", headers=ANALYSER).text == ""
     check_holds(sql)
+
+
+def test_a_failure_from_before_031_is_retried_once_an_hour_after_it(
+    empty_database, tmp_path, monkeypatch
+):
+    """sql/031 counts a failure stored before it as the first of its run: with the default
+    RETRY_BACKOFF it is retried (the lowest tier) an hour after it failed; one of 30
+    minutes ago waits for its hour."""
+    from fastapi.testclient import TestClient
+    from kit import ANALYSER
+
+    migrate_to(empty_database, tmp_path, "030")
+    sql = connect(empty_database)
+    for appid, minutes in (("pre.old", 120), ("pre.recent", 30)):
+        sql.run(
+            "INSERT INTO apps (appid, details, analysis, analysisversion, analysed, status,"
+            " failure_reason, failure_retryable) VALUES (:appid, '{}',"
+            ' \'{"success": false, "logs": "usb gone"}\', 4,'
+            " now() - make_interval(mins => :minutes), 'failed', 'analysis_failed', true)",
+            appid=appid,
+            minutes=minutes,
+        )
+    assert migrate(empty_database) == [
+        path.name for path in sorted(handler.SQL_DIR.glob("*.sql")) if path.name[:3] > "030"
+    ]
+    assert sql.run("SELECT appid, failure_streak FROM apps ORDER BY appid") == [
+        ["pre.old", 1],
+        ["pre.recent", 1],
+    ]
+    configure_service(monkeypatch, empty_database)
+    with TestClient(handler.app) as client:
+        old = client.get("/apps/pre.old", headers=ADMIN_HEADERS).json()["why"]
+        recent = client.get("/apps/pre.recent", headers=ADMIN_HEADERS).json()["why"]
+        assert (old["candidate"], old["retry"]["due"]) == (True, True)
+        assert (recent["held"], recent["retry"]["due"]) == ("retry_backoff", False)
+        assert client.get("/queue", headers=ANALYSER).text == "pre.old"
+        assert client.get("/queue", headers=ANALYSER).text == ""
+    sql.close()
