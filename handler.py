@@ -564,7 +564,12 @@ CLAIM_ORDER = "app_popularity(details) DESC, added, appid"
 # array, the sum NULL, and the failure waits for a version bump or staleness (CANDIDATE);
 # RETRY_BACKOFF=off is an empty array. It is handed out only when no CANDIDATE is, and
 # only once the promoter has flagged it (retry_due): it fills capacity nothing else wants.
-RETRY_TIME = "analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak])"
+# A failed row's failures in a row: one at least, for a failure stored by a writer that
+# does not count them (the release before sql/031 leaves the count as it was, 0 after a
+# success or a refetch).
+FAILURES_IN_A_ROW = "GREATEST(failure_streak, 1)"
+RETRY_TIME = f"""analysed
+    + make_interval(secs => (CAST(:retry_backoff AS integer[]))[{FAILURES_IN_A_ROW}])"""
 RETRYABLE_NOW = """(held_at IS NULL AND status = 'failed' AND failure_retryable
     AND COALESCE(analysisversion, 0) = :analysis_version)"""
 RETRY_DUE = f"({RETRYABLE_NOW} AND {RETRY_TIME} <= now())"
@@ -3066,11 +3071,12 @@ FROM apps WHERE appid = :appid
 
 # A failure's place in its app's failures in a row (apps.failure_streak, which the retry
 # back-off counts by): one more than the stored result's when that is a failure at the
-# same analysis version ({version}), else 1. A success and a refetch set it to 0.
+# same analysis version ({version}; one at least, as FAILURES_IN_A_ROW reads it), else 1.
+# A success and a refetch set it to 0.
 NEXT_FAILURE_STREAK = """CASE
         WHEN COALESCE(apps.analysis->'success' = 'false'::jsonb, false)
              AND COALESCE(apps.analysisversion, 0) = {version}
-        THEN apps.failure_streak + 1 ELSE 1 END"""
+        THEN GREATEST(apps.failure_streak, 1) + 1 ELSE 1 END"""
 
 # The document as sent, cast to jsonb once (a materialized CTE: one parse, however often
 # it is used), stored; with :unless_stored, not when it is the stored result already (no
@@ -3558,7 +3564,7 @@ SELECT count(*) AS flagged FROM flagged
 # The retryable failures at the current version whose retry falls due within the
 # horizon, flagged retry_due so the claim's lowest tier finds them in apps_retry_order:
 # one range of apps_retry_watch (sql/033) per step of RETRY_BACKOFF, oldest first.
-PROMOTE_DUE_RETRIES = """
+PROMOTE_DUE_RETRIES = f"""
 WITH flagged AS (
     UPDATE apps SET retry_due = true
     WHERE appid = ANY(ARRAY(
@@ -3566,7 +3572,8 @@ WITH flagged AS (
         CROSS JOIN LATERAL (
             SELECT appid FROM apps
             WHERE status = 'failed' AND failure_retryable AND NOT retry_due
-              AND COALESCE(analysisversion, 0) = :analysis_version AND failure_streak = s
+              AND COALESCE(analysisversion, 0) = :analysis_version
+              AND {FAILURES_IN_A_ROW} = s
               AND analysed < now() + make_interval(secs => :horizon_seconds)
                              - make_interval(secs => (CAST(:retry_backoff AS integer[]))[s])
               AND held_at IS NULL
@@ -4097,7 +4104,8 @@ APP_RULE = f"""
 SELECT {CANDIDATE} AS candidate, {RETRY_DUE} AS retry_due_now, {RETRYABLE_NOW} AS retryable_now,
        status = 'processing' AND {LEASE_EXPIRED} AS lease_over,
        lease_attempts, refetch_requested, COALESCE(analysisversion, 0) AS version,
-       failure_streak, {RETRY_TIME} AS retry_at, held_at, held_by, hold_reason,
+       {FAILURES_IN_A_ROW} AS failure_streak, {RETRY_TIME} AS retry_at, held_at, held_by,
+       hold_reason,
        (SELECT paused_at FROM queue_pause) AS queue_paused_at,
        processing_started + make_interval(mins => :timeout_minutes) AS lease_ends,
        COALESCE(analysed, '-infinity') + make_interval(mins => :timeout_minutes)

@@ -29,4 +29,5 @@ END AS reason, count(*) AS apps FROM apps WHERE ((held_at IS NULL AND (
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
 )) OR ((held_at IS NULL AND status = 'failed' AND failure_retryable
-    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) <= now())) GROUP BY 1
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed
+    + make_interval(secs => (CAST(:retry_backoff AS integer[]))[GREATEST(failure_streak, 1)]) <= now())) GROUP BY 1

@@ -17,7 +17,8 @@ WHERE appid = (
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
 )) OR ((held_at IS NULL AND status = 'failed' AND failure_retryable
-    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) <= now())) AND (NOT EXISTS (SELECT 1 FROM queue_pause WHERE paused_at IS NOT NULL)
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed
+    + make_interval(secs => (CAST(:retry_backoff AS integer[]))[GREATEST(failure_streak, 1)]) <= now())) AND (NOT EXISTS (SELECT 1 FROM queue_pause WHERE paused_at IS NOT NULL)
     AND NOT EXISTS (SELECT 1 FROM analysers
                     WHERE name = CAST(:analyser AS text) AND paused_at IS NOT NULL))
     FOR UPDATE SKIP LOCKED)

@@ -102,7 +102,8 @@ head AS (
 ), retry_head AS (
     -- The lowest tier, read only when no other candidate is (a one-time filter).
     SELECT appid FROM (SELECT appid FROM apps WHERE retry_due AND ((held_at IS NULL AND status = 'failed' AND failure_retryable
-    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) <= now())
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed
+    + make_interval(secs => (CAST(:retry_backoff AS integer[]))[GREATEST(failure_streak, 1)]) <= now())
     ORDER BY app_popularity(details) DESC, added, appid
     LIMIT 1 FOR UPDATE SKIP LOCKED) r WHERE NOT EXISTS (SELECT 1 FROM best)
 ), choice AS (

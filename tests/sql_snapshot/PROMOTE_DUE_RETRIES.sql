@@ -6,7 +6,8 @@ WITH flagged AS (
         CROSS JOIN LATERAL (
             SELECT appid FROM apps
             WHERE status = 'failed' AND failure_retryable AND NOT retry_due
-              AND COALESCE(analysisversion, 0) = :analysis_version AND failure_streak = s
+              AND COALESCE(analysisversion, 0) = :analysis_version
+              AND GREATEST(failure_streak, 1) = s
               AND analysed < now() + make_interval(secs => :horizon_seconds)
                              - make_interval(secs => (CAST(:retry_backoff AS integer[]))[s])
               AND held_at IS NULL

@@ -30,7 +30,8 @@ FROM apps WHERE ((held_at IS NULL AND (
                  AND COALESCE(analysed, '-infinity')
                      < now() - make_interval(days => :stale_days))))
 )) OR ((held_at IS NULL AND status = 'failed' AND failure_retryable
-    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed + make_interval(secs => (CAST(:retry_backoff AS integer[]))[failure_streak]) <= now()))
+    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed
+    + make_interval(secs => (CAST(:retry_backoff AS integer[]))[GREATEST(failure_streak, 1)]) <= now()))
 ORDER BY NOT (held_at IS NULL AND (
     status = 'queued'
     OR (status = 'processing' AND (processing_started IS NULL
