@@ -5,7 +5,9 @@ of the queue reads apps by a sequential scan, that claims are the oracle's, and 
 concurrent claimers never share an app. Those checks are here, on a few thousand rows
 made by one INSERT ... SELECT over generate_series, in every state the claim reads:
 queued, live and expired leases (one without a start time), fresh and stale analyses,
-old, current and newer analysis versions, retryable and final failures.
+old, current and newer analysis versions, retryable and final failures; and a queue
+whose apps mostly fail (RETRY_POPULATE), where thousands of retries back off and a few
+are due, handed out in the lowest tier.
 
 What else the benchmark checks is tested elsewhere: claims against the oracle on random
 small states and while promotion is partial (test_claims_follow_the_oracle.py:
@@ -30,7 +32,7 @@ import pytest
 from kit import ANALYSER, configure_service
 
 import handler
-from helpers import oracle_order, run_together
+from helpers import oracle_order, oracle_tiers, run_together
 
 ROWS = 5000
 # The benchmark's phases: the service as deployed, restarted with the analysers' version
@@ -202,6 +204,12 @@ def queue_statements(sql, policy: handler.QueuePolicy) -> dict[str, tuple[str, d
             {**policy_params, "batch": handler.PROMOTION_BATCH, "after": ""},
             True,
         ),
+        "PROMOTE_DUE_RETRIES": (handler.PROMOTE_DUE_RETRIES, promotion, True),
+        "CLEAR_RETRY_FLAGS": (
+            handler.CLEAR_RETRY_FLAGS,
+            {"batch": handler.PROMOTION_BATCH},
+            True,
+        ),
     }
 
 
@@ -211,7 +219,8 @@ def test_no_statement_of_the_queue_scans_apps(
     client, sql, database_url, monkeypatch, phase, analyzed
 ):
     """No Seq Scan on apps in the plans of the claim (next and named), the promoter's
-    three statements, the app lookup and the queue position, after the phase's first
+    statements (its retry flagging and clearing included), the app lookup and the queue
+    position, after the phase's first
     claim (which promotes and, on a policy change, clears flags), in the two phases where
     bench/claims.py checks plans at 10k to 1M apps.
 
@@ -369,6 +378,128 @@ def test_a_claim_and_a_queue_position_read_no_live_lease(
     grown = {title: after[title] - before[title] for title in statements}
     print("ROWS", before, after)
     assert all(rows < reads_each * LIVE_LEASES + 50 for rows in grown.values()), (before, after)
+
+
+# --- retries at scale ----------------------------------------------------------------------
+
+# A queue whose apps mostly fail: one row in a hundred of each kind (k = i % 100). Two
+# queued (candidates), fresh analyses, and retryable failures at the current version, each
+# the 1st to 4th in a row (i / 100 % 4 + 1): most backing off (their retry a step away:
+# half RETRY_BACKOFF's step old for their count) or spent (the 4th, past the last step),
+# two in a hundred due (a step and a half old). Ages are far from every step (the
+# oracle's now() and the claim's agree), and the promoter flags only the due few.
+RETRY_POPULATE = """
+INSERT INTO apps (appid, details, analysis, analysisversion, analysed, added, status,
+                  failure_reason, failure_retryable, failure_streak)
+SELECT id.appid,
+       jsonb_build_object('appId', id.appid, 'reviews', (i * 7919 % 211)::text),
+       CASE WHEN m.k >= 2 THEN jsonb_build_object(
+           'success', m.k < 40, 'bundleID', id.appid) END,
+       CASE WHEN m.k >= 2 THEN 4 END,
+       CASE WHEN m.k >= 40 THEN now() - step.seconds * CASE WHEN m.k >= 98 THEN 1.5 ELSE 0.5 END
+                                      * interval '1 second'
+            WHEN m.k >= 2 THEN now() - interval '3 days' END,
+       date_trunc('day', now()) - interval '1000 days' + i % 7 * interval '1 day',
+       CASE WHEN m.k < 2 THEN 'queued' WHEN m.k < 40 THEN 'analysed' ELSE 'failed' END,
+       CASE WHEN m.k >= 40 THEN 'analysis_failed' END,
+       CASE WHEN m.k >= 40 THEN true END,
+       CASE WHEN m.k >= 40 THEN m.streak ELSE 0 END
+FROM generate_series(1, :rows) AS i
+CROSS JOIN LATERAL (SELECT format('com.retry.app%s', lpad(i::text, 6, '0')) AS appid) id
+CROSS JOIN LATERAL (SELECT i % 100 AS k, i / 100 % 4 + 1 AS streak) m
+CROSS JOIN LATERAL (SELECT (ARRAY[3600, 21600, 86400, 86400])[m.streak] AS seconds) step
+"""
+
+
+def retry_statements(sql, policy: handler.QueuePolicy) -> dict[str, tuple[str, dict, bool]]:
+    """(statement, parameters, planned with values?) of the claims and the promoter's
+    retry statements, the named claim asked for the last due retry in claim order."""
+    ((appid,),) = sql.run(
+        "SELECT appid FROM apps WHERE retry_due ORDER BY app_popularity(details), added DESC,"
+        " appid DESC LIMIT 1"
+    )
+    every = queue_statements(sql, policy)
+    titles = ("CLAIM_NEXT_APP", "PROMOTE_DUE_RETRIES", "CLEAR_RETRY_FLAGS")
+    named = every["CLAIM_NAMED_APP"]
+    return {
+        **{title: every[title] for title in titles},
+        "CLAIM_NAMED_APP": (named[0], {**named[1], "appid": appid.upper()}, named[2]),
+    }
+
+
+def due_retries(sql, policy: handler.QueuePolicy) -> int:
+    ((count,),) = sql.run(
+        f"SELECT count(*) FROM apps WHERE {handler.RETRY_DUE}", **policy.sql_params()
+    )
+    return count
+
+
+@pytest.mark.parametrize("analyzed", [True, False], ids=["analyzed", "no statistics"])
+def test_due_retries_are_claimed_by_index_reads_among_many_backing_off(
+    client, sql, database_url, monkeypatch, analyzed
+):
+    """Thousands of retryable failures backing off or spent, a few due: the promoter
+    flags exactly the due ones (one range of apps_retry_watch per step), and no plan of
+    the claims (next and named) or of the promoter's retry statements reads apps by a
+    sequential scan. Then the claims hand out every candidate, and after them the due
+    retries in claim order, as the oracle says, the last claim empty."""
+    sql.run(RETRY_POPULATE, rows=ROWS)
+    configure_service(monkeypatch, database_url)
+    policy = handler.settings().policy
+    expected = oracle_order(sql, policy)
+    candidates, retries = oracle_tiers(sql, policy)
+    # Two queued in a hundred; two due in a hundred, but for the 4th failures (spent).
+    due = [i for i in range(1, ROWS + 1) if i % 100 >= 98 and i // 100 % 4 < 3]
+    assert (len(candidates), len(retries)) == (ROWS // 50, len(due))
+    assert claim(client) == expected[0]  # promotes
+    ((flagged,),) = sql.run("SELECT count(*) FROM apps WHERE retry_due")
+    assert flagged == due_retries(sql, policy) == len(retries)
+    if analyzed:
+        sql.run("ANALYZE apps")
+    scans = {}
+    for title, (statement, params, promoter) in retry_statements(sql, policy).items():
+        found = [
+            line.strip()
+            for line in service_plan(statement, params, promoter)
+            if "Seq Scan on apps" in line
+        ]
+        if found:
+            scans[title] = found
+    assert scans == {}
+    got = [claim(client) for _ in range(len(expected))]
+    assert [expected[0], *got] == [*expected, ""]
+
+
+BACKING_OFF = 4000
+
+
+def test_a_claim_reads_no_retry_backing_off(client, sql, database_url, monkeypatch):
+    """What a claim reads does not grow with the retryable failures backing off: the
+    lowest tier reads the promoter's flagged rows (apps_retry_order), never the failures
+    waiting for their retry. Measured when nothing but due retries is left, the claim
+    reading the retry tier: before and after BACKING_OFF more failures backing off."""
+    sql.run(RETRY_POPULATE, rows=ROWS)
+    configure_service(monkeypatch, database_url)
+    policy = handler.settings().policy
+    candidates, _ = oracle_tiers(sql, policy)
+    assert [claim(client) for _ in candidates] == candidates
+    sql.run("ANALYZE apps")
+    statement = handler.CLAIM_NEXT_APP
+    params = {**policy.sql_params(), "token": str(uuid.UUID(int=0)), "analyser": None}
+    before = rows_read(statement, params)
+    sql.run(
+        """INSERT INTO apps (appid, status, analysisversion, analysed, failure_reason,
+                             failure_retryable, failure_streak, analysis)
+           SELECT format('com.retry.waiting%s', n), 'failed', 4,
+                  now() - interval '30 minutes', 'analysis_failed', true, n % 3 + 1,
+                  '{"success": false}'
+           FROM generate_series(1, :n) AS n""",
+        n=BACKING_OFF,
+    )
+    after = rows_read(statement, params)
+    assert after - before < 50, (before, after)
+    first_retry = oracle_tiers(sql, policy)[1][0]
+    assert claim(client) == first_retry
 
 
 # --- claims in a row ----------------------------------------------------------------------

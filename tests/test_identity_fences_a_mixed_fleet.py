@@ -24,8 +24,8 @@ from hypothesis.stateful import (
 from kit import ADMIN, ANALYSER, configure_service, examples, time_passes
 
 import handler
-from helpers import is_candidate, refetch_apps
-from queue_model import App, judged
+from helpers import refetch_apps
+from queue_model import App, judged, next_claim, streak_after
 
 pytestmark = pytest.mark.slow  # a stateful model: minutes
 
@@ -82,13 +82,12 @@ class FleetModel(RuleBasedStateMachine):
     def claim(self, host):
         time_passes()
         now = self.now()
-        ready = [a for a in self.apps.values() if is_candidate(a.row(), self.policy, now)]
-        ready.sort(key=lambda a: (-a.reviews, a.added, a.appid))
+        chosen = next_claim(self.apps.values(), self.policy, now)  # a due retry last
         answer = self.client.get("/queue", headers=self.headers[host])
         assert answer.status_code == 200
-        assert answer.text == (ready[0].appid if ready else "")
+        assert answer.text == (chosen.appid if chosen else "")
         self.backed_off(now)
-        if not ready:
+        if chosen is None:
             return
         app = self.apps[answer.text]
         app.attempts = app.attempts + 1 if app.status == "processing" else 1
@@ -104,6 +103,7 @@ class FleetModel(RuleBasedStateMachine):
         for app in self.apps.values():
             expired = app.status == "processing" and app.started < lease_ago
             if expired and app.attempts >= self.policy.max_lease_attempts:
+                app.streak = streak_after(app, "server", self.policy.analysis_version)
                 app.status, app.reason, app.retryable = "failed", "lease_expired", True
                 app.version, app.result = self.policy.analysis_version, ("server",)
                 app.token, app.holder, app.started, app.attempts = None, None, None, 0
@@ -137,6 +137,7 @@ class FleetModel(RuleBasedStateMachine):
         assert answer.status_code == want, (host, app, token, answer.text)
         if judgement[0] != "store":
             return
+        app.streak = streak_after(app, key[0], version)  # failures in a row
         app.result, app.result_claim, app.result_verified = key, judgement[1], judgement[2]
         app.attempts = 0
         app.status = "analysed" if success else "failed"
@@ -194,7 +195,7 @@ class FleetModel(RuleBasedStateMachine):
         refetch_apps(handler.api_connection(), [appid], True, self.policy, force=True)
         app = self.apps[appid]
         app.status, app.started, app.reason, app.retryable = "queued", None, None, None
-        app.token, app.holder, app.attempts = None, None, 0
+        app.token, app.holder, app.attempts, app.streak = None, None, 0, 0
 
     # --- invariants -------------------------------------------------------------------
 
@@ -202,13 +203,13 @@ class FleetModel(RuleBasedStateMachine):
     def rows_match_the_model(self):
         if not hasattr(self, "apps"):
             return
-        columns = ("appid", "status", "failure_reason", "token", "holder", "analysed_by")
+        columns = ("appid", "status", "failure_reason", "token", "holder", "analysed_by", "streak")
         rows = [
             dict(zip(columns, row, strict=True))
             for row in self.sql.run(
                 "SELECT appid, status, failure_reason, CAST(analysis_claim_token AS text),"
                 " CASE WHEN status = 'processing' AND claimed_with = analysis_claim_token"
-                " THEN claimed_by END, analysed_by FROM apps"
+                " THEN claimed_by END, analysed_by, failure_streak FROM apps"
             )
         ]
         assert {row["appid"] for row in rows} == set(self.apps)
@@ -220,7 +221,8 @@ class FleetModel(RuleBasedStateMachine):
                 row["token"],
                 row["holder"],
                 row["analysed_by"],
-            ) == (app.status, app.reason, app.token, app.holder, app.analysed_by), app
+                row["streak"],
+            ) == (app.status, app.reason, app.token, app.holder, app.analysed_by, app.streak), app
 
     @invariant()
     def each_analysers_view_matches(self):

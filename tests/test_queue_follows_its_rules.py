@@ -8,17 +8,21 @@ and results sent again (the analyser retries), an operator's refetch that waits 
 lease followed by that lease's result and the same again (or the holder's own with its
 token), leases that expire again and again (a hanging analyser), a stored analysis of a
 version above the current one met by analysers of the current version (refused results,
-back-off), ageing, retryable failures retried with back-off (failures in a row counted,
-each retry RETRY_BACKOFF's next step after its failure, in the lowest tier: only when no
-other app is a candidate; RETRY_BACKOFF drawn as the default, a short one or off, and
-changed while the service runs), operators holding and releasing apps, operators'
-refetches with and without --force, and
+back-off), ageing, retryable failures retried with back-off (failures in a row counted;
+each retry RETRY_BACKOFF's next step after its failure, in the lowest tier, only when no
+other app is a candidate; the fleet draining the queue; RETRY_BACKOFF drawn as the
+default, a short one or off, and changed while the service runs), operators holding and
+releasing apps, operators' refetches with and without --force, and
 CURRENT_ANALYSIS_VERSION moving up and down (each move a new process), across several
 analysers, one of them with its own credential (docs/analysers.md) and the others on the
 shared password, against the real database through the ASGI app. A small pure-Python
-model of the queue's rules (docs/queue.md) predicts every answer and every row; the
-clock is moved by rewriting the timestamps, and the only things read back are clock
-readings.
+model of the queue's rules (docs/queue.md, tests/queue_model.py) predicts every answer
+and every row; the clock is moved by rewriting the timestamps, and the only things read
+back are clock readings.
+
+A second test, test_failing_apps_never_starve_new_ones, runs a fleet where a third of
+the apps fail every time, new apps arriving while their retries fall due, each claim
+checked against the oracle (helpers.oracle_tiers).
 
 Beside the model's predictions, the promises are checked as invariants of their own:
 - no app is handed out while another analyser holds a live lease on it;
@@ -37,11 +41,12 @@ Beside the model's predictions, the promises are checked as invariants of their 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from datetime import datetime, timedelta
 
 import pg8000.native
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -54,7 +59,7 @@ from hypothesis.stateful import (
 from kit import ADMIN, ANALYSER, configure_service, examples, time_passes
 
 import handler
-from helpers import lease_expired, refetch_apps, retry_time
+from helpers import lease_expired, oracle_tiers, refetch_apps, retry_time
 from queue_model import (
     RESULT_STATES,
     App,
@@ -192,23 +197,25 @@ class QueueModel(RuleBasedStateMachine):
         max_lease_attempts times in a row is queued for a refetch that waited for it, else
         gets the server's lease_expired failure as its holder's result (one more failure
         in a row), judged by the result rules (so refused when a newer version is stored:
-        the lease ends). A held app's expired lease (no refetch waiting) goes back to its
-        stored result, however many leases it had: no failure is recorded. Returns the
-        apps whose failure was stored, whose times are read once the claim is done."""
+        the lease ends). A held app's expired lease, however many leases it had, is queued
+        for a refetch that waited for it, else goes back to its stored result: no failure
+        is recorded. Returns the apps whose failure was stored, whose times are read once
+        the claim is done."""
         failed = []
         for app in self.apps.values():
             expired = app.status == "processing" and lease_expired(
                 app.started, self.policy.processing_timeout_minutes, now
             )
             at_limit = expired and app.attempts >= self.policy.max_lease_attempts
-            if at_limit and app.refetch_requested:  # the operator's refetch wins
+            if (at_limit or (expired and app.held)) and app.refetch_requested:
+                # The operator's refetch wins.
                 app.status, app.started, app.token, app.holder = "queued", None, None, None
                 app.attempts, app.refetch_requested = 0, False
                 app.handouts_since_result = app.handouts_since_time = 0
                 app.streak = 0
                 app.epoch += 1
                 continue
-            if expired and app.held and not app.refetch_requested:
+            if expired and app.held:
                 self._lease_ended(app)
                 continue
             if not at_limit:
@@ -242,8 +249,8 @@ class QueueModel(RuleBasedStateMachine):
     def _lease_ended(self, app: App) -> None:
         """The lease ends without its result (refused as older than a stored result of a
         version above the current one, or held by an operator): the app is as its stored
-        result says (queued when it has none), or queued for a refetch that waited (no
-        failures in a row then)."""
+        result says (queued when it has none; a failure at least the first in a row, its
+        count kept), or queued for a refetch that waited (no failures in a row then)."""
         if app.refetch_requested:
             app.status, app.reason, app.retryable = "queued", None, None
             app.streak = 0
@@ -252,6 +259,8 @@ class QueueModel(RuleBasedStateMachine):
             app.status, app.reason, app.retryable = "queued", None, None
         else:
             app.status, app.reason, app.retryable = RESULT_STATES[app.result[0]]
+            if app.status == "failed":  # a failed app is at least one failure in a row
+                app.streak = max(app.streak, 1)
         app.started, app.token, app.attempts, app.refetch_requested = None, None, 0, False
         app.holder = None
         app.handouts_since_result = 0
@@ -866,3 +875,111 @@ def test_queue_model(client, sql, database_url, monkeypatch):
             derandomize=True,
         ),
     )
+
+
+# --- starvation: a fleet where a third of the apps always fail -------------------------
+
+
+def answer_claim(client, appid: str, token: str, fails: bool) -> None:
+    """The claim's result, with its token: a retryable failure (a USB error), or a
+    success."""
+    headers = {**ANALYSER, "X-Analysis-Claim-Token": token}
+    if fails:
+        answer = client.post(
+            f"/reportAnalysisFailure?appId={appid}&analysisVersion=4",
+            content=b"usb disconnected",
+            headers={**headers, "Content-Type": "text/plain"},
+        )
+    else:
+        answer = client.post(
+            f"/uploadAnalysis?appId={appid}&analysisVersion=4",
+            json={"success": True},
+            headers=headers,
+        )
+    assert answer.status_code == 200, answer.text
+
+
+@settings(
+    max_examples=examples(20),  # 20 at ci, 4 at dev
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+)
+@given(
+    backoff=st.sampled_from(BACKOFFS),
+    waves=st.lists(
+        st.tuples(
+            st.sampled_from((0, 30, 90, 400, 1500)),  # minutes passing before the wave
+            st.lists(st.integers(0, 5), min_size=1, max_size=6),  # its apps' reviews
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_failing_apps_never_starve_new_ones(client, sql, monkeypatch, backoff, waves):
+    """A fleet where a third of the apps fail (retryably) every time, while new apps
+    arrive in waves and time passes: the analysers claim until the queue is empty and
+    answer each claim at once. No claim hands out a due retry while another app is a
+    candidate (a new app arriving while retries are due is handed out first), the due
+    retries come in claim order once nothing else is, each failing app is retried once
+    per step of RETRY_BACKOFF and then no more (its failures in a row one more than the
+    steps), and every other app is analysed exactly once."""
+    for table in ("app_analyses", "apps"):
+        sql.run(f"DELETE FROM {table}")
+    policy = handler.QueuePolicy(retry_backoff=backoff)
+    configure_service(
+        monkeypatch, handler.settings().database_url, RETRY_BACKOFF=policy.retry_backoff_text
+    )
+    failing: set[str] = set()
+    handed_out: Counter[str] = Counter()
+
+    def drain() -> None:
+        while True:
+            candidates, retries = oracle_tiers(sql, policy)  # the claim's promotion flags all
+            time_passes()
+            answer = client.get("/queue", headers=ANALYSER)
+            assert answer.status_code == 200
+            if candidates:
+                assert answer.text == candidates[0], "a retry or another app before a candidate"
+            else:
+                assert answer.text == (retries[0] if retries else ""), "retries in claim order"
+            if not answer.text:
+                return
+            handed_out[answer.text] += 1
+            token = answer.headers["x-analysis-claim-token"]
+            answer_claim(client, answer.text, token, answer.text in failing)
+
+    def time_passes_for_all(seconds: float) -> None:
+        sql.run(
+            "UPDATE apps SET analysed = analysed"
+            " - make_interval(secs => CAST(:s AS double precision))",
+            s=seconds,
+        )
+
+    added = 0
+    for minutes, reviews in waves:
+        time_passes_for_all(minutes * 60)
+        for popularity in reviews:
+            added += 1
+            appid = f"fleet.app{added:02d}"
+            answer = client.post(
+                "/apps",
+                json={"appId": appid, "details": {"reviews": str(popularity)}},
+                headers=ADMIN,
+            )
+            assert answer.status_code == 201
+            if added % 3 == 0:
+                failing.add(appid)
+        drain()
+    # Then each failing app's every retry falls due in turn, until none is left.
+    for _ in range(len(backoff) + 1):
+        time_passes_for_all(max(backoff, default=0) + 60)
+        drain()
+    rows = {r[0]: r[1:] for r in sql.run("SELECT appid, status, failure_streak FROM apps")}
+    assert len(rows) == added
+    for appid, (status, streak) in rows.items():
+        if appid in failing:
+            spent = len(backoff) + 1
+            assert (status, streak, handed_out[appid]) == ("failed", spent, spent), appid
+        else:
+            assert (status, streak, handed_out[appid]) == ("analysed", 0, 1), appid
