@@ -68,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+import unicodedata
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -1847,9 +1848,20 @@ def _only_query(request: Request, known: tuple[str, ...]) -> None:
         raise HTTPException(400, f"unknown query parameter {unknown[0]!r}; known: {known}"[:300])
 
 
+BUNDLE_ID_WORDS = "a bundle ID (letters, digits, '.', '-')"
+
+
+def checked_bundle_id(value: object, name: str = "appId") -> str:
+    """`value` if it is a valid bundle ID, else BadInput naming `name` (the CLI's and the
+    report function's words; a route answers 400 with them)."""
+    if not isinstance(value, str) or not is_valid_bundle_id(value):
+        raise BadInput(f"{name} must be {BUNDLE_ID_WORDS}, got {value!r}"[:200])
+    return value
+
+
 def _bundle_id(value: str | None) -> str:
     if value is None or not is_valid_bundle_id(value):
-        raise HTTPException(400, "appId must be a bundle ID (letters, digits, '.', '-')")
+        raise HTTPException(400, f"appId must be {BUNDLE_ID_WORDS}")
     return value
 
 
@@ -3070,13 +3082,13 @@ FROM apps WHERE appid = :appid
 """
 
 # A failure's place in its app's failures in a row (apps.failure_streak, which the retry
-# back-off counts by): one more than the stored result's when that is a failure at the
-# same analysis version ({version}; one at least, as FAILURES_IN_A_ROW reads it), else 1.
-# A success and a refetch set it to 0.
+# back-off counts by): one more than the stored result's count when that is a failure at
+# the same analysis version ({version}), else 1. A success and a refetch set it to 0, so a
+# failure after a refetch is a first one again.
 NEXT_FAILURE_STREAK = """CASE
         WHEN COALESCE(apps.analysis->'success' = 'false'::jsonb, false)
              AND COALESCE(apps.analysisversion, 0) = {version}
-        THEN GREATEST(apps.failure_streak, 1) + 1 ELSE 1 END"""
+        THEN apps.failure_streak + 1 ELSE 1 END"""
 
 # The document as sent, cast to jsonb once (a materialized CTE: one parse, however often
 # it is used), stored; with :unless_stored, not when it is the stored result already (no
@@ -3885,23 +3897,25 @@ OLD_VERSIONS = """old_versions(version) AS (
 # still on the old version cannot put the same app back at the head in a loop.
 OUTDATED_RESULT_SETTLED = f"COALESCE(analysed, '-infinity') < {LEASE_CUTOFF}"
 # Whether an unflagged analysis is stale: the oldest of each version in stale_versions,
-# one probe each (the statement defines stale_versions).
+# one probe each (the statement defines stale_versions). Held apps are never flagged, so
+# they are left out here: one would otherwise look like a promoter behind, for ever.
 UNFLAGGED_STALE_EXIST = f"""(
     SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
         SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
-        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version) f
+        WHERE NOT due AND {RETRY_ELIGIBLE} AND COALESCE(analysisversion, 0) = s.version
+          AND held_at IS NULL) f
 ) < {STALE_CUTOFF}"""
 STALE_DAYS = f"""stale_days(version, day) AS (
     -- For each stale version whose oldest unflagged analysis is past the cutoff, each
     -- analysis day up to the cutoff that holds such rows, oldest first: a skip scan.
     SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
-                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                       WHERE NOT due AND {RETRY_ELIGIBLE} AND held_at IS NULL
                          AND COALESCE(analysisversion, 0) = s.version
                          AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
     FROM stale_versions s WHERE s.version IS NOT NULL AND {UNFLAGGED_STALE_EXIST}
   UNION ALL
     SELECT d.version, (SELECT min(analysis_day(analysed)) FROM apps
-                       WHERE NOT due AND {RETRY_ELIGIBLE}
+                       WHERE NOT due AND {RETRY_ELIGIBLE} AND held_at IS NULL
                          AND COALESCE(analysisversion, 0) = d.version
                          AND analysis_day(analysed) > d.day
                          AND analysis_day(analysed) <= analysis_day({STALE_CUTOFF}))
@@ -5592,12 +5606,17 @@ def who(operator: Operator) -> str:
 
 
 def checked_reason(reason: object) -> str | None:
-    """An operator's reason for a hold or a pause: text of at most MAX_REASON_LENGTH
-    characters (None or "": none); else BadInput."""
+    """An operator's reason for a hold or a pause: one line of text of at most
+    MAX_REASON_LENGTH characters (None or "": none); else BadInput."""
     if reason is None or reason == "":
         return None
-    if not isinstance(reason, str) or len(reason) > MAX_REASON_LENGTH or "\x00" in reason:
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_LENGTH:
         raise BadInput(f"a reason is text of at most {MAX_REASON_LENGTH} characters")
+    if any(unicodedata.category(char) in ("Cc", "Cs") for char in reason):
+        # A line break or an escape sequence would be printed as it is to an operator's
+        # terminal by why and queue-status; a lone surrogate (bytes that are no UTF-8 on
+        # the command line) cannot be stored.
+        raise BadInput("a reason is one line of text: no control characters, valid UTF-8")
     return reason
 
 
@@ -5748,10 +5767,14 @@ NO_SUCH_APP = "No such app; nothing was changed."
 
 
 async def _optional_json_object(request: Request, allowed: set[str]) -> dict[str, Any]:
-    """An operator's optional JSON body: an object of these members only ({} when empty)."""
+    """An operator's optional JSON body: an object of these members only ({} when empty).
+    These routes take no query: a `?force=true` must not look as if it were read."""
+    _only_query(request, ())
     body = await _read_body(request)
     if not body:
         return {}
+    if not allowed:
+        raise BadInput("this request takes no body")
     _require_content_type(request, ("application/json",))
     parsed = await blocking(_parse_operators_json, body, "the body", parse=True)
     if not isinstance(parsed, dict) or not set(parsed) <= allowed:
@@ -7669,9 +7692,7 @@ def _event_fields(event: dict[str, Any], required: tuple[str, ...], optional: tu
 
 
 def _bundle_id_field(event: dict[str, Any]) -> str:
-    if not isinstance(event["appId"], str) or not is_valid_bundle_id(event["appId"]):
-        raise BadInput(f"appId must be a bundle ID, got {event['appId']!r}"[:200])
-    return event["appId"]
+    return checked_bundle_id(event["appId"])
 
 
 def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
@@ -8145,8 +8166,17 @@ def _cli_invoke(args: argparse.Namespace) -> int:
     """Run an entry point on an event file, as `sam local invoke` would, without Docker.
     Exits 1 when the entry point reports failure: a FAILED custom-resource reply, a 5xx
     from the API (an exception, as from `report`, ends the process with 1 as well)."""
+
+    def one_value_per_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # A key given twice (a command, an apply) is no event: never its first or last.
+        keys = [key for key, _ in pairs]
+        twice = [key for key in keys if keys.count(key) > 1]
+        if twice:
+            raise ValueError(f"the key {twice[0]!r} is given twice")
+        return dict(pairs)
+
     try:
-        event = json.loads(Path(args.event).read_text())
+        event = json.loads(Path(args.event).read_text(), object_pairs_hook=one_value_per_key)
     except (OSError, ValueError) as error:
         print(f"error: cannot read the event {args.event}: {error}", file=sys.stderr)
         return 2
@@ -8450,10 +8480,25 @@ def _cli_analysers(args: argparse.Namespace) -> int:
         return 1
 
 
+def input_checked(run: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """A command whose bad input (BadInput) exits 2 with its one line, as queue-refetch's
+    and analysers' do: what the operator typed, not what went wrong while it ran."""
+
+    @functools.wraps(run)
+    def checked(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except BadInput as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+
+    return checked
+
+
 def _cli_why(args: argparse.Namespace) -> int:
     """Why an app is or is not handed out: the web view's "why", in words."""
     _local_database(apply=True)
-    app_id = _bundle_id(args.appid)
+    app_id = checked_bundle_id(args.appid, "the bundle ID")
     why = app_why(api_connection(), app_id, settings().policy)
     if why is None:
         raise NoSuchApp(app_id)
@@ -8477,7 +8522,11 @@ def _cli_why(args: argparse.Namespace) -> int:
 def _cli_queue_hold(args: argparse.Namespace) -> int:
     _local_database(apply=True)
     held = hold_app(
-        api_connection(), cli_operator(), _bundle_id(args.appid), args.reason, args.force
+        api_connection(),
+        cli_operator(),
+        checked_bundle_id(args.appid, "the bundle ID"),
+        args.reason,
+        args.force,
     )
     print(f"{held['appId']}: {HOLD_OUTCOMES[held['outcome']]}")
     return 0
@@ -8485,7 +8534,9 @@ def _cli_queue_hold(args: argparse.Namespace) -> int:
 
 def _cli_queue_release(args: argparse.Namespace) -> int:
     _local_database(apply=True)
-    released = release_app(api_connection(), cli_operator(), _bundle_id(args.appid))
+    released = release_app(
+        api_connection(), cli_operator(), checked_bundle_id(args.appid, "the bundle ID")
+    )
     words = {"released": "released: the queue's rule decides again", "not_held": "was not held"}
     print(f"{released['appId']}: {words[released['outcome']]}")
     return 0
@@ -8590,22 +8641,22 @@ def cli_parser() -> argparse.ArgumentParser:
     why = commands.add_parser("why", help="why an app is or is not handed out")
     why.add_argument("appid", help="a bundle ID (any letter case)")
     why.add_argument("--json", action="store_true", help="the web view's document, for scripts")
-    why.set_defaults(run=_cli_why)
+    why.set_defaults(run=input_checked(_cli_why))
     hold = commands.add_parser("queue-hold", help="never hand the app out until released")
     hold.add_argument("appid", help="a bundle ID (any letter case)")
     hold.add_argument("--reason", help="why, for the record and the web view")
     hold.add_argument(
         "--force", action="store_true", help="end a live lease now (its holder's token is refused)"
     )
-    hold.set_defaults(run=_cli_queue_hold)
+    hold.set_defaults(run=input_checked(_cli_queue_hold))
     release_cmd = commands.add_parser("queue-release", help="release a held app")
     release_cmd.add_argument("appid", help="a bundle ID (any letter case)")
-    release_cmd.set_defaults(run=_cli_queue_release)
+    release_cmd.set_defaults(run=input_checked(_cli_queue_release))
     pause = commands.add_parser("queue-pause", help="every claim answered empty until resumed")
     pause.add_argument("--reason", help="why, for the record and every view")
-    pause.set_defaults(run=_cli_queue_pause)
+    pause.set_defaults(run=input_checked(_cli_queue_pause))
     resume = commands.add_parser("queue-resume", help="claims hand out apps again")
-    resume.set_defaults(run=_cli_queue_pause)
+    resume.set_defaults(run=input_checked(_cli_queue_pause))
     analysers = commands.add_parser("analysers", help="named analysers' credentials")
     actions = analysers.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every analyser, its state and activity (never a token)")

@@ -291,9 +291,11 @@ def retry_time(
 ) -> datetime | None:
     """When a retryable failure, the `streak`-th in a row, stored at `analysed`, may be
     retried (handler.RETRY_TIME): RETRY_BACKOFF's streak-th step after it; None when it
-    never is by the back-off (RETRY_BACKOFF=off, no failure in a row, past the last step,
-    or no time stored)."""
-    if analysed is None or not 1 <= streak <= len(policy.retry_backoff):
+    never is by the back-off (RETRY_BACKOFF=off, past the last step, or no time stored).
+    A failed row counted 0 (stored by a release that does not count) is a first failure
+    (handler.FAILURES_IN_A_ROW)."""
+    streak = max(streak, 1)
+    if analysed is None or streak > len(policy.retry_backoff):
         return None
     return analysed + timedelta(seconds=policy.retry_backoff[streak - 1])
 

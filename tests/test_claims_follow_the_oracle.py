@@ -915,7 +915,7 @@ def test_retry_flags_the_rule_does_not_back_hand_out_nothing(client, sql):
     flagged = {
         "waiting.app": {"analysed": minutes_ago(30)},
         "spent.app": {"analysed": days_ago(2), "streak": 4},
-        "never.app": {"analysed": days_ago(2), "streak": 0},
+        "recent.app": {"analysed": minutes_ago(30), "streak": 0},
         "final.app": {"analysed": days_ago(2), "retryable": False, "reason": "paid_app"},
         "newer.app": {"analysed": days_ago(2), "version": 5},
         "held.app": {"analysed": days_ago(2), "held": True},

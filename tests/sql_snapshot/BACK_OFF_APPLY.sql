@@ -12,7 +12,7 @@ WITH abandoned AS (
         failure_streak = CASE
         WHEN COALESCE(apps.analysis->'success' = 'false'::jsonb, false)
              AND COALESCE(apps.analysisversion, 0) = :analysis_version
-        THEN GREATEST(apps.failure_streak, 1) + 1 ELSE 1 END,
+        THEN apps.failure_streak + 1 ELSE 1 END,
         result_claim_token = analysis_claim_token, result_claim_verified = false,
         analysed_by = NULL
     WHERE appid = ANY(CAST(:failed AS text[])) AND status = 'processing'

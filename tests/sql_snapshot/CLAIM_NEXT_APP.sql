@@ -16,17 +16,18 @@ WITH RECURSIVE stale_versions(version) AS (
     -- For each stale version whose oldest unflagged analysis is past the cutoff, each
     -- analysis day up to the cutoff that holds such rows, oldest first: a skip scan.
     SELECT s.version, (SELECT min(analysis_day(analysed)) FROM apps
-                       WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+                       WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND held_at IS NULL
                          AND COALESCE(analysisversion, 0) = s.version
                          AND analysis_day(analysed) <= analysis_day(now() - make_interval(days => :stale_days)))
     FROM stale_versions s WHERE s.version IS NOT NULL AND (
     SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
         SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
-        WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = s.version) f
+        WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = s.version
+          AND held_at IS NULL) f
 ) < now() - make_interval(days => :stale_days)
   UNION ALL
     SELECT d.version, (SELECT min(analysis_day(analysed)) FROM apps
-                       WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable))
+                       WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND held_at IS NULL
                          AND COALESCE(analysisversion, 0) = d.version
                          AND analysis_day(analysed) > d.day
                          AND analysis_day(analysed) <= analysis_day(now() - make_interval(days => :stale_days)))

@@ -91,5 +91,6 @@ SELECT
     (
     SELECT min(f.oldest) FROM stale_versions s CROSS JOIN LATERAL (
         SELECT min(COALESCE(analysed, '-infinity')) AS oldest FROM apps
-        WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = s.version) f
+        WHERE NOT due AND (status = 'analysed' OR (status = 'failed' AND failure_retryable)) AND COALESCE(analysisversion, 0) = s.version
+          AND held_at IS NULL) f
 ) < now() - make_interval(days => :stale_days)

@@ -10,7 +10,7 @@ UPDATE apps SET analysis = sent.document, analysisversion = :version,
                     THEN CASE
         WHEN COALESCE(apps.analysis->'success' = 'false'::jsonb, false)
              AND COALESCE(apps.analysisversion, 0) = :version
-        THEN GREATEST(apps.failure_streak, 1) + 1 ELSE 1 END ELSE 0 END
+        THEN apps.failure_streak + 1 ELSE 1 END ELSE 0 END
 FROM sent
 WHERE apps.appid = :appid AND NOT (:unless_stored AND COALESCE(apps.analysis = sent.document
              AND apps.analysisversion IS NOT DISTINCT FROM :version, false))
