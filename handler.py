@@ -4315,6 +4315,7 @@ def app_why(
             "appId": row["appid"],
             "status": row["status"],
             "failureReason": row["failure_reason"],
+            "analysedBy": row["analysed_by"],
             "leaseAttempts": rule["lease_attempts"],
             **why_handed_out(rule, row, policy),
         }
@@ -5082,6 +5083,8 @@ SELECT appid, status, {REFETCH_OUTCOME} AS outcome FROM apps WHERE {REFETCH_ANAL
 ORDER BY app_popularity(details) DESC, added, appid
 LIMIT :limit
 """
+# Whether an analyser of that name exists (revoked too): what --failed-by names.
+ANALYSER_NAMED = "SELECT 1 FROM analysers WHERE name = :name"
 # A bulk refetch without a limit walks apps by bundle ID (the primary key) from a cursor,
 # one window of :batch rows at a time, and selects the window's rows that match: a window
 # costs the same at any table size, whether none or all of its rows match.
@@ -5421,6 +5424,8 @@ def refetch_in_batches(
     each batch but the first) it stops, with progress.complete False."""
     if request.apply and operator is None:
         raise TypeError("an applied refetch is an operator's action: give the operator")
+    if request.failed_by is not None and not db.run(ANALYSER_NAMED, name=request.failed_by):
+        raise UnknownAnalyser(request.failed_by)  # a typo must not read "nothing to undo"
     progress = RefetchProgress()
     policy = policy or QueuePolicy()
     app_ids, failed, limit = request.app_ids, request.failed, request.limit
@@ -8506,6 +8511,8 @@ def _cli_why(args: argparse.Namespace) -> int:
         print(json.dumps(why, ensure_ascii=False))
         return 0
     state = why["status"] + (f" ({why['failureReason']})" if why["failureReason"] else "")
+    if why["analysedBy"]:
+        state += f", its result stored by {why['analysedBy']}"
     print(f"{why['appId']}: {state}")
     print(("handed out: " if why["candidate"] else "not handed out: ") + why["why"])
     if why["from"]:
