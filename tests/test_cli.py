@@ -202,20 +202,21 @@ def test_queue_status_text_says_pauses_holds_and_retries(database_url, sql):
     ("args", "code", "line"),
     [
         (("why", "com.example.nope"), 1, "error: "),
-        (("why", "not a bundle id"), 1, "error: "),
+        (("why", "not a bundle id"), 2, "error: "),
         (("queue-hold", "com.example.nope"), 1, "error: "),
         (("queue-release", "com.example.nope"), 1, "error: "),
         (("analysers", "pause", "pi-nope"), 1, "error: "),
         (("analysers", "resume", "pi-nope"), 1, "error: "),
         (("analysers", "pause", "bad name"), 2, "error: "),
-        (("queue-pause", "--reason", "x" * 501), 1, "error: "),
+        (("queue-pause", "--reason", "x" * 501), 2, "error: "),
         (("queue-refetch", "--failed-by", "bad name"), 2, "error: "),
         (("queue-refetch", "--failed-by", "pi", "--appid", "com.example.app"), 2, "error: "),
     ],
 )
 def test_the_operators_commands_fail_in_one_line(database_url, sql, args, code, line):
-    """A hold, release, pause or why of something that is not there, or asked wrongly,
-    is one `error:` line on stderr, with the exit code, and changes nothing."""
+    """A hold, release, pause or why of something that is not there (exit 1), or asked
+    wrongly (exit 2, as any bad input), is one `error:` line on stderr and changes
+    nothing."""
     insert_app(sql, "com.example.app")
     before = (
         sql.run("SELECT appid, held_at, status FROM apps"),
