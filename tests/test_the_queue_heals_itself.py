@@ -156,6 +156,16 @@ class Claimers:
         for _ in range(claims):
             assert self.progress.acquire(timeout=120), "the claimers stopped making progress"
 
+    def wait_until(self, done, most: int = 5000) -> None:
+        """Until done(claims so far) holds, checked after each claim that ends; at most
+        `most` claims (counted, not timed), or it fails."""
+        for _ in range(most):
+            with self.lock:
+                if done(list(self.claims)):
+                    return
+            self.wait_for(1)
+        raise AssertionError(f"not done after {most} claims")
+
     def __exit__(self, *exc) -> None:
         self.stop.set()
         for thread in self.threads:
@@ -231,10 +241,16 @@ def test_no_claim_that_began_after_an_analysers_pause_hands_it_an_app(database_u
             done = handler.pause_analyser(operator_db, TEST_OPERATOR, "pi-a", True)
             assert done["outcome"] == "paused"
             claimers.mark.set()
-            claimers.wait_for(15)
+
+            def each_claimed_after(claims) -> bool:
+                after = [c for c in claims if c["began_after"]]
+                return len([c for c in after if c["analyser"] == "pi-a"]) >= 4 and any(
+                    c["analyser"] == "pi-b" and c["app"] for c in after
+                )
+
+            claimers.wait_until(each_claimed_after)
         after = [c for c in claimers.claims if c["began_after"]]
         assert [c for c in after if c["analyser"] == "pi-a" and c["app"] is not None] == []
-        assert len([c for c in after if c["analyser"] == "pi-a"]) >= 2
         assert [c for c in after if c["analyser"] == "pi-b" and c["app"] is not None]
         handler.pause_analyser(operator_db, TEST_OPERATOR, "pi-a", False)
         assert handler.claim_next_app(operator_db, policy, analyser="pi-a") is not None
@@ -536,6 +552,11 @@ def arrange_failures(sql) -> tuple[list[str], datetime]:
     the shared password's since T, and pi-broken's analysis since T; (the apps
     `--failed-by pi-broken --since T` selects; T)."""
     ((since,),) = sql.run("SELECT now() - interval '1 hour'")
+    for name in ("pi-broken", "pi-good"):  # --failed-by names an analyser there is
+        sql.run(
+            "INSERT INTO analysers (name, token_hash) VALUES (:name, sha256(:name::bytea))",
+            name=name,
+        )
     failed_by(sql, "undo.retryable", "pi-broken", timedelta(minutes=10), retryable=True,
               reviews="50")  # fmt: skip
     failed_by(sql, "undo.final", "pi-broken", timedelta(minutes=20), retryable=False,
