@@ -541,10 +541,24 @@ def parse_ago(text: str) -> timedelta:
 
 
 def failed_by(sql, app_id: str, analyser: str | None, ago: timedelta, **row) -> None:
-    """A failure stored by `analyser` (None: the shared password) `ago`."""
+    """A failure stored by `analyser` (None: the shared password; a named one is added
+    if it is not there) `ago`."""
+    if analyser is not None:  # a named analyser's failure: the analyser exists
+        sql.run(
+            "INSERT INTO analysers (name, token_hash)"
+            " VALUES (CAST(:name AS text), sha256(convert_to(CAST(:name AS text), 'UTF8')))"
+            " ON CONFLICT DO NOTHING",
+            name=analyser,
+        )
     insert_app(sql, app_id, status="failed", version=VERSION, analysed=datetime.now(UTC) - ago,
                **row)  # fmt: skip
     sql.run("UPDATE apps SET analysed_by = :who WHERE appid = :appid", who=analyser, appid=app_id)
+    if analyser is not None:
+        sql.run(
+            "INSERT INTO analysers (name, token_hash) VALUES (:name, :hash) ON CONFLICT DO NOTHING",
+            name=analyser,
+            hash=handler.token_hash(f"aqa_{analyser}"),
+        )
 
 
 def arrange_failures(sql) -> tuple[list[str], datetime]:
@@ -552,11 +566,6 @@ def arrange_failures(sql) -> tuple[list[str], datetime]:
     the shared password's since T, and pi-broken's analysis since T; (the apps
     `--failed-by pi-broken --since T` selects; T)."""
     ((since,),) = sql.run("SELECT now() - interval '1 hour'")
-    for name in ("pi-broken", "pi-good"):  # --failed-by names an analyser there is
-        sql.run(
-            "INSERT INTO analysers (name, token_hash) VALUES (:name, sha256(:name::bytea))",
-            name=name,
-        )
     failed_by(sql, "undo.retryable", "pi-broken", timedelta(minutes=10), retryable=True,
               reviews="50")  # fmt: skip
     failed_by(sql, "undo.final", "pi-broken", timedelta(minutes=20), retryable=False,
@@ -1108,6 +1117,7 @@ APP_STATES = st.fixed_dictionaries(
         "streak": st.integers(0, 4),
         "held": st.booleans(),
         "queue_paused": st.booleans(),
+        "analysed_by": st.sampled_from([None, "pi-a"]),
     }
 )
 
@@ -1141,6 +1151,7 @@ def test_why_on_the_command_line_is_the_web_views_why(database_url, sql, monkeyp
                 "appId": "Why.App",
                 "status": story["app"]["status"],
                 "failureReason": story["failureReason"],
+                "analysedBy": story["app"]["analysedBy"],
                 "leaseAttempts": story["leaseAttempts"],
                 **story["why"],
             }
@@ -1169,6 +1180,8 @@ def arrange_why(sql, state: dict) -> None:
     if status == "processing":
         row["processing_started"] = datetime.now(UTC) - parse_ago(state["started"])
     insert_app(sql, "Why.App", **row)
+    if status in ("analysed", "failed"):
+        sql.run("UPDATE apps SET analysed_by = :who", who=state["analysed_by"])
     if status == "processing":
         sql.run(
             "UPDATE apps SET lease_attempts = :attempts, refetch_requested = :refetch",
@@ -1182,6 +1195,8 @@ def arrange_why(sql, state: dict) -> None:
 def why_in_words(why: dict) -> str:
     """What `why APPID` prints for the document `why APPID --json` prints (docs/cli.md)."""
     state = why["status"] + (f" ({why['failureReason']})" if why["failureReason"] else "")
+    if why["analysedBy"]:
+        state += f", its result stored by {why['analysedBy']}"
     lines = [f"{why['appId']}: {state}"]
     lines.append(("handed out: " if why["candidate"] else "not handed out: ") + why["why"])
     if why["from"]:
