@@ -109,6 +109,28 @@ EVENT_RUN = [
         "analysers-revoke.json",
         {"statusCode": 200, "body": Json(name="pi-01", revoked=PRESENT)},
     ),
+    Step(
+        "ApiFunction",
+        "hold-app.json",
+        {"statusCode": 200, "body": Json(appId="com.example.app", outcome="held")},
+    ),
+    Step(
+        "ApiFunction",
+        "release-app.json",
+        {"statusCode": 200, "body": Json(appId="com.example.app", outcome="released")},
+    ),
+    Step(
+        "ApiFunction",
+        "analysers-pause.json",
+        {"statusCode": 200, "body": Json(name="pi-01", outcome="paused")},
+    ),
+    Step(
+        "ApiFunction",
+        "analysers-resume.json",
+        {"statusCode": 200, "body": Json(name="pi-01", outcome="resumed")},
+    ),
+    Step("ApiFunction", "queue-pause.json", {"statusCode": 200, "body": Json(outcome="paused")}),
+    Step("ApiFunction", "queue-resume.json", {"statusCode": 200, "body": Json(outcome="resumed")}),
     Step("ReportFunction", "schedule.json", {"total": 1, "counts": {"analysed": 1}}),
 ]
 

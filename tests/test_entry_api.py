@@ -34,10 +34,18 @@ from helpers import (
 pytestmark = pytest.mark.usefixtures("lambda_container")
 
 # Every file in events/ and the test (module.name) that invokes it through its entry point.
+# The operators' hold, release and pause events: their own test walks each.
+OPERATORS_EVENTS = "test_events_cover_the_routes.test_the_operators_events_answer_as_documented"
 EVENT_TESTS = {
     "analysers-add.json": "test_entry_api.test_event_analysers_add",
     "analysers-list.json": "test_entry_api.test_event_analysers_list",
     "analysers-revoke.json": "test_entry_api.test_event_analysers_revoke",
+    "hold-app.json": OPERATORS_EVENTS,
+    "release-app.json": OPERATORS_EVENTS,
+    "analysers-pause.json": OPERATORS_EVENTS,
+    "analysers-resume.json": OPERATORS_EVENTS,
+    "queue-pause.json": OPERATORS_EVENTS,
+    "queue-resume.json": OPERATORS_EVENTS,
     "analysers-rotate.json": "test_entry_api.test_event_analysers_rotate",
     "add-app.json": "test_entry_api.test_event_add_app",
     "cfn-create.json": "test_entry_migrate.test_custom_resource_create_applies_the_ledger",
