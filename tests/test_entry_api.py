@@ -33,9 +33,9 @@ from helpers import (
 
 pytestmark = pytest.mark.usefixtures("lambda_container")
 
-# Every file in events/ and the test (module.name) that invokes it through its entry point.
 # The operators' hold, release and pause events: their own test walks each.
 OPERATORS_EVENTS = "test_events_cover_the_routes.test_the_operators_events_answer_as_documented"
+# Every file in events/ and the test (module.name) that invokes it through its entry point.
 EVENT_TESTS = {
     "analysers-add.json": "test_entry_api.test_event_analysers_add",
     "analysers-list.json": "test_entry_api.test_event_analysers_list",
