@@ -41,7 +41,8 @@ it:
   Lambda entry points: api and migrate  api (API Gateway), migrate (the custom resource)
   Lambda entry points: report and Init  report (scheduled, and operators' commands), Init
   CLI: serve and invoke             the local database; serve, invoke
-  CLI: operators' commands          migrate, queue-status, ..., analysers; the parser, main
+  CLI: operators' commands          migrate, queue-status, why, queue-refetch, holds, pauses, ...
+  CLI: the parser and main          every command's options (cli_parser), main
 
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
@@ -1567,6 +1568,20 @@ def refuse_repeated_query(request: Request) -> None:
         seen.add(name)
 
 
+# The headers whose first and last values could be read differently (a proxy, the
+# framework and the service each taking one): given twice, refused before anything reads
+# them. (API Gateway joins a header given twice into one value, which is then no token
+# and no media type; `serve` passes both on.)
+ONE_VALUE_HEADERS = ("authorization", "content-type")
+
+
+def refuse_repeated_headers(request: Request) -> None:
+    """400 for an Authorization or a Content-Type given twice, before a guard reads one."""
+    for name in ONE_VALUE_HEADERS:
+        if len(request.headers.getlist(name)) > 1:
+            raise HTTPException(400, f"the {name} header is given more than once")
+
+
 # -- seams: the frameworks reached past their public API
 
 # Three pieces reach past what FastAPI, Starlette, Mangum and uvicorn document, each
@@ -1636,6 +1651,7 @@ class GuardedRoute(APIRoute):
 
         async def handle(request: Request) -> Response:
             values: dict[str, Any] = {request_name: request} if request_name else {}
+            refuse_repeated_headers(request)
             for name, guard, bearer in plan:
                 value = await guard(await bearer(request))
                 if name is not None:
@@ -7199,6 +7215,7 @@ async def admin(request: Request) -> Response:
     try:
         if settings().admin_web == "off":
             raise HTTPException(404, "Not Found")
+        refuse_repeated_headers(request)
         work, operator, parameters = await blocking(_admin_route, request)
         refuse_repeated_query(request)
         body = await _read_body(request) if request.method == "POST" else b""
@@ -8213,7 +8230,7 @@ def _cli_invoke(args: argparse.Namespace) -> int:
 
 # == CLI: operators' commands ===========================================================
 # migrate, queue-status, priority-report, why, queue-refetch, queue-hold and -release,
-# queue-pause and -resume, analysers; then the parser and main(), which runs every command.
+# queue-pause and -resume, analysers.
 
 
 # -- progress
@@ -8563,7 +8580,11 @@ def _cli_queue_pause(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the parser and main
+# == CLI: the parser and main ===========================================================
+# Every command's table (cli_parser) and main(), which runs one.
+
+
+# -- the parser
 
 
 def _positive_int(text: str) -> int:
@@ -8689,6 +8710,9 @@ def cli_parser() -> argparse.ArgumentParser:
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")
     invoke.set_defaults(run=_cli_invoke)
     return parser
+
+
+# -- main
 
 
 def stdout_reader_gone() -> bool:
