@@ -838,3 +838,35 @@ def test_the_readme_walkthrough_answers_as_the_readme_shows(database_url, monkey
         ran = run_readme_walkthrough(server.port, tmp_path)
     for command, shown, printed in ran:
         assert comparable(printed) == comparable(shown), command
+
+
+@pytest.mark.parametrize(
+    ("headers", "path"),
+    [
+        ([("authorization", ADMIN["Authorization"]), ("authorization", "Bearer nope")], None),
+        ([("authorization", "Bearer nope"), ("authorization", ADMIN["Authorization"])], None),
+        (
+            [
+                ("authorization", ADMIN["Authorization"]),
+                ("content-type", "application/json"),
+                ("content-type", "text/plain"),
+            ],
+            None,
+        ),
+        ([("authorization", ADMIN["Authorization"]), ("authorization", "Bearer nope")], "admin"),
+    ],
+    ids=["token first", "token last", "content type twice", "web view's JSON"],
+)
+def test_a_header_given_twice_is_refused_before_it_is_read(client, sql, monkeypatch, headers, path):
+    """Authorization or Content-Type given twice: 400 whichever comes first, and nothing
+    changes (the queue stays running, nothing is recorded), on the API and the web view."""
+    if path == "admin":
+        monkeypatch.setenv("ADMIN_WEB", "full")
+        handler.use_runtime(None)
+    before = table_digest(sql)
+    url = "/admin/api/queue/pause" if path == "admin" else "/queue/pause"
+    answer = client.post(url, headers=headers, content=b'{"reason": "twice"}')
+    assert answer.status_code == 400, answer.text
+    assert "given more than once" in answer.json()["detail"]
+    assert table_digest(sql) == before
+    assert sql.run("SELECT paused_at FROM queue_pause") == [[None]]
