@@ -1547,6 +1547,26 @@ def details_problem(details: dict[str, Any]) -> str | None:
     return None
 
 
+# A path parameter that takes any text a stored bundle ID may hold ("/", a line break, or
+# nothing at all: rows older than sql/003): what the operators' routes on one app take
+# back from the lists they hand out.
+class AnyPathConvertor(Convertor):
+    """The rest of a path, line breaks included (Starlette's `path` stops at one): every
+    /admin path reaches the dispatcher, an app's page and an operator's hold whatever its
+    bundle ID holds."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("any_path", AnyPathConvertor())
+
+
 # == HTTP scaffolding: requests =========================================================
 # The query rule, the seams (where a framework is reached past its public API), the
 # FastAPI app and where a route's blocking work runs (`blocking`), and what every route
@@ -4646,8 +4666,9 @@ def failure_ratio(throughput: dict[str, int]) -> float | None:
     """The fleet's failures over its results in the last hour (None: no result): the
     figure that tells a broken host among shared-password analysers, who cannot be told
     apart one by one."""
-    results = throughput["analysed_1h"] + throughput["failed_1h"]
-    return None if results == 0 else round(throughput["failed_1h"] / results, 3)
+    failed = throughput.get("failed_1h", 0)
+    results = throughput.get("analysed_1h", 0) + failed
+    return None if results == 0 else round(failed / results, 3)
 
 
 def eta_hours(backlog: int, finished_last_24h: int) -> float | None:
@@ -5784,7 +5805,18 @@ PAUSE_BODY = {
         }
     },
 }
-NO_SUCH_APP = "No such app; nothing was changed."
+NO_SUCH_APP_ANSWER = "No such app; nothing was changed."
+# Longer than any bundle ID (MAX_BUNDLE_ID_LENGTH), as old rows may be; bounded all the same.
+MAX_STORED_APP_ID_LENGTH = 1000
+
+
+def stored_app_id(value: str) -> str:
+    """An app's bundle ID as an operator's route on one app takes it: any text a stored
+    one may hold (a row older than sql/003 keeps an invalid one, and the operators' lists
+    hand it out), looked up in any letter case; 404 when no app has it."""
+    if len(value) > MAX_STORED_APP_ID_LENGTH:
+        raise HTTPException(400, f"appId is at most {MAX_STORED_APP_ID_LENGTH} characters")
+    return value
 
 
 async def _optional_json_object(request: Request, allowed: set[str]) -> dict[str, Any]:
@@ -5794,24 +5826,24 @@ async def _optional_json_object(request: Request, allowed: set[str]) -> dict[str
     body = await _read_body(request)
     if not body:
         return {}
-    if not allowed:
-        raise BadInput("this request takes no body")
     _require_content_type(request, ("application/json",))
     parsed = await blocking(_parse_operators_json, body, "the body", parse=True)
     if not isinstance(parsed, dict) or not set(parsed) <= allowed:
+        if not allowed:  # {} is taken, as the web view's routes take it
+            raise BadInput("this request takes no body (or {})")
         raise BadInput(f"the body must be an object of {', '.join(sorted(allowed))} or empty")
     return parsed
 
 
 @app.post(
-    "/apps/{appId}/hold",
+    "/apps/{appId:any_path}/hold",
     dependencies=[Depends(require_admin)],
     openapi_extra={
         "parameters": APP_ID_PATH["parameters"],
         "requestBody": HOLD_BODY,
         "responses": _analyser_errors(
             e400="Bad input (the bundle ID, reason or force); nothing was changed.",
-            e404=NO_SUCH_APP,
+            e404=NO_SUCH_APP_ANSWER,
             e413=ERROR_ANSWERS[413],
             e415=ERROR_ANSWERS[415],
         ),
@@ -5820,7 +5852,7 @@ async def _optional_json_object(request: Request, allowed: set[str]) -> dict[str
 async def hold(request: Request) -> JSONResponse:
     """Hold the app: never handed out until released. {"reason": "...", "force": true}
     (both optional); `outcome` says what happened to a lease (docs/cli.md, queue-hold)."""
-    app_id = _bundle_id(request.path_params["appId"])
+    app_id = stored_app_id(request.path_params["appId"])
     body = await _optional_json_object(request, {"reason", "force"})
     operator = bearer_operator(request)
     held = await blocking(
@@ -5832,13 +5864,13 @@ async def hold(request: Request) -> JSONResponse:
 
 
 @app.post(
-    "/apps/{appId}/release",
+    "/apps/{appId:any_path}/release",
     dependencies=[Depends(require_admin)],
     openapi_extra={
         "parameters": APP_ID_PATH["parameters"],
         "responses": _analyser_errors(
             e400="Bad input (the bundle ID, or a body); nothing was changed.",
-            e404=NO_SUCH_APP,
+            e404=NO_SUCH_APP_ANSWER,
             e413=ERROR_ANSWERS[413],
             e415=ERROR_ANSWERS[415],
         ),
@@ -5847,7 +5879,7 @@ async def hold(request: Request) -> JSONResponse:
 async def release(request: Request) -> JSONResponse:
     """Release a held app: the queue's rule decides again. `outcome`: released or
     not_held."""
-    app_id = _bundle_id(request.path_params["appId"])
+    app_id = stored_app_id(request.path_params["appId"])
     await _optional_json_object(request, set())
     operator = bearer_operator(request)
     released = await blocking(lambda: release_app(api_connection(), operator, app_id))
@@ -5856,12 +5888,14 @@ async def release(request: Request) -> JSONResponse:
 
 def _pause_route(paused: bool) -> Callable[[Request], Any]:
     async def route(request: Request) -> JSONResponse:
+        """Pause or resume the analyser (pause_analyser)."""
         name = _analyser_name_param(request)
         await _optional_json_object(request, set())
         operator = bearer_operator(request)
         done = await blocking(lambda: pause_analyser(api_connection(), operator, name, paused))
         return JSONResponse(done, headers=NO_STORE)
 
+    route.__name__ = route.__qualname__ = "pause_analyser" if paused else "resume_analyser"
     return route
 
 
@@ -7189,22 +7223,6 @@ async def _admin_error(request: Request, error: Exception) -> Response:
 
 
 ADMIN_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-
-
-class AnyPathConvertor(Convertor):
-    """The rest of a path, line breaks included (Starlette's `path` stops at one): every
-    /admin path reaches the dispatcher, an app's page whatever its bundle ID holds."""
-
-    regex = "(?s:.*)"
-
-    def convert(self, value: str) -> str:
-        return value
-
-    def to_string(self, value: str) -> str:
-        return value
-
-
-register_url_convertor("any_path", AnyPathConvertor())
 
 
 @app.api_route("/admin", methods=ADMIN_METHODS, include_in_schema=False)
@@ -8651,7 +8669,9 @@ def cli_parser() -> argparse.ArgumentParser:
         help="the failures this named analyser stored, retryable or not (to undo a broken one)",
     )
     refetch.add_argument(
-        "--since", metavar="T", help="with --failed-by: since T (an ISO time, or 12h ago)"
+        "--since",
+        metavar="T",
+        help="with --failed-by: since T (an ISO time with its offset, or a duration ago: 12h)",
     )
     refetch.add_argument(
         "--limit", type=_positive_int, default=None, help="at most this many (default: no limit)"

@@ -55,7 +55,7 @@ def table_rows(text: str) -> list[list[str]]:
 def code_routes() -> set[tuple[str, str]]:
     """The app's routes, the web view's (one dispatcher, its table) apart."""
     return {
-        (method, route.path)
+        (method, route.path_format)
         for route in handler.app.routes
         if isinstance(route, APIRoute) and route.endpoint is not handler.admin
         for method in route.methods

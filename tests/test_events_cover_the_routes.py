@@ -40,7 +40,7 @@ def api_routes() -> set[str]:
     web view's /admin apart (its paths go to one dispatcher). /openapi.json is no APIRoute:
     the template routes it nowhere (the catch-all's 404)."""
     return {
-        f"{method} {route.path}"
+        f"{method} {route.path_format}"
         for route in handler.app.routes
         if isinstance(route, APIRoute)
         and not (route.path == "/admin" or route.path.startswith("/admin/"))
