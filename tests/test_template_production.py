@@ -179,9 +179,10 @@ def test_alarms_notify_a_topic_of_the_stack_by_default(transformed):
     assert resources["AlarmTopic"]["Type"] == "AWS::SNS::Topic"
     assert "AlarmEmailSubscription" not in resources
     actions = alarm_actions(resources)
-    # 3 functions x 2, the API's 5xx, ping, backlog, migration, the API's latency and the
-    # API function's duration (ActiveAnalysersAlarm is off by default).
-    assert len(actions) == 12
+    # 3 functions x 2, the API's 5xx, ping, backlog, migration, the API's latency, the
+    # API function's duration, a broken analyser and the fleet's failure ratio
+    # (ActiveAnalysersAlarm is off by default).
+    assert len(actions) == 14
     for name, (on_alarm, on_ok) in actions.items():
         assert on_alarm == on_ok == ({"Ref": "AlarmTopic"},), name
 
