@@ -439,7 +439,11 @@ class Bench:
             ("PROMOTE_EXPIRED_LEASES", handler.PROMOTE_EXPIRED_LEASES, promoter),
             ("PROMOTE_STALE_BATCH", handler.PROMOTE_STALE_BATCH, promoter),
             ("PROMOTE_DUE_RETRIES", handler.PROMOTE_DUE_RETRIES, promoter),
-            ("RETRY_HEAD", handler.RETRY_HEAD, {}),
+            (
+                "CLAIM_NEXT_RETRY",
+                handler.CLAIM_NEXT_RETRY,
+                {"token": EXPLAIN_TOKEN, "analyser": None},
+            ),
         ):
             lines = self.plan(statement, analyze=False, **params, **policy.sql_params())
             for line in lines:

@@ -92,28 +92,17 @@ head AS (
         ORDER BY app_popularity(details) DESC, added, appid
         LIMIT 1 FOR UPDATE SKIP LOCKED
     ) h
-), best AS (
-    -- The best of the heads: the most popular, then the first added.
+), choice AS (
+    -- The best of the heads: the most popular, then the first added. Nothing at all
+    -- while claims are closed (a pause): a one-time filter, so no head is read.
     SELECT appid FROM (
         SELECT * FROM head UNION ALL SELECT * FROM version_heads
         UNION ALL SELECT * FROM lease_heads UNION ALL SELECT * FROM stale_heads
     ) c
-    ORDER BY popularity DESC, added, appid
-    LIMIT 1
-), retry_head AS (
-    -- The lowest tier, read only when no other candidate is (a one-time filter).
-    SELECT appid FROM (SELECT appid FROM apps WHERE retry_due AND ((held_at IS NULL AND status = 'failed' AND failure_retryable
-    AND COALESCE(analysisversion, 0) = :analysis_version) AND analysed
-    + make_interval(secs => (CAST(:retry_backoff AS integer[]))[GREATEST(failure_streak, 1)]) <= now())
-    ORDER BY app_popularity(details) DESC, added, appid
-    LIMIT 1 FOR UPDATE SKIP LOCKED) r WHERE NOT EXISTS (SELECT 1 FROM best)
-), choice AS (
-    -- Nothing at all while claims are closed (a pause): a one-time filter, so no head is
-    -- read.
-    SELECT appid FROM (SELECT appid FROM best UNION ALL SELECT appid FROM retry_head) c
     WHERE (NOT EXISTS (SELECT 1 FROM queue_pause WHERE paused_at IS NOT NULL)
     AND NOT EXISTS (SELECT 1 FROM analysers
                     WHERE name = CAST(:analyser AS text) AND paused_at IS NOT NULL))
+    ORDER BY popularity DESC, added, appid
     LIMIT 1
 )
 -- Lease the chosen app to this claim's token.
