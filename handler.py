@@ -1592,14 +1592,17 @@ def refuse_repeated_query(request: Request) -> None:
 # framework and the service each taking one): given twice, refused before anything reads
 # them. (API Gateway joins a header given twice into one value, which is then no token
 # and no media type; `serve` passes both on.)
-ONE_VALUE_HEADERS = ("authorization", "content-type")
+# Every request passes here, /queue included: one pass over the ASGI scope's raw header
+# names (lower case, as ASGI gives them), not a look-up per name.
+ONE_VALUE_HEADERS = frozenset({b"authorization", b"content-type"})
 
 
 def refuse_repeated_headers(request: Request) -> None:
     """400 for an Authorization or a Content-Type given twice, before a guard reads one."""
-    for name in ONE_VALUE_HEADERS:
-        if len(request.headers.getlist(name)) > 1:
-            raise HTTPException(400, f"the {name} header is given more than once")
+    seen = [name for name, _ in request.scope["headers"] if name in ONE_VALUE_HEADERS]
+    if len(seen) > len(set(seen)):
+        twice = next(name for name in seen if seen.count(name) > 1).decode()
+        raise HTTPException(400, f"the {twice} header is given more than once")
 
 
 # -- seams: the frameworks reached past their public API
@@ -3619,12 +3622,9 @@ WITH flagged AS (
         SELECT r.appid FROM generate_subscripts(CAST(:retry_backoff AS integer[]), 1) s
         CROSS JOIN LATERAL (
             SELECT appid FROM apps
-            WHERE status = 'failed' AND failure_retryable AND NOT retry_due
-              AND COALESCE(analysisversion, 0) = :analysis_version
-              AND {FAILURES_IN_A_ROW} = s
+            WHERE {RETRYABLE_NOW} AND NOT retry_due AND {FAILURES_IN_A_ROW} = s
               AND analysed < now() + make_interval(secs => :horizon_seconds)
                              - make_interval(secs => (CAST(:retry_backoff AS integer[]))[s])
-              AND held_at IS NULL
             ORDER BY analysed
             LIMIT :batch FOR UPDATE SKIP LOCKED) r
         LIMIT :batch))
@@ -4346,6 +4346,14 @@ def _why_by_rule(rule: dict[str, Any], row: dict[str, Any], policy: QueuePolicy)
     return {"candidate": False, "held": held, "from": _plain(when), "why": why, **extra}
 
 
+def read_why(
+    session: Session, row: dict[str, Any], policy: QueuePolicy
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rule's parts for the app of `row` (a FIND_APP row: APP_RULE) and its why."""
+    (rule,) = session.records(APP_RULE, appid=row["appid"], **policy.sql_params())
+    return rule, why_handed_out(rule, row, policy)
+
+
 def app_why(
     db: SharedConnection | Session, app_id: str, policy: QueuePolicy
 ) -> dict[str, Any] | None:
@@ -4357,14 +4365,14 @@ def app_why(
         if not rows:
             return None
         (row,) = rows
-        (rule,) = session.records(APP_RULE, appid=app_id, **policy.sql_params())
+        rule, why = read_why(session, row, policy)
         return {
             "appId": row["appid"],
             "status": row["status"],
             "failureReason": row["failure_reason"],
             "analysedBy": row["analysed_by"],
             "leaseAttempts": rule["lease_attempts"],
-            **why_handed_out(rule, row, policy),
+            **why,
         }
 
     return db.transaction(work) if isinstance(db, SharedConnection) else work(db)
@@ -4485,8 +4493,7 @@ def app_status(
         (row,) = rows
         view = _app_view(row, admin, identities=admin)
         if admin:  # why it is or is not handed out, its retry and hold included
-            (rule,) = session.records(APP_RULE, appid=app_id, **policy.sql_params())
-            view["why"] = why_handed_out(rule, row, policy)
+            view["why"] = read_why(session, row, policy)[1]
         if row["status"] == "queued":
             ((ahead, unflagged_stale),) = session.run(
                 QUEUE_POSITION,
@@ -5897,19 +5904,6 @@ async def release(request: Request) -> JSONResponse:
     return JSONResponse(released, headers=NO_STORE)
 
 
-def _pause_route(paused: bool) -> Callable[[Request], Any]:
-    async def route(request: Request) -> JSONResponse:
-        """Pause or resume the analyser (pause_analyser)."""
-        name = _analyser_name_param(request)
-        await _optional_json_object(request, set())
-        operator = bearer_operator(request)
-        done = await blocking(lambda: pause_analyser(api_connection(), operator, name, paused))
-        return JSONResponse(done, headers=NO_STORE)
-
-    route.__name__ = route.__qualname__ = "pause_analyser" if paused else "resume_analyser"
-    return route
-
-
 ANALYSER_PAUSE_DOC = {
     "parameters": [ANALYSER_NAME_PATH],
     "responses": _analyser_errors(
@@ -5919,20 +5913,36 @@ ANALYSER_PAUSE_DOC = {
         e415=ERROR_ANSWERS[415],
     ),
 }
-app.post(
+
+
+async def _set_analyser_pause(request: Request, paused: bool) -> JSONResponse:
+    name = _analyser_name_param(request)
+    await _optional_json_object(request, set())
+    operator = bearer_operator(request)
+    done = await blocking(lambda: pause_analyser(api_connection(), operator, name, paused))
+    return JSONResponse(done, headers=NO_STORE)
+
+
+@app.post(
     "/analysers/{name}/pause",
     dependencies=[Depends(require_admin)],
     openapi_extra=ANALYSER_PAUSE_DOC,
-    description="Pause the analyser: its GET /queue is answered as an empty queue is;"
-    " its pings count and its lease stays its own. `outcome`: paused or unchanged.",
-)(_pause_route(True))
-app.post(
+)
+async def pause_an_analyser(request: Request) -> JSONResponse:
+    """Pause the analyser: its GET /queue is answered as an empty queue is; its pings
+    count and its lease stays its own. `outcome`: paused or unchanged."""
+    return await _set_analyser_pause(request, True)
+
+
+@app.post(
     "/analysers/{name}/resume",
     dependencies=[Depends(require_admin)],
     openapi_extra=ANALYSER_PAUSE_DOC,
-    description="Resume the analyser, and start its failures in a row again."
-    " `outcome`: resumed or unchanged.",
-)(_pause_route(False))
+)
+async def resume_an_analyser(request: Request) -> JSONResponse:
+    """Resume the analyser, and start its failures in a row again. `outcome`: resumed or
+    unchanged."""
+    return await _set_analyser_pause(request, False)
 
 
 @app.post(
@@ -6824,7 +6834,7 @@ def app_story(db: SharedConnection, app_id: str, policy: QueuePolicy) -> dict[st
         if not rows:
             return None
         (row,) = rows
-        (rule,) = session.records(APP_RULE, appid=app_id, **policy.sql_params())
+        rule, why = read_why(session, row, policy)
         # By the app's stored bundle ID, as history writes it: app_analyses' index.
         history = session.records(APP_HISTORY, appid=row["appid"], document_limit=limit, limit=50)
         actions = session.records(APP_ACTIONS, appid=row["appid"], limit=100)
@@ -6832,7 +6842,7 @@ def app_story(db: SharedConnection, app_id: str, policy: QueuePolicy) -> dict[st
             "app": _app_view(row, admin=True, identities=True),
             "failureReason": row["failure_reason"],
             "leaseAttempts": rule["lease_attempts"],
-            "why": why_handed_out(rule, row, policy),
+            "why": why,
             "history": [
                 {**_plain_row(entry), "failure_log": RawJSON.of(entry["failure_log"])}
                 for entry in history
@@ -7742,10 +7752,6 @@ def _event_fields(event: dict[str, Any], required: tuple[str, ...], optional: tu
     return event
 
 
-def _bundle_id_field(event: dict[str, Any]) -> str:
-    return checked_bundle_id(event["appId"])
-
-
 def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
     """The report function's operator actions, as the CLI has them (docs/cli.md): why,
     queue-hold, queue-release, queue-pause, queue-resume, analysers-pause,
@@ -7754,18 +7760,18 @@ def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
     alone, never a function's log.)"""
     command, db, policy = event["command"], api_connection(), settings().policy
     if command == "why":
-        app_id = _bundle_id_field(_event_fields(event, ("appId",), ()))
+        app_id = checked_bundle_id(_event_fields(event, ("appId",), ())["appId"])
         why = app_why(db, app_id, policy)
         if why is None:
             raise NoSuchApp(app_id)
         return {"command": command, **why}
     if command == "queue-hold":
         fields = _event_fields(event, ("appId",), ("reason", "force"))
-        app_id = _bundle_id_field(fields)
+        app_id = checked_bundle_id(fields["appId"])
         held = hold_app(db, operator, app_id, fields.get("reason"), fields.get("force", False))
         return {"command": command, **held}
     if command == "queue-release":
-        app_id = _bundle_id_field(_event_fields(event, ("appId",), ()))
+        app_id = checked_bundle_id(_event_fields(event, ("appId",), ())["appId"])
         return {"command": command, **release_app(db, operator, app_id)}
     if command in ("queue-pause", "queue-resume"):
         paused = command == "queue-pause"
