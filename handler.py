@@ -77,7 +77,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pg8000.native
 from aws_lambda_powertools import Logger, Metrics
@@ -300,6 +300,8 @@ class Settings:
     db_host: str | None
     db_port: int
     db_name: str
+    db_user: str | None
+    db_migration_user: str | None
     db_secret_id: str | None
     db_migration_secret_id: str | None
     db_sslmode: str
@@ -408,6 +410,10 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         db_host=env.get("DB_HOST") or None,
         db_port=_int_setting(env, "DB_PORT", 5432, minimum=1),
         db_name=env.get("DB_NAME") or "postgres",
+        # The database users the functions log in as with an IAM authentication token
+        # (docs/deploy.md): the API's, and the tables' owner for migrations (unset: DB_USER).
+        db_user=env.get("DB_USER") or None,
+        db_migration_user=env.get("DB_MIGRATION_USER") or None,
         db_secret_id=env.get("DB_SECRET_ID") or None,
         # The owner of the tables, for migrations only; unset means DB_SECRET_ID's user.
         db_migration_secret_id=env.get("DB_MIGRATION_SECRET_ID") or None,
@@ -462,6 +468,12 @@ def _check_settings(config: Settings) -> None:
         raise ConfigError(f"ADMIN_WEB must be one of {', '.join(ADMIN_WEB_MODES)}")
     if config.db_sslmode not in SSL_MODES:
         raise ConfigError(f"DB_SSLMODE must be one of {', '.join(SSL_MODES)}")
+    if config.db_user and (config.db_secret_id or config.db_migration_secret_id):
+        raise ConfigError("set DB_USER (IAM authentication) or DB_SECRET_ID (a password), not both")
+    if config.db_migration_user and not config.db_user:
+        raise ConfigError("DB_MIGRATION_USER needs DB_USER (IAM authentication)")
+    if config.db_user and config.db_sslmode == "disable":
+        raise ConfigError("DB_USER (IAM authentication) sends its token over TLS only: DB_SSLMODE")
     if not re.fullmatch(r"\d+\s*(us|ms|s|min|h|d)?", config.migration_lock_timeout):
         raise ConfigError("MIGRATION_LOCK_TIMEOUT must be a duration such as 10s or 500ms")
     for name, reference in (
@@ -479,6 +491,30 @@ def session_runtime_dir(env: dict[str, str] | None = None) -> Path | None:
     ssh without systemd), and the CLI gives it one (see `embedded_postgres_library`)."""
     value = (os.environ if env is None else env).get("XDG_RUNTIME_DIR")
     return Path(value) if value else None
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class AwsIdentity:
+    """The function's role credentials and its region, as Lambda puts them in every
+    function's environment. Read at each use, never kept in Settings (repr=False: a
+    log line never shows them)."""
+
+    access_key_id: str
+    secret_access_key: str
+    session_token: str | None
+    region: str
+
+
+def aws_identity(env: dict[str, str] | None = None) -> AwsIdentity:
+    env = os.environ if env is None else env
+    key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if not (key and secret and region):
+        raise ConfigError(
+            "DB_USER (IAM authentication) needs the function's role credentials and region:"
+            " AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_REGION are unset"
+        )
+    return AwsIdentity(key, secret, env.get("AWS_SESSION_TOKEN") or None, region)
 
 
 class _LazyStderr:
@@ -625,7 +661,11 @@ BUNDLE_ID_STARTS = """(:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
 
 
 # == Secrets ============================================================================
-# The secret stores (Secrets Manager, SSM), read through Powertools on first use.
+# The secret stores (Secrets Manager, SSM), read through Powertools on first use; and the
+# database's IAM authentication token, made in the process with no call at all.
+
+
+# -- the secret stores
 
 
 def fetch_secret(
@@ -690,6 +730,56 @@ def prepare_secret_clients(config: Settings) -> list[str]:
         if key not in DEFAULT_PROVIDERS:  # the one fetch_secret's get_secret/get_parameter use
             DEFAULT_PROVIDERS[key] = provider()
     return stores
+
+
+# -- the database's IAM authentication token
+
+# A token is good for 15 minutes, and only to log in: an open connection outlives it.
+IAM_TOKEN_SECONDS = 900
+
+
+def iam_auth_token(
+    host: str, port: int, user: str, identity: AwsIdentity, now: datetime | None = None
+) -> str:
+    """The password RDS and RDS Proxy take from a role granted rds-db:connect for `user`:
+    an AWS Signature V4 presigned `connect` request, made here from the role's credentials
+    with hashlib and hmac. boto3's signer (generate_db_auth_token) makes the same string,
+    byte for byte (tests/test_database_iam_auth.py), but importing boto3 and building its
+    client costs 180-300 ms of CPU at a container's first connection (docs/benchmarks.md)."""
+    now = now or datetime.now(UTC)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    scope = f"{day}/{identity.region}/rds-db/aws4_request"
+    params = [
+        ("Action", "connect"),
+        ("DBUser", user),
+        ("X-Amz-Algorithm", "AWS4-HMAC-SHA256"),
+        ("X-Amz-Credential", f"{identity.access_key_id}/{scope}"),
+        ("X-Amz-Date", stamp),
+        ("X-Amz-Expires", str(IAM_TOKEN_SECONDS)),
+        ("X-Amz-SignedHeaders", "host"),
+    ]
+    if identity.session_token:
+        params.append(("X-Amz-Security-Token", identity.session_token))
+    encoded = [(quote(k, safe="-_.~"), quote(v, safe="-_.~")) for k, v in params]
+    query = "&".join(f"{k}={v}" for k, v in encoded)
+    canonical = "\n".join(
+        (
+            "GET",
+            "/",
+            "&".join(f"{k}={v}" for k, v in sorted(encoded)),
+            f"host:{host}:{port}",
+            "",
+            "host",
+            hashlib.sha256(b"").hexdigest(),
+        )
+    )
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{digest}"
+    key = f"AWS4{identity.secret_access_key}".encode()
+    for part in (day, identity.region, "rds-db", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    return f"{host}:{port}/?{query}&X-Amz-Signature={signature}"
 
 
 # A bearer token that matches neither cached version of a secret makes the process read
@@ -764,9 +854,24 @@ def connection_arguments(
         )
         return arguments
     if not config.db_host:
-        raise ConfigError("set DATABASE_URL, or DB_HOST with DB_NAME and DB_SECRET_ID")
+        raise ConfigError("set DATABASE_URL, or DB_HOST with DB_NAME and DB_USER or DB_SECRET_ID")
+    if config.db_user:
+        # IAM authentication: a token made here for the function's own user, over TLS.
+        user = (owner and config.db_migration_user) or config.db_user
+        token = iam_auth_token(config.db_host, config.db_port, user, aws_identity())
+        return {
+            "user": user,
+            "password": token,
+            "host": config.db_host,
+            "port": config.db_port,
+            "database": config.db_name,
+            "ssl_context": _ssl_context(config.db_sslmode, config.db_sslrootcert),
+        }
     if not config.db_secret_id:
-        raise ConfigError("DB_SECRET_ID (the Secrets Manager secret of the database user) is unset")
+        raise ConfigError(
+            "DB_SECRET_ID (the Secrets Manager secret of the database user) or DB_USER"
+            " (IAM authentication) must be set"
+        )
     secret_id = (owner and config.db_migration_secret_id) or config.db_secret_id
     credentials = fetch_secret(
         f"secretsmanager:{secret_id}", config.secrets_max_age_seconds, "json", fresh=fresh
@@ -4961,79 +5066,53 @@ def format_queue_status(status: QueueStatus) -> str:
     return "\n".join(lines)
 
 
-# The report's metrics, which the alarms and the dashboard read (template.yaml). The
-# dashboard's are published on every report, zero included, so a line has no gaps that
-# mean "nothing" and the set of metrics (each one billed) stays fixed.
-BACKLOG_REASON_METRICS = {
-    "queued": "BacklogQueued",
-    "lease_expired": "ExpiredLeases",
-    "outdated_version": "BacklogOutdatedVersion",
-    "stale": "BacklogStale",
-    "retry_failed": "BacklogRetryFailed",
-    "retry_due": "BacklogRetryDue",
-}
-# Failed apps by the reasons the service assigns; any other (a legacy row's: an
-# analyser's own text from before reasons were classified, or none) is FailedOther.
-FAILURE_REASON_METRICS = {
-    reason: "Failed" + "".join(word.title() for word in reason.split("_"))
-    for reason in (
-        *(r for r, _, _ in FAILURE_CLASSES),
-        "invalid_bundle_id",
-        ANALYSIS_FAILED,
-        "lease_expired",  # recorded by the promoter (BACK_OFF_APPLY)
-    )
-}
-OTHER_FAILURES_METRIC = "FailedOther"
+# The report's metrics: what the alarms and the dashboard read (template.yaml), and no
+# more. Each is a custom metric, billed by the month past the account's first ten
+# (docs/cost.md); the rest of the queue's status is in the report's log record and
+# `queue-status --json`. Published on every report, zero included, so a line has no gaps
+# that mean "nothing" (MinutesSinceLastPing aside: none until an analyser pings).
+REPORT_METRICS = (
+    "Backlog",
+    "EtaHours",
+    "MinutesSinceLastPing",
+    "ActiveAnalysers",
+    "BrokenAnalysers",
+    "FailureRatioLastHour",
+    "OldestLeaseMinutes",
+    "AnalysedLastHour",
+)
 # Durations in hours and minutes: CloudWatch has no such units (only seconds and finer),
 # so they carry None and say their unit in their name, which the alarms' thresholds
-# (MaxBacklogEtaHours, 60 minutes) are written in. Every other metric is a Count.
-# FailureRatioLastHour is a fraction (0 to 1), unitless too.
+# (MaxBacklogEtaHours, 60 minutes) are written in. FailureRatioLastHour is a fraction
+# (0 to 1), unitless too. The others are Counts.
 UNITLESS_METRICS = frozenset(
     {"EtaHours", "MinutesSinceLastPing", "OldestLeaseMinutes", "FailureRatioLastHour"}
 )
 
 
 def queue_metrics(status: QueueStatus) -> dict[str, float]:
-    """The queue-status report's metrics: name -> value."""
-    counts, throughput = status.counts, status.throughput
-    values: dict[str, float] = {
-        "Backlog": status.backlog_total,
-        "Queued": counts.get("queued", 0),
-        "Processing": counts.get("processing", 0),
-        "Failed": counts.get("failed", 0),
-        "AnalysedLast24h": throughput["analysed_24h"],
-        "AnalysedLastHour": throughput["analysed_1h"],
-        "FailedLastHour": throughput["failed_1h"],
-        "OutdatedResultsLast24h": throughput["outdated_24h"],
-        # Analysers that sent a heartbeat in the last hour, not revoked (LAST_PING),
-        # one dead host of several shows as a drop (template.yaml alarms on it).
-        "ActiveAnalysers": status.analysers_last_hour,
-        # Named analysers failing while others succeed, and those paused; the queue's
-        # pause (1 while paused); apps held; retries waiting (docs/monitoring.md).
-        "BrokenAnalysers": status.broken_analysers,
-        "PausedAnalysers": status.paused_analysers,
-        "QueuePaused": 1 if status.paused.get("paused") else 0,
-        "HeldApps": status.held_back.get("held_apps", 0),
-        "RetriesNextHour": status.held_back.get("retries_next_hour", 0),
-        "RetriesExhausted": status.held_back.get("retries_exhausted", 0),
-    }
-    # No result in the hour counts as no failure: the line has no gap.
-    values["FailureRatioLastHour"] = failure_ratio(throughput) or 0
-    for reason, name in BACKLOG_REASON_METRICS.items():
-        values[name] = status.backlog.get(reason, 0)
-    values |= dict.fromkeys([*FAILURE_REASON_METRICS.values(), OTHER_FAILURES_METRIC], 0)
-    for reason, apps in status.failed_by_reason.items():
-        values[FAILURE_REASON_METRICS.get(reason, OTHER_FAILURES_METRIC)] += apps
+    """The queue-status report's metrics (REPORT_METRICS): name -> value."""
     # No finished analysis in a day with work waiting: the ETA is unbounded.
     eta = status.eta_hours
-    values["EtaHours"] = 1e6 if eta is None else eta
-    # Never pinged: no value, which the ping alarm treats as breaching.
-    if status.minutes_since_last_ping is not None:
-        values["MinutesSinceLastPing"] = status.minutes_since_last_ping
     # The oldest claim still out (the list is oldest first); 0 when none is.
     # A lease whose start is not a time the service wrote (infinite) has no age.
     ages = [p["age_minutes"] for p in status.processing if p["age_minutes"] is not None]
-    values["OldestLeaseMinutes"] = round(max(ages), 1) if ages else 0
+    values: dict[str, float] = {
+        "Backlog": status.backlog_total,
+        "EtaHours": 1e6 if eta is None else eta,
+        # Analysers that sent a heartbeat in the last hour, not revoked (LAST_PING): one
+        # dead host of several shows as a drop (template.yaml alarms on it).
+        "ActiveAnalysers": status.analysers_last_hour,
+        # Named analysers failing while others succeed (docs/monitoring.md).
+        "BrokenAnalysers": status.broken_analysers,
+        # No result in the hour counts as no failure: the line has no gap.
+        "FailureRatioLastHour": failure_ratio(status.throughput) or 0,
+        "OldestLeaseMinutes": round(max(ages), 1) if ages else 0,
+        "AnalysedLastHour": status.throughput["analysed_1h"],
+    }
+    # Never pinged: no value, which the ping alarm treats as breaching.
+    if status.minutes_since_last_ping is not None:
+        values["MinutesSinceLastPing"] = status.minutes_since_last_ping
     return values
 
 
