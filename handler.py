@@ -745,7 +745,8 @@ def iam_auth_token(
     an AWS Signature V4 presigned `connect` request, made here from the role's credentials
     with hashlib and hmac. boto3's signer (generate_db_auth_token) makes the same string,
     byte for byte (tests/test_database_iam_auth.py), but importing boto3 and building its
-    client costs 180-300 ms of CPU at a container's first connection (docs/benchmarks.md)."""
+    client costs over 100 ms of CPU at a container's first connection, this 27 us
+    (docs/benchmarks.md, "Figures quoted in handler.py")."""
     now = now or datetime.now(UTC)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
     scope = f"{day}/{identity.region}/rds-db/aws4_request"
