@@ -468,8 +468,12 @@ def _check_settings(config: Settings) -> None:
         raise ConfigError(f"ADMIN_WEB must be one of {', '.join(ADMIN_WEB_MODES)}")
     if config.db_sslmode not in SSL_MODES:
         raise ConfigError(f"DB_SSLMODE must be one of {', '.join(SSL_MODES)}")
-    if config.db_user and (config.db_secret_id or config.db_migration_secret_id):
-        raise ConfigError("set DB_USER (IAM authentication) or DB_SECRET_ID (a password), not both")
+    for name, secret in (
+        ("DB_SECRET_ID", config.db_secret_id),
+        ("DB_MIGRATION_SECRET_ID", config.db_migration_secret_id),
+    ):
+        if config.db_user and secret:
+            raise ConfigError(f"set DB_USER (IAM authentication) or {name} (a password), not both")
     if config.db_migration_user and not config.db_user:
         raise ConfigError("DB_MIGRATION_USER needs DB_USER (IAM authentication)")
     if config.db_user and config.db_sslmode == "disable":
@@ -509,10 +513,19 @@ def aws_identity(env: dict[str, str] | None = None) -> AwsIdentity:
     env = os.environ if env is None else env
     key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-    if not (key and secret and region):
+    missing = [
+        name
+        for name, value in (
+            ("AWS_ACCESS_KEY_ID", key),
+            ("AWS_SECRET_ACCESS_KEY", secret),
+            ("AWS_REGION (or AWS_DEFAULT_REGION)", region),
+        )
+        if not value
+    ]
+    if missing:
         raise ConfigError(
-            "DB_USER (IAM authentication) needs the function's role credentials and region:"
-            " AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_REGION are unset"
+            "DB_USER (IAM authentication) needs the function's role credentials and region;"
+            f" unset: {', '.join(missing)}"
         )
     return AwsIdentity(key, secret, env.get("AWS_SESSION_TOKEN") or None, region)
 
@@ -748,6 +761,9 @@ def iam_auth_token(
     client costs over 100 ms of CPU at a container's first connection, this 27 us
     (docs/benchmarks.md, "Figures quoted in handler.py")."""
     now = now or datetime.now(UTC)
+    if now.utcoffset() is None:
+        raise ValueError("iam_auth_token signs at an aware time (UTC)")
+    now = now.astimezone(UTC)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
     scope = f"{day}/{identity.region}/rds-db/aws4_request"
     params = [

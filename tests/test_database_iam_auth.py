@@ -555,10 +555,12 @@ def server_account() -> pwd.struct_passwd | None:
 
 class TlsPostgres:
     """A throwaway PostgreSQL cluster: TLS on 127.0.0.1:port with a certificate for
-    `localhost` from a CA made here (ca_file), and SCRAM passwords over TLS as the only
+    `localhost` from a CA made here (ca_file), and passwords over TLS (SCRAM, or in clear for queue_rds) as the only
     way in from the network; the superuser over a private Unix socket (trust)."""
 
-    ROLES = ("queue_api", "queue_owner")
+    # queue_rds logs in as RDS asks an IAM user to: the password in clear, inside TLS
+    # (pg_hba `password`), which RDS hands to IAM to check; the others by SCRAM.
+    ROLES = ("queue_api", "queue_owner", "queue_rds")
 
     def __init__(self, programs: Path, base: Path, account: pwd.struct_passwd | None):
         self.programs, self.base, self.account = programs, base, account
@@ -584,7 +586,8 @@ class TlsPostgres:
             "--no-sync",
         )
         (self.data / "pg_hba.conf").write_text(
-            "local all postgres trust\nhostssl all all 127.0.0.1/32 scram-sha-256\n"
+            "local all postgres trust\nhostssl all queue_rds 127.0.0.1/32 password\n"
+            "hostssl all all 127.0.0.1/32 scram-sha-256\n"
         )
         settings = {
             "listen_addresses": "127.0.0.1",
@@ -743,6 +746,13 @@ def test_the_token_is_the_password_of_a_login_over_tls(tls_postgres, role_creden
     user, over_tls, version = log_in(iam_settings(tls_postgres))
     assert (user, over_tls) == ("queue_api", True)
     assert version.startswith("TLSv1.")
+
+
+def test_the_token_goes_in_clear_inside_tls_as_rds_asks_for_it(tls_postgres, role_credentials):
+    tls_postgres.set_password("queue_rds", token_for(tls_postgres, "queue_rds"))
+    assert log_in(iam_settings(tls_postgres, DB_USER="queue_rds"))[:2] == ("queue_rds", True)
+    tls_postgres.set_password("queue_rds", token_for(tls_postgres, "queue_api"))
+    assert refusal_code(iam_settings(tls_postgres, DB_USER="queue_rds")) == "28P01"
 
 
 def test_the_migrations_log_in_as_db_migration_user(tls_postgres, role_credentials):
