@@ -555,8 +555,9 @@ def server_account() -> pwd.struct_passwd | None:
 
 class TlsPostgres:
     """A throwaway PostgreSQL cluster: TLS on 127.0.0.1:port with a certificate for
-    `localhost` from a CA made here (ca_file), and passwords over TLS (SCRAM, or in clear for queue_rds) as the only
-    way in from the network; the superuser over a private Unix socket (trust)."""
+    `localhost` from a CA made here (ca_file), and passwords over TLS (SCRAM, or in clear
+    for queue_rds) as the only way in from the network; the superuser over a private Unix
+    socket (trust)."""
 
     # queue_rds logs in as RDS asks an IAM user to: the password in clear, inside TLS
     # (pg_hba `password`), which RDS hands to IAM to check; the others by SCRAM.
