@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,12 +35,20 @@ ANALYSER_ROUTES = {
     "POST /uploadAnalysis",
     "POST /reportAnalysisFailure",
 }
+# What a stack with the defaults is given: no value without a default (DbResourceId has an
+# empty one, which IamAuthNeedsTheResourceId refuses with DbAuth iam, the default).
 REQUIRED_PARAMETERS = {
     "DbHost": "x.example.internal",
     "DbName": "analysis",
-    "DbSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:db-AbCdEf",
+    "DbResourceId": "db-ABCDEFGHIJKLMNOPQRSTUVWXY0",
     "SubnetIds": "subnet-0123456789abcdef0",
     "SecurityGroupIds": "sg-0123456789abcdef0",
+}
+# The database's password in Secrets Manager (DbAuth secret), and the shared password and
+# admin token imported from a secret and a parameter: every store the stack can read.
+SECRET_PARAMETERS = {
+    "DbAuth": "secret",
+    "DbSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:db-AbCdEf",
     "UploadPasswordSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:up-AbCdEf",
     "AdminTokenParameterName": "/analysis-queue/admin-token",
 }
@@ -122,10 +131,9 @@ def make(target: str, cwd: Path, artifacts: Path, **variables: str) -> subproces
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
 
 
-def resolve(template: dict, overrides: dict | None = None) -> dict:
-    """The translated template's resources with parameters and conditions applied the
-    way CloudFormation applies them (Ref to a parameter, Fn::If, Fn::Equals, Fn::Not,
-    Fn::And, Fn::Or, Fn::Join; resources whose Condition is false are dropped)."""
+def parameter_values(template: dict, overrides: dict | None = None) -> dict:
+    """Each parameter's value as CloudFormation passes it: REQUIRED_PARAMETERS and
+    `overrides` over the defaults, lists split at commas."""
     params = {}
     for name, spec in template["Parameters"].items():
         raw = {**REQUIRED_PARAMETERS, **(overrides or {})}.get(name, spec.get("Default"))
@@ -134,6 +142,49 @@ def resolve(template: dict, overrides: dict | None = None) -> dict:
         ].startswith("List<"):
             raw = [] if raw in (None, "") else str(raw).split(",")
         params[name] = raw
+    return params
+
+
+def broken_rules(template: dict, overrides: dict | None = None) -> list[str]:
+    """The Rules whose assertions fail for these parameter values (CloudFormation then
+    refuses the stack before it changes anything): Ref, Fn::Equals, Fn::Not, Fn::And,
+    Fn::Or and Fn::EachMemberEquals, the functions the template's rules use."""
+    params = parameter_values(template, overrides)
+
+    def value(node):
+        ((key, arg),) = node.items()
+        if key == "Ref":
+            return params[arg]
+        if key == "Fn::Equals":
+            return value_of(arg[0]) == value_of(arg[1])
+        if key == "Fn::Not":
+            return not value(arg[0])
+        if key == "Fn::And":
+            return all(value(a) for a in arg)
+        if key == "Fn::Or":
+            return any(value(a) for a in arg)
+        if key == "Fn::EachMemberEquals":
+            return all(member == arg[1] for member in value(arg[0]))
+        raise AssertionError(f"not evaluated here: {key}")
+
+    def value_of(node):
+        return value(node) if isinstance(node, dict) else node
+
+    broken = []
+    for name, rule in template.get("Rules", {}).items():
+        if "RuleCondition" in rule and not value(rule["RuleCondition"]):
+            continue
+        if not all(value(a["Assert"]) for a in rule["Assertions"]):
+            broken.append(name)
+    return broken
+
+
+def resolve(template: dict, overrides: dict | None = None) -> dict:
+    """The translated template's resources with parameters and conditions applied the
+    way CloudFormation applies them (Ref to a parameter, Fn::If, Fn::Equals, Fn::Not,
+    Fn::And, Fn::Or, Fn::Join; Fn::Sub's parameters, the rest of it left as it is;
+    resources and outputs whose Condition is false are dropped)."""
+    params = parameter_values(template, overrides)
     conditions: dict[str, bool] = {}
 
     def condition(name: str) -> bool:
@@ -164,6 +215,17 @@ def resolve(template: dict, overrides: dict | None = None) -> dict:
             if key == "Fn::Join":
                 items = value(arg[1])
                 return arg[0].join(items if items != [] else [""])
+            if key == "Fn::Sub" and isinstance(arg, str):
+                text = re.sub(
+                    r"\$\{([^}!]+)\}",
+                    lambda m: (
+                        str(params[m[1]])
+                        if isinstance(params.get(m[1]), str | int | float)
+                        else m[0]
+                    ),
+                    arg,
+                )
+                return text if "${" not in text else {"Fn::Sub": text}
         if isinstance(node, dict):
             out = {k: value(v) for k, v in node.items()}
             return {k: v for k, v in out.items() if v is not NO_VALUE}
@@ -171,12 +233,15 @@ def resolve(template: dict, overrides: dict | None = None) -> dict:
             return [v for v in (value(x) for x in node) if v is not NO_VALUE]
         return node
 
-    resources = {
-        name: value(resource)
-        for name, resource in template["Resources"].items()
-        if "Condition" not in resource or condition(resource["Condition"])
-    }
-    return {"Resources": resources, "Outputs": value(template.get("Outputs", {}))}
+    def present(items: dict) -> dict:
+        return {
+            name: value(item)
+            for name, item in items.items()
+            if "Condition" not in item or condition(item["Condition"])
+        }
+
+    outputs = present(template.get("Outputs", {}))
+    return {"Resources": present(template["Resources"]), "Outputs": outputs}
 
 
 def deployed(transformed: dict, **overrides: str) -> dict:

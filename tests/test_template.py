@@ -24,7 +24,7 @@ import pytest
 from cfnlint.api import ManualArgs, lint, lint_file
 
 import handler
-from helpers import load_event
+from helpers import env_json, load_event
 from sam_template import (
     ANALYSER_ROUTES,
     FUNCTIONS,
@@ -33,6 +33,7 @@ from sam_template import (
     REPO,
     REQUIRED_PARAMETERS,
     TEMPLATE,
+    deployed,
     load_template,
     make,
     resources_of_type,
@@ -266,6 +267,7 @@ def test_the_alarms_on_report_metrics(transformed):
         "BrokenAnalysers",
         "FailureRatioLastHour",
     }
+    assert set(alarms) <= set(handler.REPORT_METRICS)  # each one the report publishes
     for name, props in alarms.items():
         assert props["Namespace"] == "AnalysisQueue"
         assert props["Dimensions"] == [{"Name": "service", "Value": "analysis-queue"}]
@@ -288,6 +290,7 @@ def test_environment_variables(source_template, transformed):
         "DB_HOST",
         "DB_PORT",
         "DB_NAME",
+        "DB_USER",
         "DB_SECRET_ID",
         "DB_SSLMODE",
         "DB_SSLROOTCERT",
@@ -313,6 +316,9 @@ def test_environment_variables(source_template, transformed):
         assert env["DB_HOST"] == {
             "Fn::If": ["HasDbProxy", {"Ref": "DbProxyEndpoint"}, {"Ref": "DbHost"}]
         }
+        # One login or the other, by DbAuth (tests/test_template_production.py, both ways).
+        assert env["DB_USER"] == {"Fn::If": ["UseIamAuth", {"Ref": "DbUser"}, ""]}
+        assert env["DB_SECRET_ID"] == {"Fn::If": ["UseDbSecret", {"Ref": "DbSecretArn"}, ""]}
         assert env["POWERTOOLS_SERVICE_NAME"] == "analysis-queue"
         assert env["POWERTOOLS_METRICS_NAMESPACE"] == "AnalysisQueue"
         if name == "ApiFunction":
@@ -320,13 +326,19 @@ def test_environment_variables(source_template, transformed):
         else:
             assert not api_only & set(env), name
     api_env = lambdas["ApiFunction"]["Properties"]["Environment"]["Variables"]
-    for var, arn_param, name_param in (
-        ("UPLOAD_PASSWORD_SECRET", "UploadPasswordSecretArn", "UploadPasswordParameterName"),
-        ("ADMIN_TOKEN_SECRET", "AdminTokenSecretArn", "AdminTokenParameterName"),
+    # The optional import sources: a secret, a parameter, or neither (empty).
+    for var, arn_param, name_param, in_ssm in (
+        (
+            "UPLOAD_PASSWORD_SECRET",
+            "UploadPasswordSecretArn",
+            "UploadPasswordParameterName",
+            "UploadPasswordInSsm",
+        ),
+        ("ADMIN_TOKEN_SECRET", "AdminTokenSecretArn", "AdminTokenParameterName", "AdminTokenInSsm"),
     ):
-        _, if_sm, if_ssm = api_env[var]["Fn::If"]
+        _, if_sm, otherwise = api_env[var]["Fn::If"]
         assert if_sm == {"Fn::Sub": f"secretsmanager:${{{arn_param}}}"}
-        assert if_ssm == {"Fn::Sub": f"ssm:${{{name_param}}}"}
+        assert otherwise == {"Fn::If": [in_ssm, {"Fn::Sub": f"ssm:${{{name_param}}}"}, ""]}
     params = source_template["Parameters"]
     for param, default in {
         "CurrentAnalysisVersion": 4,
@@ -663,6 +675,27 @@ def test_env_json_sets_only_declared_variables(transformed):
         assert values["DB_HOST"] == "" and values["DB_SECRET_ID"] == ""
     assert env["ApiFunction"]["UPLOAD_PASSWORD"] == "local-upload-password"
     assert env["ApiFunction"]["ADMIN_TOKEN"] == "local-admin-token"
+
+
+def test_sam_local_logs_in_by_database_url_over_the_templates_iam_login(transformed, monkeypatch):
+    """sam local gives a function the template's variables with env.json's on top. The
+    template's default login (DbAuth iam: DB_USER, and the owner's DB_MIGRATION_USER)
+    stays set there, and env.json's DATABASE_URL wins over it: no token is signed (there
+    are no credentials to sign with here) and no AWS API is called."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    resources = deployed(transformed)
+    for name in FUNCTIONS:
+        template_env = resources[name]["Properties"]["Environment"]["Variables"]
+        env = {**{k: str(v) for k, v in template_env.items()}, **env_json(name)}
+        assert env["DB_USER"] == "queue_api", name
+        settings = handler.load_settings(env)
+        assert settings.db_secret_id is settings.upload_password_secret is None
+        owner = name == "MigrationFunction"
+        assert env.get("DB_MIGRATION_USER") == ("queue_owner" if owner else None)
+        arguments = handler.connection_arguments(settings, owner=owner)
+        assert (arguments["host"], arguments["user"]) == ("host.docker.internal", "postgres")
+        assert arguments["password"] is None
 
 
 def test_the_bench_runs_the_reports_on_the_report_functions_statement_timeout():

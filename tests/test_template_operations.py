@@ -1,8 +1,9 @@
 """The stack an operator looks at, on the template as SAM translates it (and with its
-conditions resolved as CloudFormation would): the dashboard, throttling per route, the
-5xx alarm that leaves GET /healthz/analyser out, the latency alarms, the optional
-ActiveAnalysers alarm, the report's asynchronous retries; cfn-lint-serverless's rules;
-and docs/monitoring.md against all of it.
+conditions resolved as CloudFormation would): the few custom metrics and who reads each,
+the optional dashboard, throttling per route, the 5xx alarm that leaves GET
+/healthz/analyser out, the latency alarms, the optional ActiveAnalysers alarm, the
+report's asynchronous retries; cfn-lint-serverless's rules; and docs/monitoring.md
+against all of it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sam_template import (
     TEMPLATE,
     deployed,
     load_template,
+    resolve,
     resources_of_type,
     translate,
 )
@@ -69,12 +71,89 @@ def test_cfn_lint_serverless_rules_are_loaded_and_the_ignores_are_narrow():
     assert {m.rule.id for m in lint(no_destination, config=SERVERLESS_RULES)} == {"ES1007"}
 
 
+# --------------------------------------------------------------------------- metrics
+
+# The report's metrics (issue 37: what the alarms and the dashboard read, at most 8);
+# handler.REPORT_METRICS is the set the report publishes, and must be these.
+REPORT_METRICS = {
+    "Backlog",
+    "EtaHours",
+    "MinutesSinceLastPing",
+    "ActiveAnalysers",
+    "BrokenAnalysers",
+    "FailureRatioLastHour",
+    "OldestLeaseMinutes",
+    "AnalysedLastHour",
+}
+# The custom metrics the stack counts from logs, each read by an alarm.
+LOG_METRICS = {"Api5xx", "MigrationFailures"}
+# AWS's own metrics, free: the functions' and the API's.
+AWS_NAMESPACES = {"AWS/Lambda", "AWS/ApiGateway"}
+
+
+def report_metric_names() -> set[str]:
+    """Every metric the report publishes (its ping metric only once an analyser pinged)."""
+    return set(handler.REPORT_METRICS)
+
+
+def log_metric_names(transformed: dict) -> set[str]:
+    return {
+        t["MetricName"]
+        for f in resources_of_type(transformed, "AWS::Logs::MetricFilter").values()
+        for t in f["Properties"]["MetricTransformations"]
+        if t["MetricNamespace"] == "AnalysisQueue"
+    }
+
+
+def alarm_metrics(transformed: dict) -> set[tuple[str, str]]:
+    """(namespace, metric) of every alarm, the optional ones included."""
+    return {
+        (a["Properties"]["Namespace"], a["Properties"]["MetricName"])
+        for a in resources_of_type(transformed, "AWS::CloudWatch::Alarm").values()
+    }
+
+
+def test_the_report_publishes_exactly_the_few_metrics_that_are_read():
+    assert report_metric_names() == REPORT_METRICS
+    assert len(handler.REPORT_METRICS) == len(REPORT_METRICS) <= 8
+
+
+def test_every_custom_metric_is_read_by_an_alarm_or_the_dashboard(transformed):
+    """Each custom metric is billed by the month: the report's and the log filters' are
+    exactly those the alarms and the dashboard read, and nothing else is read."""
+    from_logs = log_metric_names(transformed)
+    assert from_logs == LOG_METRICS
+    alarms = alarm_metrics(transformed)
+    assert {namespace for namespace, _ in alarms} <= {"AnalysisQueue"} | AWS_NAMESPACES
+    alarmed = {name for namespace, name in alarms if namespace == "AnalysisQueue"}
+    # Every log metric has its alarm (a filter no alarm reads is a metric billed for nothing).
+    assert from_logs <= alarmed
+    shown = {
+        name
+        for metrics in widget_metrics(dashboard(transformed)).values()
+        for namespace, name, *_ in metrics
+        if namespace == "AnalysisQueue"
+    }
+    assert alarmed | shown == REPORT_METRICS | LOG_METRICS
+    # The alarms keep reading what they read before the metrics were cut.
+    assert alarmed == {
+        "MinutesSinceLastPing",
+        "EtaHours",
+        "ActiveAnalysers",
+        "BrokenAnalysers",
+        "FailureRatioLastHour",
+        "Api5xx",
+        "MigrationFailures",
+    }
+
+
 # --------------------------------------------------------------------------- dashboard
 
 SUB_VALUES = {
     "AWS::Region": "us-east-1",
     "AWS::StackName": "queue",
     "HttpApi": "a1b2c3",
+    "MaxBacklogEtaHours": "48",
     "MinActiveAnalysers": "2",
     "ProcessingTimeoutMinutes": "120",
     "ApiLatencyAlarmMs": "3000",
@@ -103,24 +182,22 @@ def widget_metrics(board: dict) -> dict[str, list[list]]:
     }
 
 
-def report_metric_names() -> set[str]:
-    """Every metric the report publishes (its ping metric only once an analyser pinged)."""
-    status = handler.QueueStatus(
-        throughput={"analysed_24h": 0, "analysed_1h": 0, "failed_1h": 0, "outdated_24h": 0},
-        eta_hours=None,
-        minutes_since_last_ping=3.0,
-        analysers_last_hour=2,
-    )
-    return set(handler.queue_metrics(status))
-
-
-def log_metric_names(transformed: dict) -> set[str]:
-    return {
-        t["MetricName"]
-        for f in resources_of_type(transformed, "AWS::Logs::MetricFilter").values()
-        for t in f["Properties"]["MetricTransformations"]
-        if t["MetricNamespace"] == "AnalysisQueue"
-    }
+def test_the_dashboard_is_optional_and_off_by_default(source, transformed):
+    parameter = source["Parameters"]["Dashboard"]
+    assert parameter["AllowedValues"] == ["true", "false"] and parameter["Default"] == "false"
+    assert source["Resources"]["QueueDashboard"]["Condition"] == "CreateDashboard"
+    assert source["Outputs"]["DashboardUrl"]["Condition"] == "CreateDashboard"
+    default = resolve(transformed)
+    assert "QueueDashboard" not in default["Resources"]
+    assert "DashboardUrl" not in default["Outputs"]
+    assert not resources_of_type(default, "AWS::CloudWatch::Dashboard")
+    wanted = resolve(transformed, {"Dashboard": "true"})
+    assert wanted["Resources"]["QueueDashboard"]["Type"] == "AWS::CloudWatch::Dashboard"
+    url = wanted["Outputs"]["DashboardUrl"]["Value"]["Fn::Sub"]
+    assert url.endswith("#dashboards:name=${QueueDashboard}")
+    # The alarms do not depend on it.
+    alarms = resources_of_type(default, "AWS::CloudWatch::Alarm")
+    assert alarms.keys() == resources_of_type(wanted, "AWS::CloudWatch::Alarm").keys()
 
 
 def test_the_dashboard_shows_only_metrics_that_are_published(transformed):
@@ -129,6 +206,7 @@ def test_the_dashboard_shows_only_metrics_that_are_published(transformed):
     shown = set()
     for metrics in widget_metrics(board).values():
         for namespace, name, *dimensions in metrics:
+            assert namespace in {"AnalysisQueue"} | AWS_NAMESPACES, namespace
             if namespace != "AnalysisQueue":
                 continue
             shown.add(name)
@@ -136,50 +214,25 @@ def test_the_dashboard_shows_only_metrics_that_are_published(transformed):
                 assert dimensions == [], name
             else:  # the report's (Powertools): the service's dimension
                 assert dimensions == ["service", "analysis-queue"], name
-    assert shown <= from_report | from_logs
-    assert from_logs <= shown | {"MigrationFailures"}  # each log metric is on the page
+    assert shown <= from_report | {"Api5xx"}
+    assert from_report <= shown  # each of the report's metrics is on the page
 
 
 def test_the_dashboard_has_the_operators_widgets(transformed):
     widgets = widget_metrics(dashboard(transformed))
     names = {title: {m[1] for m in metrics} for title, metrics in widgets.items()}
-    assert set(names) == {
-        "Backlog by reason (hourly report)",
-        "Claims and results per hour",
-        "Failed apps by class (hourly report)",
-        "Active analysers (hourly report)",
-        "Oldest lease, minutes (hourly report)",
-        "Lambda errors",
-        "Lambda duration (p95, ms)",
-        "Lambda concurrency (max)",
-        "API 4xx and 5xx",
-        "API latency (ms)",
-        "Fleet health (hourly report)",
-        "Retries and holds (hourly report)",
+    assert names == {
+        "Backlog and its ETA (hourly report)": {"Backlog", "EtaHours"},
+        "Analysed per hour (hourly report)": {"AnalysedLastHour"},
+        "Active analysers (hourly report)": {"ActiveAnalysers", "MinutesSinceLastPing"},
+        "Fleet health (hourly report)": {"BrokenAnalysers", "FailureRatioLastHour"},
+        "Oldest lease, minutes (hourly report)": {"OldestLeaseMinutes"},
+        "Lambda errors": {"Errors", "Throttles"},
+        "Lambda duration (p95, ms)": {"Duration"},
+        "Lambda concurrency (max)": {"ConcurrentExecutions"},
+        "API 4xx and 5xx": {"4xx", "5xx", "Api5xx"},
+        "API latency (ms)": {"Latency", "IntegrationLatency"},
     }
-    assert names["Fleet health (hourly report)"] == {
-        "BrokenAnalysers",
-        "PausedAnalysers",
-        "QueuePaused",
-        "FailureRatioLastHour",
-    }
-    assert names["Retries and holds (hourly report)"] == {
-        "RetriesNextHour",
-        "RetriesExhausted",
-        "HeldApps",
-    }
-    # Every backlog reason and every failure class, nothing left out.
-    assert names["Backlog by reason (hourly report)"] == set(
-        handler.BACKLOG_REASON_METRICS.values()
-    )
-    assert set(handler.BACKLOG_REASON_METRICS) == set(handler.REASON_TEXT)
-    assert names["Failed apps by class (hourly report)"] == {
-        *handler.FAILURE_REASON_METRICS.values(),
-        handler.OTHER_FAILURES_METRIC,
-    }
-    assert {"Claims", "ResultsUploaded", "FailuresReported"} <= names["Claims and results per hour"]
-    assert "ActiveAnalysers" in names["Active analysers (hourly report)"]
-    assert "OldestLeaseMinutes" in names["Oldest lease, minutes (hourly report)"]
     # The functions' metrics, for each of the three functions.
     for title, metric in (
         ("Lambda errors", "Errors"),
@@ -206,6 +259,7 @@ def test_the_dashboard_marks_the_thresholds(transformed):
         if "annotations" in w["properties"]
     }
     assert lines == {
+        "Backlog and its ETA (hourly report)": [48],  # MaxBacklogEtaHours
         "Active analysers (hourly report)": [2],  # MinActiveAnalysers
         "Oldest lease, minutes (hourly report)": [120],  # ProcessingTimeoutMinutes
         "API latency (ms)": [3000],  # ApiLatencyAlarmMs
@@ -346,27 +400,6 @@ def test_six_anonymous_analyser_healthz_503s_do_not_page(transformed):
     assert evaluate([count("GET /healthz/analyser", 6)], alarm) == "OK"
     assert evaluate([count("GET /queue", 6)], alarm) == "ALARM"
     assert evaluate([count("GET /healthz", 6)], alarm) == "ALARM"  # /healthz's 503 is news
-
-
-def test_claims_and_results_are_counted_from_the_access_log(transformed):
-    claims = metric_filter(transformed, "Claims")["FilterPattern"]
-    assert matches(claims, access_log_record(transformed, "GET /queue", 200, 15))
-    for no_claim in (
-        ("GET /queue", 200, 0),  # no work: an empty 200
-        ("GET /queue", 200, "-"),
-        ("GET /queue", 401, 48),
-        ("GET /queue", 503, 60),
-        ("GET /ping", 200, 6),
-    ):
-        assert not matches(claims, access_log_record(transformed, *no_claim)), no_claim
-    for metric, route in (
-        ("ResultsUploaded", "POST /uploadAnalysis"),
-        ("FailuresReported", "POST /reportAnalysisFailure"),
-    ):
-        pattern = metric_filter(transformed, metric)["FilterPattern"]
-        assert matches(pattern, access_log_record(transformed, route, 200, 90))
-        assert not matches(pattern, access_log_record(transformed, route, 409, 90))
-        assert not matches(pattern, access_log_record(transformed, "GET /queue", 200, 9))
 
 
 # --------------------------------------------------------------------------- alarms

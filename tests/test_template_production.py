@@ -2,10 +2,12 @@
 
 Conditions are evaluated (sam_template.deployed) for given parameter values
 (CloudFormation does it on deploy; neither the SAM translator nor cfn-lint does), so each
-optional piece is checked both ways: reserved concurrency, the alarm topic and its e-mail
-subscription, the S3 endpoint, the migration secret, SnapStart. The alarm topic,
-subscription and alarms are then created in moto's SNS and CloudWatch from the resolved
-properties.
+optional piece is checked both ways: the database login (IAM authentication, the default,
+or a password secret), the shared password's and admin token's import sources, reserved
+concurrency, the alarm topic and its e-mail subscription, the S3 endpoint, the migration
+secret, SnapStart; and the Rules, which refuse what cannot work before anything changes.
+The alarm topic, subscription and alarms are then created in moto's SNS and CloudWatch
+from the resolved properties.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from helpers import LambdaContext, json_lines, load_event
 from sam_template import (
     FUNCTIONS,
     REQUIRED_PARAMETERS,
+    SECRET_PARAMETERS,
+    broken_rules,
     deployed,
     load_template,
     resources_of_type,
@@ -115,26 +119,284 @@ def test_s3_endpoint_rule_asks_for_the_vpc(source):
 
 # --------------------------------------------------------------------------- least privilege
 
+RESOURCE_ID = REQUIRED_PARAMETERS["DbResourceId"]
+DB_SECRET = SECRET_PARAMETERS["DbSecretArn"]
+OWNER_SECRET = "arn:aws:secretsmanager:us-east-1:123456789012:secret:owner-AbCdEf"
+# Every variable that names a secret store the handler would read.
+SECRET_VARIABLES = (
+    "DB_SECRET_ID",
+    "DB_MIGRATION_SECRET_ID",
+    "UPLOAD_PASSWORD_SECRET",
+    "ADMIN_TOKEN_SECRET",
+)
 
-def test_migration_secret_goes_to_the_migration_function_only(transformed):
+
+def dbuser(user: str, resource_id: str = RESOURCE_ID) -> dict:
+    """The rds-db:connect resource of `user` (the partition, region and account are the
+    stack's own)."""
+    arn = "arn:${AWS::Partition}:rds-db:${AWS::Region}:${AWS::AccountId}:dbuser:"
+    return {"Fn::Sub": f"{arn}{resource_id}/{user}"}
+
+
+def statements(resources: dict, function: str) -> list[dict]:
+    """The statements of the inline policies of `function`'s role."""
+    return [
+        statement
+        for policy in resources[f"{function}Role"]["Properties"].get("Policies", [])
+        for statement in policy["PolicyDocument"]["Statement"]
+    ]
+
+
+def grants(resources: dict, function: str) -> dict[str, list]:
+    """action -> the resources the role grants it on (one list, every statement)."""
+    found: dict[str, list] = {}
+    for statement in statements(resources, function):
+        assert statement["Effect"] == "Allow"
+        actions = statement["Action"]
+        targets = statement["Resource"]
+        for action in [actions] if isinstance(actions, str) else actions:
+            found.setdefault(action, []).extend(targets if isinstance(targets, list) else [targets])
+    return found
+
+
+def environment(resources: dict, function: str) -> dict:
+    return resources[function]["Properties"]["Environment"]["Variables"]
+
+
+def settings_of(resources: dict, function: str):
+    """handler's Settings from the function's variables as Lambda would give them (it
+    refuses, for one, DB_USER with DB_SECRET_ID)."""
+    return handler.load_settings({k: str(v) for k, v in environment(resources, function).items()})
+
+
+def test_the_default_stack_reads_no_secret_and_may_call_no_secret_store(transformed):
+    """With the defaults no role may call Secrets Manager, SSM or KMS, and no variable
+    names a secret: the functions call no AWS API at run time, so the VPC needs no
+    interface endpoint. What each role may do is its database login (rds-db:connect,
+    made in the function) and, for the report, publishing its failed runs to the topic."""
+    resources = deployed(transformed)
+    for name in FUNCTIONS:
+        actions = set(grants(resources, name))
+        assert not {a for a in actions if a.split(":")[0] in ("secretsmanager", "ssm", "kms")}
+        expected = {"rds-db:connect"} | ({"sns:Publish"} if name == "ReportFunction" else set())
+        assert actions == expected, name
+        env = environment(resources, name)
+        assert {var: env[var] for var in SECRET_VARIABLES if env.get(var)} == {}, name
+        settings = settings_of(resources, name)
+        assert settings.db_secret_id is settings.db_migration_secret_id is None
+        assert settings.upload_password_secret is settings.admin_token_secret is None
+        # Lambda's own: the logs, and the network interfaces in SubnetIds.
+        assert resources[f"{name}Role"]["Properties"]["ManagedPolicyArns"] == [
+            "arn:aws:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole",
+            "arn:aws:iam::aws:policy/service-role/AWSLambdaVPCAccessExecutionRole",
+        ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "api_user", "owner"),
+    [
+        ({}, "queue_api", "queue_owner"),
+        ({"DbUser": "svc", "DbMigrationUser": "tables"}, "svc", "tables"),
+        # No owner of its own: migrations log in as DbUser (the handler's fallback).
+        ({"DbMigrationUser": ""}, "queue_api", None),
+    ],
+    ids=["defaults", "other-names", "one-user"],
+)
+def test_iam_auth_grants_connect_as_exactly_each_functions_user(
+    transformed, overrides, api_user, owner
+):
+    resources = deployed(transformed, **overrides)
+    for name in FUNCTIONS:
+        env = environment(resources, name)
+        assert env["DB_USER"] == api_user and env["DB_SECRET_ID"] == ""
+        assert env["DB_SSLMODE"] == "verify-full"  # the token goes over TLS only
+        login = owner or api_user if name == "MigrationFunction" else api_user
+        assert grants(resources, name)["rds-db:connect"] == [dbuser(login)], name
+        settings = settings_of(resources, name)
+        assert settings.db_user == api_user
+        if name == "MigrationFunction":
+            # Migrations connect as the owner only (handler.migrate's owner_connection).
+            assert env["DB_MIGRATION_USER"] == (owner or "")
+            assert env["DB_MIGRATION_SECRET_ID"] == ""
+            assert (settings.db_migration_user or settings.db_user) == login
+        else:
+            assert "DB_MIGRATION_USER" not in env
+
+
+def test_iam_auth_through_rds_proxy_connects_to_the_proxy(transformed):
     resources = deployed(
         transformed,
-        DbMigrationSecretArn="arn:aws:secretsmanager:us-east-1:123456789012:secret:owner-AbCdEf",
+        DbProxyEndpoint="queue.proxy-abc123.us-east-1.rds.amazonaws.com",
+        DbResourceId="prx-0123456789abcdef0",
+        DbSslRootCert="",
     )
-    owner = "arn:aws:secretsmanager:us-east-1:123456789012:secret:owner-AbCdEf"
     for name in FUNCTIONS:
-        env = resources[name]["Properties"]["Environment"]["Variables"]
+        env = environment(resources, name)
+        assert env["DB_HOST"] == "queue.proxy-abc123.us-east-1.rds.amazonaws.com"
+        user = "queue_owner" if name == "MigrationFunction" else "queue_api"
+        assert grants(resources, name)["rds-db:connect"] == [dbuser(user, "prx-0123456789abcdef0")]
+
+
+def test_db_auth_secret_is_the_password_stack_of_before(transformed):
+    """DbAuth secret: the database's password from DbSecretArn, the imports from their
+    stores, and no IAM login anywhere."""
+    resources = deployed(transformed, **SECRET_PARAMETERS)
+    admin_parameter = (
+        "arn:${AWS::Partition}:ssm:${AWS::Region}:${AWS::AccountId}:parameter"
+        + SECRET_PARAMETERS["AdminTokenParameterName"]
+    )
+    expected = {
+        "ApiFunction": {
+            "secretsmanager:GetSecretValue": [
+                DB_SECRET,
+                SECRET_PARAMETERS["UploadPasswordSecretArn"],
+            ],
+            "ssm:GetParameter": [{"Fn::Sub": admin_parameter}],
+        },
+        "MigrationFunction": {"secretsmanager:GetSecretValue": [DB_SECRET]},
+        "ReportFunction": {
+            "secretsmanager:GetSecretValue": [DB_SECRET],
+            "sns:Publish": [{"Ref": "AlarmTopic"}],
+        },
+    }
+    for name in FUNCTIONS:
+        assert grants(resources, name) == expected[name], name
+        env = environment(resources, name)
+        assert env["DB_SECRET_ID"] == DB_SECRET
+        assert env["DB_USER"] == ""  # never with DB_SECRET_ID (the handler refuses both)
+        assert env.get("DB_MIGRATION_USER", "") == ""
+        settings = settings_of(resources, name)
+        assert settings.db_user is None and settings.db_secret_id == DB_SECRET
+    api = environment(resources, "ApiFunction")
+    assert (
+        api["UPLOAD_PASSWORD_SECRET"]
+        == f"secretsmanager:{SECRET_PARAMETERS['UploadPasswordSecretArn']}"
+    )
+    assert api["ADMIN_TOKEN_SECRET"] == f"ssm:{SECRET_PARAMETERS['AdminTokenParameterName']}"
+
+
+def test_migration_secret_goes_to_the_migration_function_only(transformed):
+    resources = deployed(transformed, **SECRET_PARAMETERS, DbMigrationSecretArn=OWNER_SECRET)
+    for name in FUNCTIONS:
+        env = environment(resources, name)
         policies = json.dumps(resources[f"{name}Role"]["Properties"])
         if name == "MigrationFunction":
-            assert env["DB_MIGRATION_SECRET_ID"] == owner
-            assert owner in policies
+            assert env["DB_MIGRATION_SECRET_ID"] == OWNER_SECRET
+            assert grants(resources, name)["secretsmanager:GetSecretValue"] == [
+                DB_SECRET,
+                OWNER_SECRET,
+            ]
         else:
             assert "DB_MIGRATION_SECRET_ID" not in env
-            assert owner not in policies
-    default = deployed(transformed)
-    env = default["MigrationFunction"]["Properties"]["Environment"]["Variables"]
+            assert OWNER_SECRET not in policies
+    default = deployed(transformed, **SECRET_PARAMETERS)
+    env = environment(default, "MigrationFunction")
     assert env["DB_MIGRATION_SECRET_ID"] == ""  # empty means unset: DB_SECRET_ID's user
     assert handler.load_settings({"DB_MIGRATION_SECRET_ID": ""}).db_migration_secret_id is None
+    # With DbAuth iam the password secrets are not read, even when still given.
+    iam = deployed(transformed, DbSecretArn=DB_SECRET, DbMigrationSecretArn=OWNER_SECRET)
+    for name in FUNCTIONS:
+        assert DB_SECRET not in json.dumps(iam[name]) + json.dumps(iam[f"{name}Role"])
+        assert OWNER_SECRET not in json.dumps(iam[name]) + json.dumps(iam[f"{name}Role"])
+
+
+@pytest.mark.parametrize(
+    ("source", "variable", "action", "resource"),
+    [
+        (
+            {"UploadPasswordSecretArn": SECRET_PARAMETERS["UploadPasswordSecretArn"]},
+            "UPLOAD_PASSWORD_SECRET",
+            "secretsmanager:GetSecretValue",
+            SECRET_PARAMETERS["UploadPasswordSecretArn"],
+        ),
+        (
+            {"UploadPasswordParameterName": "/queue/upload"},
+            "UPLOAD_PASSWORD_SECRET",
+            "ssm:GetParameter",
+            {
+                "Fn::Sub": "arn:${AWS::Partition}:ssm:${AWS::Region}:${AWS::AccountId}"
+                ":parameter/queue/upload"
+            },
+        ),
+        (
+            {"AdminTokenSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:a-1"},
+            "ADMIN_TOKEN_SECRET",
+            "secretsmanager:GetSecretValue",
+            "arn:aws:secretsmanager:us-east-1:123456789012:secret:a-1",
+        ),
+        (
+            {"AdminTokenParameterName": "/queue/admin"},
+            "ADMIN_TOKEN_SECRET",
+            "ssm:GetParameter",
+            {
+                "Fn::Sub": "arn:${AWS::Partition}:ssm:${AWS::Region}:${AWS::AccountId}"
+                ":parameter/queue/admin"
+            },
+        ),
+    ],
+    ids=["upload-secret", "upload-parameter", "admin-secret", "admin-parameter"],
+)
+def test_an_import_source_is_read_by_the_api_function_alone(
+    transformed, source, variable, action, resource
+):
+    """One import source set (with the IAM login): the API function may read exactly it,
+    and with a KMS key decrypt with it; no other function may read a store."""
+    key = "arn:aws:kms:us-east-1:123456789012:key/0a1b2c3d-aaaa-bbbb-cccc-0123456789ab"
+    resources = deployed(transformed, **source, SecretsKmsKeyArn=key)
+    scheme = action.split(":")[0]
+    value = next(iter(source.values()))
+    assert environment(resources, "ApiFunction")[variable] == f"{scheme}:{value}"
+    api = grants(resources, "ApiFunction")
+    assert api == {
+        "rds-db:connect": [dbuser("queue_api")],
+        action: [resource],
+        "kms:Decrypt": [key],
+    }
+    for name in ("MigrationFunction", "ReportFunction"):
+        assert not {a for a in grants(resources, name) if a.split(":")[0] in (scheme, "kms")}
+    # The key alone, with nothing to read, grants nothing.
+    assert "kms:Decrypt" not in grants(deployed(transformed, SecretsKmsKeyArn=key), "ApiFunction")
+
+
+def test_the_rules_refuse_what_cannot_work(source):
+    """CloudFormation refuses these parameter values before it changes anything."""
+    assert broken_rules(source) == []  # the defaults, with the database's resource ID
+    assert broken_rules(source, SECRET_PARAMETERS) == []
+    assert broken_rules(source, {"DbResourceId": ""}) == ["IamAuthNeedsTheResourceId"]
+    assert broken_rules(source, {"DbAuth": "secret"}) == ["SecretAuthNeedsTheSecret"]
+    # A password login needs no resource ID.
+    assert broken_rules(source, {**SECRET_PARAMETERS, "DbResourceId": ""}) == []
+    both = {
+        "UploadPasswordSecretArn": SECRET_PARAMETERS["UploadPasswordSecretArn"],
+        "UploadPasswordParameterName": "/queue/upload",
+    }
+    assert broken_rules(source, both) == ["UploadPasswordHasAtMostOneSource"]
+    both = {
+        "AdminTokenSecretArn": SECRET_PARAMETERS["UploadPasswordSecretArn"],
+        "AdminTokenParameterName": "/queue/admin",
+    }
+    assert broken_rules(source, both) == ["AdminTokenHasAtMostOneSource"]
+    assert broken_rules(source, {"S3EndpointRouteTableIds": "rtb-0a1"}) == ["S3EndpointNeedsTheVpc"]
+
+
+def test_the_database_login_parameters(source):
+    parameters = source["Parameters"]
+    assert parameters["DbAuth"]["AllowedValues"] == ["iam", "secret"]
+    assert parameters["DbAuth"]["Default"] == "iam"
+    assert parameters["DbUser"]["Default"] == "queue_api"
+    assert parameters["DbMigrationUser"]["Default"] == "queue_owner"
+    assert parameters["DbSecretArn"]["Default"] == parameters["DbResourceId"]["Default"] == ""
+    pattern = parameters["DbResourceId"]["AllowedPattern"]
+    for good in ("", "db-ABCDEFGHIJKLMNOPQRSTUVWXY0", "cluster-ABCDEFGHIJ0123", "prx-0123abcd"):
+        assert re.fullmatch(pattern, good), good
+    for bad in ("ABCDEF", "arn:aws:rds:us-east-1:123456789012:db:queue", "db-", "db-a/b"):
+        assert not re.fullmatch(pattern, bad), bad
+    for name in ("DbUser", "DbMigrationUser"):
+        pattern = parameters[name]["AllowedPattern"]
+        assert re.fullmatch(pattern, "queue_api")
+        for bad in ("queue api", "a*", "1user", "x" * 64, "queue/api"):
+            assert not re.fullmatch(pattern, bad), bad
+    assert not re.fullmatch(parameters["DbUser"]["AllowedPattern"], "")  # iam needs a user
 
 
 # --------------------------------------------------------------------------- logs
