@@ -14,7 +14,7 @@ it:
   The service's errors              ServiceError and its family; reading a database error
   Configuration                     settings from the environment (only here), logs, metrics
   SQL: the queue's rule             the candidate rule and the fragments several statements share
-  Secrets                           Secrets Manager and SSM, through Powertools
+  Secrets                           Secrets Manager and SSM; the database's IAM token
   Database access                   Session, SharedConnection (one connection)
   The process's Runtime             settings, connections and serve's threads, per process
   Operator actions                  who acted; a change and its record in one transaction
@@ -22,6 +22,7 @@ it:
   HTTP scaffolding: requests        the query rule, the seams, the app, blocking, tokens, bodies
   HTTP scaffolding: answers         JSON answers that fit Lambda, the OpenAPI of errors
   Analysers: pings and credentials  GET /ping's heartbeats, named analysers' tokens
+  Service credentials               the shared password and the admin token, as hashes
   Analysers: guards and routes      who sent a request; /ping and the /analysers routes
   Results: the verdict              failure classes, judge_result
   Results: storing                  POST /uploadAnalysis and /reportAnalysisFailure
@@ -189,6 +190,12 @@ class AnalyserRevoked(AnalyserRefused):
     """The analyser is revoked: it cannot be rotated."""
 
     words = "the analyser {} is revoked"
+
+
+class CredentialSet(OperatorRefused):
+    """An import into a credential the database holds already (a rotation replaces it)."""
+
+    words = "the {} is set in the database already: `credentials rotate` replaces it"
 
 
 class MigrationRefused(ServiceError):
@@ -705,25 +712,6 @@ def fetch_secret(
     raise ConfigError(f"a secret reference must be secretsmanager:<id> or ssm:<name>: {scheme}:…")
 
 
-def fetch_previous_secret(reference: str) -> str | None:
-    """The version before the current one of a Secrets Manager secret (AWSPREVIOUS), or
-    None when it has none (never rotated) or lives in SSM (one value, no stages). Read
-    with boto3 itself: Powertools' cache keys a secret by name alone, so it would answer
-    the current version. The caller caches it (Runtime.previous_secret)."""
-    scheme, _, name = reference.partition(":")
-    if scheme != "secretsmanager" or not name:
-        return None
-    import boto3
-
-    client = boto3.client("secretsmanager")
-    try:
-        answer = client.get_secret_value(SecretId=name, VersionStage="AWSPREVIOUS")
-    except client.exceptions.ResourceNotFoundException:
-        return None
-    value = answer.get("SecretString")
-    return value if isinstance(value, str) and value else None
-
-
 def prepare_secret_clients(config: Settings) -> list[str]:
     """Build the clients (Powertools' providers, boto3 underneath) of the secret stores
     `config` reads from, as fetch_secret would at its first call; the stores prepared.
@@ -797,13 +785,6 @@ def iam_auth_token(
         key = hmac.new(key, part.encode(), hashlib.sha256).digest()
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
     return f"{host}:{port}/?{query}&X-Amz-Signature={signature}"
-
-
-# A bearer token that matches neither cached version of a secret makes the process read
-# the secret again (it may have been rotated since), at most once per this many seconds
-# per secret: a flood of wrong tokens costs a process two reads of it (current and
-# previous version) per interval, whatever the number of threads (docs/analysers.md).
-SECRET_REFRESH_SECONDS = 10
 
 
 # == Database access ====================================================================
@@ -1170,48 +1151,9 @@ class Runtime:
         self._thread_local = threading.local()
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
-        self._previous_secrets: dict[str, tuple[float, str | None]] = {}
-        self._secret_refreshed: dict[str, float] = {}  # when each was last read afresh
-        self._secret_locks: dict[str, threading.Lock] = {}
         # What a later chapter keeps for a while in this process, by key: (when, by this
         # Runtime's clock, what) (the web view's overview).
         self.cached: dict[str, tuple[float, Any]] = {}
-
-    def _secret_lock(self, reference: str) -> threading.Lock:
-        """One reader of a secret at a time: threads that need it meanwhile wait for the
-        read and use what it found (one Secrets Manager call, not one per thread)."""
-        with self._lock:
-            return self._secret_locks.setdefault(reference, threading.Lock())
-
-    def previous_secret(self, reference: str) -> str | None:
-        """fetch_previous_secret, cached for SECRETS_MAX_AGE_SECONDS like the current (a
-        cached value is read without waiting for a refresh under way)."""
-        max_age = self.settings.secrets_max_age_seconds
-        cached = self._previous_secrets.get(reference)
-        if cached is not None and self.clock() - cached[0] < max_age:
-            return cached[1]
-        with self._secret_lock(reference):
-            now = self.clock()
-            cached = self._previous_secrets.get(reference)
-            if cached is None or now - cached[0] >= max_age:
-                cached = (now, fetch_previous_secret(reference))
-                self._previous_secrets[reference] = cached
-            return cached[1]
-
-    def refresh_secret(self, reference: str) -> None:
-        """Read the secret again, bypassing the caches (the current version, through
-        Powertools' force_fetch, and the previous one), unless this process did less than
-        SECRET_REFRESH_SECONDS ago (by its clock). A thread that comes while another reads
-        it waits, and then finds it read. An unreadable secret raises; it counts as a
-        read all the same, so an unreachable store is not asked again and again."""
-        with self._secret_lock(reference):
-            now = self.clock()
-            last = self._secret_refreshed.get(reference)
-            if last is not None and now - last < SECRET_REFRESH_SECONDS:
-                return
-            self._secret_refreshed[reference] = now
-            fetch_secret(reference, self.settings.secrets_max_age_seconds, fresh=True)
-            self._previous_secrets[reference] = (now, fetch_previous_secret(reference))
 
     def api_connection(self) -> SharedConnection:
         """The API's SharedConnection, created on first use: the process's, or with worker
@@ -1915,7 +1857,7 @@ admin_bearer = HTTPBearer(auto_error=False, scheme_name=ADMIN_SCHEME)
 
 def _configured_secret(reference: str) -> str | None:
     """The secret's current version, as cached for SECRETS_MAX_AGE_SECONDS; None when it
-    is not text (no token)."""
+    is not text (no token). Read only to fill a credential's empty row (stored_credential)."""
     try:
         value = fetch_secret(reference, settings().secrets_max_age_seconds)
     except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
@@ -1927,62 +1869,10 @@ def _configured_secret(reference: str) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _previous_secret(reference: str) -> str | None:
-    """The secret's previous version (Secrets Manager's AWSPREVIOUS), read only when the
-    current one did not match: during a rotation both are accepted. Unreadable: none."""
-    try:
-        return runtime().previous_secret(reference)
-    except Exception as error:  # noqa: BLE001 - the current version still works
-        logger.warning(
-            "previous secret version unavailable",
-            extra={"secret": reference, "error": f"{type(error).__name__}"},
-        )
-        return None
-
-
-def _secret_matches(given: bytes, reference: str) -> bool:
-    """Whether `given` is the secret's current version (as cached) or its previous one."""
-    expected = _configured_secret(reference)
-    if expected is None:
-        raise HTTPException(503, "the server has no token configured for this route")
-    if hmac.compare_digest(given, expected.encode()):
-        return True
-    older = _previous_secret(reference)
-    return older is not None and hmac.compare_digest(given, older.encode())
-
-
 def _unauthorized() -> HTTPException:
     return HTTPException(
         401, "Please provide correct password.", headers={"WWW-Authenticate": "Bearer"}
     )
-
-
-def _check_bearer(
-    credentials: HTTPAuthorizationCredentials | None, plain: str | None, reference: str | None
-) -> None:
-    """The bearer token against the route's: `plain` (from the environment), or else the
-    secret at `reference`, its current version or its previous one. A token that matches
-    neither cached version may be a rotated secret's new value: the secret is read again
-    (Runtime.refresh_secret, rate-limited) before the answer is 401, so a new value works
-    at its first use."""
-    given = credentials.credentials.encode() if credentials else b""
-    if plain:
-        if hmac.compare_digest(given, plain.encode()):
-            return
-        raise _unauthorized()
-    if reference is None:
-        raise HTTPException(503, "the server has no token configured for this route")
-    if _secret_matches(given, reference):
-        return
-    try:
-        runtime().refresh_secret(reference)
-    except Exception as error:  # noqa: BLE001 - the cached versions stand; a wrong token is 401
-        logger.warning(
-            "secret refresh failed", extra={"secret": reference, "error": type(error).__name__}
-        )
-    if _secret_matches(given, reference):
-        return
-    raise _unauthorized()
 
 
 # -- reading a request
@@ -2700,6 +2590,207 @@ def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[
     return [_analyser_view(row) for row in rows]
 
 
+# == Service credentials ================================================================
+# The shared upload password and the admin token, kept as hashes in service_credentials
+# (sql/034) as the named analysers' tokens are: checked on every request, so a rotation
+# holds from the next request on in every process; made and rotated by an operator
+# (`credentials`, the report's credentials-rotate); filled once from the environment or
+# a secret store while the table has no row for them (docs/analysers.md, "The shared
+# password and the admin token").
+
+
+# -- SQL
+
+# The row's hash, the previous one while its overlap lasts, and the web sessions' key.
+SERVICE_CREDENTIAL = """
+SELECT token_hash, session_key,
+       CASE WHEN previous_token_expires > now() THEN previous_token_hash END
+           AS previous_token_hash
+FROM service_credentials WHERE name = :name
+"""
+# A value a person chose (the environment's, or one an operator imports): only into an
+# empty row. A row there already is kept: another process filled it, or an operator set it.
+IMPORT_SERVICE_CREDENTIAL = """
+INSERT INTO service_credentials (name, token_hash, chosen_by_person, set_by, session_key)
+VALUES (:name, :token_hash, true, :set_by, :session_key)
+ON CONFLICT (name) DO NOTHING
+RETURNING set_at
+"""
+# A new random value; the one it replaces keeps working for the overlap (none: at once).
+ROTATE_SERVICE_CREDENTIAL = """
+INSERT INTO service_credentials AS c (name, token_hash, chosen_by_person, set_by, session_key)
+VALUES (:name, :token_hash, false, :set_by, :session_key)
+ON CONFLICT (name) DO UPDATE SET
+    previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN c.token_hash END,
+    previous_token_expires = CASE WHEN :overlap_seconds > 0
+                                  THEN now() + make_interval(secs => :overlap_seconds) END,
+    token_hash = EXCLUDED.token_hash, chosen_by_person = false, set_at = now(),
+    set_by = EXCLUDED.set_by, session_key = EXCLUDED.session_key
+RETURNING set_at, previous_token_expires
+"""
+LIST_SERVICE_CREDENTIALS = """
+SELECT name, chosen_by_person, set_at, set_by,
+       CASE WHEN previous_token_expires > now() THEN previous_token_expires END
+           AS previous_token_expires
+FROM service_credentials
+"""
+
+
+# -- checking
+
+# The credentials by the names operators type (the CLI, the report) -> their rows.
+SERVICE_CREDENTIALS = {"upload-password": "upload_password", "admin-token": "admin_token"}
+# A new value's prefix says which credential it is, and is never a named analyser's
+# (ANALYSER_TOKEN_PREFIX): a shared password that began so would be looked up as one.
+NEW_CREDENTIAL_PREFIXES = {"upload_password": "aqs_", "admin_token": "aqx_"}
+SESSION_KEY_BYTES = 32
+# An imported value, as long as the environment's may be: no more.
+MAX_IMPORTED_CREDENTIAL_CHARS = 1_000
+
+
+def checked_credential_name(name: str) -> str:
+    """An operator's name for a credential (upload-password, admin-token) -> its row's."""
+    if not isinstance(name, str) or name not in SERVICE_CREDENTIALS:
+        raise BadInput(f"the credential is upload-password or admin-token, not {name!r}"[:200])
+    return SERVICE_CREDENTIALS[name]
+
+
+def _operators_name(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _configured_value(name: str) -> tuple[str | None, str]:
+    """What the environment or a secret store holds for the credential (None: nothing),
+    and the variable that says so: read only to fill an empty row."""
+    config = settings()
+    if name == "upload_password":
+        plain, reference, variable = (
+            config.upload_password,
+            config.upload_password_secret,
+            "UPLOAD_PASSWORD",
+        )
+    else:
+        plain, reference, variable = config.admin_token, config.admin_token_secret, "ADMIN_TOKEN"
+    if plain:
+        return plain, variable
+    if reference:
+        return _configured_secret(reference), f"{variable}_SECRET"
+    return None, variable
+
+
+def _import_credential(db: SharedConnection, operator: Operator, name: str, value: str) -> bool:
+    """`value` into the credential's row if it is empty, with its record; whether it was."""
+    import secrets
+
+    def change(session: Session) -> tuple[bool, ActionRecord | None]:
+        rows = session.run(
+            IMPORT_SERVICE_CREDENTIAL,
+            name=name,
+            token_hash=token_hash(value),
+            set_by=operator.actor,
+            session_key=secrets.token_bytes(SESSION_KEY_BYTES),
+        )
+        if not rows:
+            return False, None
+        return True, ActionRecord(f"import {_operators_name(name)}")
+
+    return act(db, operator, change)
+
+
+def stored_credential(db: SharedConnection, name: str) -> dict[str, Any]:
+    """The credential's row; while there is none, first filled from the environment or
+    its secret store (503 when neither has a value)."""
+    rows = db.records(SERVICE_CREDENTIAL, name=name)
+    if rows:
+        return rows[0]
+    value, source = _configured_value(name)
+    if value is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    if _import_credential(db, Operator("service", source), name, value):
+        logger.warning(
+            "credential imported from the environment: rotate it",
+            extra={"credential": _operators_name(name), "source": source},
+        )
+    return db.records(SERVICE_CREDENTIAL, name=name)[0]
+
+
+def credential_matches(db: SharedConnection, name: str, given: str) -> bool:
+    """Whether `given` is the credential's value (or its previous one, in its overlap),
+    compared in constant time on the hashes."""
+    row = stored_credential(db, name)
+    digest = token_hash(given)
+    hashes = [row["token_hash"], row["previous_token_hash"]]
+    found = [hmac.compare_digest(bytes(h), digest) for h in hashes if h is not None]
+    return any(found)
+
+
+# -- operators' commands
+
+
+def rotate_credential(
+    db: SharedConnection, operator: Operator, name: str, overlap: int
+) -> dict[str, Any]:
+    """A new random value for the credential (set for the first time too); the one it
+    replaces works for `overlap` seconds. The admin token's rotation ends every web view
+    session (a new session key) whatever the overlap."""
+    import secrets
+
+    name = checked_credential_name(name)
+    value = NEW_CREDENTIAL_PREFIXES[name] + secrets.token_urlsafe(32)
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
+        (row,) = session.records(
+            ROTATE_SERVICE_CREDENTIAL,
+            name=name,
+            token_hash=token_hash(value),
+            set_by=operator.actor,
+            session_key=secrets.token_bytes(SESSION_KEY_BYTES),
+            overlap_seconds=overlap,
+        )
+        rotated = {
+            "name": _operators_name(name),
+            "setAt": _plain(row["set_at"]),
+            "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+            "token": value,
+        }
+        return rotated, ActionRecord(f"rotate {_operators_name(name)}")
+
+    return act(db, operator, change)
+
+
+def import_credential(db: SharedConnection, operator: Operator, name: str, value: str) -> None:
+    """Today's value (a person chose it) into the credential's empty row, so the hosts
+    that use it keep working; flagged until rotated. CredentialSet when it is set."""
+    name = checked_credential_name(name)
+    value = value.strip()
+    if not value or len(value) > MAX_IMPORTED_CREDENTIAL_CHARS:
+        raise BadInput(f"the value is 1 to {MAX_IMPORTED_CREDENTIAL_CHARS} characters")
+    if value.startswith(ANALYSER_TOKEN_PREFIX):
+        raise BadInput(f"a value beginning {ANALYSER_TOKEN_PREFIX} is a named analyser's token")
+    if not _import_credential(db, operator, name, value):
+        raise CredentialSet(_operators_name(name))
+
+
+def list_credentials(db: SharedConnection) -> list[dict[str, Any]]:
+    """Each credential: whether the database holds it, whether a person chose it (an
+    import: rotate it), when and by whom it was set; never a value or its hash."""
+    rows = {row["name"]: row for row in db.records(LIST_SERVICE_CREDENTIALS)}
+    listed = []
+    for operators_name, name in SERVICE_CREDENTIALS.items():
+        row = rows.get(name)
+        listed.append(
+            {
+                "name": operators_name,
+                "set": row is not None,
+                "chosenByPerson": bool(row and row["chosen_by_person"]),
+                "setAt": _plain(row["set_at"]) if row else None,
+                "setBy": row["set_by"] if row else None,
+                "previousTokenValidUntil": _plain(row["previous_token_expires"]) if row else None,
+            }
+        )
+    return listed
+
+
 # == Analysers: guards and routes =======================================================
 # Who sent a request (the guards every analyser and admin route depends on), GET /ping
 # and the operators' analyser routes.
@@ -2721,44 +2812,39 @@ SHARED_PASSWORD = Credential()
 
 def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credential:
     """A named analyser's token (found by its hash, on every request: revocation holds
-    from the next request), or the shared password while ACCEPT_SHARED_UPLOAD_PASSWORD."""
+    from the next request), or the shared password (its row in service_credentials)
+    while ACCEPT_SHARED_UPLOAD_PASSWORD."""
     given = credentials.credentials if credentials else ""
     if given.startswith(ANALYSER_TOKEN_PREFIX):
         name = authenticate_analyser(api_connection(), given)
         if name is None:
             raise _unauthorized()
         return Credential(name)
-    config = settings()
-    if not config.shared_password_accepted:
+    if not settings().shared_password_accepted:
         raise _unauthorized()
-    _check_bearer(credentials, config.upload_password, config.upload_password_secret)
+    if not credential_matches(api_connection(), "upload_password", given):
+        raise _unauthorized()
     return SHARED_PASSWORD
 
 
 def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
-    config = settings()
-    _check_bearer(credentials, config.admin_token, config.admin_token_secret)
+    given = credentials.credentials if credentials else ""
+    if not credential_matches(api_connection(), "admin_token", given):
+        raise _unauthorized()
 
 
 async def require_analyser(
     credentials: HTTPAuthorizationCredentials | None = Depends(analyser_bearer),
 ) -> Credential:
-    # The shared password set in the environment is checked inline; a named analyser's
-    # token (a database lookup) and a secret read from Secrets Manager or SSM (a network
-    # call on a cache miss) are blocking work.
-    given = credentials.credentials if credentials else ""
-    if settings().upload_password and not given.startswith(ANALYSER_TOKEN_PREFIX):
-        return _check_analyser(credentials)
+    # Every credential is read from the database (blocking work): a named analyser's
+    # token by its hash, the shared password by its row.
     return await blocking(_check_analyser, credentials)
 
 
 async def require_admin(
     credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer),
 ):
-    if settings().admin_token:
-        _check_admin(credentials)
-    else:
-        await blocking(_check_admin, credentials)
+    await blocking(_check_admin, credentials)
 
 
 def bearer_operator(request: Request) -> Operator:
@@ -6618,21 +6704,11 @@ ADMIN_HEADERS = {
 }
 
 
-def _admin_token_now() -> str:
-    """The admin token's current value, from the environment or its secret (cached)."""
-    config = settings()
-    if config.admin_token:
-        return config.admin_token
-    value = _configured_secret(config.admin_token_secret) if config.admin_token_secret else None
-    if value is None:
-        raise HTTPException(503, "the server has no token configured for this route")
-    return value
-
-
-def _session_signature(session_id: str) -> str:
+def _session_signature(db: SharedConnection, session_id: str) -> str:
     """The cookie's signature: an HMAC of the session id, keyed by the admin token's
-    current value, so a rotated token ends every session at once."""
-    key = hmac.new(_admin_token_now().encode(), b"admin web session", hashlib.sha256).digest()
+    session key (a random key of its own, replaced at each rotation of the token, so a
+    rotation ends every session at once)."""
+    key = bytes(stored_credential(db, "admin_token")["session_key"])
     return hmac.new(key, session_id.encode(), hashlib.sha256).hexdigest()
 
 
@@ -6645,14 +6721,15 @@ def session_actor(id_hash: bytes) -> str:
     return f"session {id_hash.hex()[:12]}"
 
 
-def signed_session(cookie: str | None) -> bytes | None:
+def signed_session(db: SharedConnection, cookie: str | None) -> bytes | None:
     """The hash of the session id this cookie carries, if its signature holds under the
-    current admin token (whether that session is live, only the database says); else
-    None."""
+    admin token's current session key (whether that session is live, only the database
+    says); else None."""
     session_id, _, signature = (cookie or "").partition(".")
     if not session_id or len(cookie or "") > 200:
         return None
-    if not hmac.compare_digest(signature.encode(), _session_signature(session_id).encode()):
+    expected = _session_signature(db, session_id)
+    if not hmac.compare_digest(signature.encode(), expected.encode()):
         return None
     return _session_hash(session_id)
 
@@ -6660,7 +6737,7 @@ def signed_session(cookie: str | None) -> bytes | None:
 def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
     """The hash of the session this cookie carries, if it is signed (signed_session) and
     has neither ended nor expired; else None."""
-    id_hash = signed_session(cookie)
+    id_hash = signed_session(db, cookie)
     if id_hash is None:
         return None
     return id_hash if db.run(ADMIN_SESSIONS_SELECT_LIVE, id_hash=id_hash) else None
@@ -6691,17 +6768,13 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
     window, 429 whatever the token, and nothing is written."""
     import secrets  # at the first sign-in, not at a cold start
 
-    try:  # the bearer check: constant-time, either version of a rotating secret
-        _check_admin(HTTPAuthorizationCredentials(scheme="Bearer", credentials=token))
-        accepted = True
-    except HTTPException as refusal:
-        if refusal.status_code != 401:
-            raise
-        accepted = False
+    # The bearer check: constant-time, on the hashes (the previous token's too, in its
+    # rotation's overlap).
+    accepted = credential_matches(db, "admin_token", token)
     # A new session id at every sign-in (a cookie set before it is never adopted); made,
     # signed and written alike whether the token was right or not.
     session_id = secrets.token_urlsafe(32)
-    cookie = f"{session_id}.{_session_signature(session_id)}"
+    cookie = f"{session_id}.{_session_signature(db, session_id)}"
     id_hash = _session_hash(session_id)
     actor = session_actor(id_hash) if accepted else "sign-in"
 
@@ -6735,7 +6808,7 @@ def sign_out(db: SharedConnection, operator: Operator, cookie: str | None) -> bo
     bearer token beside it), and record it; False when it carries no live session (it
     ended or expired already, or the cookie is not one), and nothing is written. Whether
     it is live is decided by the one statement that ends it (ADMIN_SESSIONS_END)."""
-    id_hash = signed_session(cookie)
+    id_hash = signed_session(db, cookie)
     if id_hash is None:
         return False
 
@@ -7851,10 +7924,19 @@ def _event_fields(event: dict[str, Any], required: tuple[str, ...], optional: tu
 def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
     """The report function's operator actions, as the CLI has them (docs/cli.md): why,
     queue-hold, queue-release, queue-pause, queue-resume, analysers-pause,
-    analysers-resume and analysers-revoke, each answered and logged with the CLI's
-    outcome. (Adding and rotating analysers print a token: the CLI's and the admin API's
-    alone, never a function's log.)"""
+    analysers-resume, analysers-revoke, credentials-list and credentials-rotate, each
+    answered and logged with the CLI's outcome. A rotated credential's new value is in
+    the answer only, never the log (report): a stack whose database the operators cannot
+    reach sets its first shared password and admin token so. (Adding and rotating named
+    analysers print a token: the CLI's and the admin API's alone.)"""
     command, db, policy = event["command"], api_connection(), settings().policy
+    if command == "credentials-list":
+        _event_fields(event, (), ())
+        return {"command": command, "credentials": list_credentials(db)}
+    if command == "credentials-rotate":
+        fields = _event_fields(event, ("name",), ("overlap",))
+        overlap = overlap_seconds(str(fields.get("overlap", DEFAULT_ROTATION_OVERLAP)))
+        return {"command": command, **rotate_credential(db, operator, fields["name"], overlap)}
     if command == "why":
         app_id = checked_bundle_id(_event_fields(event, ("appId",), ())["appId"])
         why = app_why(db, app_id, policy)
@@ -7889,6 +7971,8 @@ REPORT_ACTIONS = (
     "analysers-pause",
     "analysers-resume",
     "analysers-revoke",
+    "credentials-list",
+    "credentials-rotate",
 )
 
 
@@ -7903,7 +7987,8 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     policy = settings().policy
     if command in REPORT_ACTIONS:
         result = report_action(event, report_operator(context))
-        logger.info("operator command", extra={"report_action": result})
+        logged = {key: value for key, value in result.items() if key != "token"}
+        logger.info("operator command", extra={"report_action": logged})
         return result
     if command == "priority-report":
         unknown = sorted(set(event) - {"command", "limit"})
@@ -8176,16 +8261,24 @@ def _local_defaults() -> None:
     must not change its schema."""
     _local_database(apply=True)
     config = settings()
+    stored = {row["name"] for row in list_credentials(api_connection()) if row["set"]}
     local_tokens = []
     # Only what will be accepted is announced: turned off, the shared password is a wrong
-    # token (401) however it is set.
+    # token (401) however it is set; and a credential the database holds is its own.
     if config.shared_password_accepted and not (
         config.upload_password or config.upload_password_secret
     ):
-        local_tokens.append(("UPLOAD_PASSWORD", "local-upload-password"))
+        local_tokens.append(("upload-password", "UPLOAD_PASSWORD", "local-upload-password"))
     if not (config.admin_token or config.admin_token_secret):
-        local_tokens.append(("ADMIN_TOKEN", "local-admin-token"))
-    for name, local_value in local_tokens:
+        local_tokens.append(("admin-token", "ADMIN_TOKEN", "local-admin-token"))
+    for credential, name, local_value in local_tokens:
+        if credential in stored:
+            print(
+                f"{name} is unset; the database holds the {credential}"
+                " (python3 handler.py credentials list)",
+                file=sys.stderr,
+            )
+            continue
         use_cli_runtime(**{name: local_value})
         print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
     if not config.shared_password_accepted:
@@ -8633,6 +8726,41 @@ def _cli_analysers(args: argparse.Namespace) -> int:
         return 1
 
 
+def _cli_credentials(args: argparse.Namespace) -> int:
+    """The shared upload password and the admin token in the database. A new value is
+    printed once, alone on the last line of stdout; an imported one is read from stdin
+    (never the command line, which other users of the machine can see)."""
+    _local_database(apply=True)
+    db = api_connection()
+    if args.action == "list":
+        for row in list_credentials(db):
+            if not row["set"]:
+                print(
+                    f"{row['name']}: not set (the environment or its secret fills it at first use)"
+                )
+                continue
+            chosen = "  chosen by a person: rotate it" if row["chosenByPerson"] else ""
+            until = row["previousTokenValidUntil"]
+            overlap = f"; the previous one works until {until}" if until else ""
+            print(f"{row['name']}: set {row['setAt']} by {row['setBy']}{overlap}{chosen}")
+        return 0
+    if args.action == "import":
+        import_credential(db, cli_operator(), args.name, sys.stdin.readline())
+        print(
+            f"Imported the {args.name} (chosen by a person: rotate it when the hosts can follow)."
+        )
+        return 0
+    rotated = rotate_credential(db, cli_operator(), args.name, overlap_seconds(args.overlap))
+    until = rotated["previousTokenValidUntil"]
+    print(
+        f"Rotated the {rotated['name']}; the previous value "
+        + (f"works until {until}." if until else "no longer works.")
+    )
+    print("Its new value (shown only now):")
+    print(rotated["token"])
+    return 0
+
+
 def input_checked(run: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
     """A command whose bad input (BadInput) exits 2 with its one line, as queue-refetch's
     and analysers' do: what the operator typed, not what went wrong while it ran."""
@@ -8838,6 +8966,25 @@ def cli_parser() -> argparse.ArgumentParser:
                 " (default: %(default)s)",
             )
     analysers.set_defaults(run=_cli_analysers)
+    credentials = commands.add_parser(
+        "credentials", help="the shared upload password and the admin token"
+    )
+    actions = credentials.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="whether each is set, when, by whom (never a value)")
+    for action, text in (
+        ("rotate", "a new random value, printed once; the old one works for the overlap"),
+        ("import", "today's value, read from stdin, into an empty row (hosts keep working)"),
+    ):
+        command = actions.add_parser(action, help=text)
+        command.add_argument("name", choices=list(SERVICE_CREDENTIALS))
+        if action == "rotate":
+            command.add_argument(
+                "--overlap",
+                default=DEFAULT_ROTATION_OVERLAP,
+                help="how long the old value keeps working: 0, 90s, 30m, 12h, 7d"
+                " (default: %(default)s)",
+            )
+    credentials.set_defaults(run=input_checked(_cli_credentials))
     invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")
     invoke.add_argument("function", choices=["api", "migrate", "report"])
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")

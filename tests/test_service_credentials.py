@@ -1,0 +1,166 @@
+"""The shared upload password and the admin token as hashes in the database (sql/034,
+docs/analysers.md, "The shared password and the admin token"), on the real database:
+
+* filled once from the environment, flagged as chosen by a person, and from then on the
+  database's hash is the one credential (a changed environment is a wrong token);
+* rotated by the CLI and the report entry: the new value works at once in every process,
+  the old one for the overlap only, and the admin token's rotation ends every web session;
+* imported from stdin into an empty row only; never printed, listed or logged but once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
+
+import handler
+from helpers import LambdaContext, call_cli
+
+STORED = "SELECT name, chosen_by_person, set_by FROM service_credentials ORDER BY name"
+RECORDS = (
+    "SELECT actor, source, action FROM operator_actions"
+    " WHERE action LIKE 'import %' OR action LIKE 'rotate %' ORDER BY at, action"
+)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def cli(database_url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    if stdin is None:
+        return call_cli(*args, env={**os.environ, "DATABASE_URL": database_url})
+    return subprocess.run(
+        ["python3", str(handler.HERE / "handler.py"), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DATABASE_URL": database_url},
+        timeout=120,
+    )
+
+
+def test_the_environment_fills_the_empty_rows_once_then_the_database_decides(
+    client, sql, monkeypatch, database_url
+):
+    assert sql.run(STORED) == []
+    assert client.get("/ping", headers=ANALYSER).status_code == 200
+    assert client.get("/analysers", headers=ADMIN).status_code == 200
+    assert sql.run(STORED) == [
+        ["admin_token", True, "service"],
+        ["upload_password", True, "service"],
+    ]
+    assert sql.run(RECORDS) == [
+        ["service", "UPLOAD_PASSWORD", "import upload-password"],
+        ["service", "ADMIN_TOKEN", "import admin-token"],
+    ]
+    # Filled once: more requests import nothing more.
+    assert client.get("/ping", headers=ANALYSER).status_code == 200
+    assert len(sql.run(RECORDS)) == 2
+    # A new process whose environment says otherwise: the database's hash still decides.
+    configure_service(monkeypatch, database_url)
+    monkeypatch.setenv("UPLOAD_PASSWORD", "another-password")
+    monkeypatch.setenv("ADMIN_TOKEN", "another-admin-token")
+    handler.use_runtime(None)
+    assert client.get("/ping", headers=bearer("another-password")).status_code == 401
+    assert client.get("/ping", headers=ANALYSER).status_code == 200
+    assert client.get("/analysers", headers=bearer("another-admin-token")).status_code == 401
+    assert client.get("/analysers", headers=ADMIN).status_code == 200
+
+
+def test_nothing_configured_and_nothing_stored_is_503(client, sql, monkeypatch):
+    monkeypatch.delenv("UPLOAD_PASSWORD")
+    monkeypatch.delenv("ADMIN_TOKEN")
+    handler.use_runtime(None)
+    assert client.get("/ping", headers=ANALYSER).status_code == 503
+    assert client.get("/analysers", headers=ADMIN).status_code == 503
+    assert sql.run(STORED) == []
+
+
+def test_the_cli_rotates_and_the_new_value_works_at_once_the_old_for_the_overlap(
+    client, sql, database_url
+):
+    assert client.get("/ping", headers=ANALYSER).status_code == 200  # filled
+    rotated = cli(database_url, "credentials", "rotate", "upload-password", "--overlap", "2h")
+    assert rotated.returncode == 0, rotated.stderr
+    new = rotated.stdout.splitlines()[-1]
+    assert new.startswith("aqs_") and len(new) == 4 + 43
+    assert rotated.stdout.count(new) == 1 and new not in rotated.stderr
+    assert "previous value works until" in rotated.stdout
+    # This process read nothing again: the database is asked on every request.
+    assert client.get("/ping", headers=bearer(new)).status_code == 200
+    assert client.get("/ping", headers=ANALYSER).status_code == 200  # the overlap
+    assert sql.run(STORED) == [["upload_password", False, "command line"]]
+
+    ended = cli(database_url, "credentials", "rotate", "upload-password", "--overlap", "0")
+    assert ended.returncode == 0, ended.stderr
+    newest = ended.stdout.splitlines()[-1]
+    assert "previous value no longer works" in ended.stdout
+    for old in (UPLOAD_PASSWORD, new):
+        assert client.get("/ping", headers=bearer(old)).status_code == 401
+    assert client.get("/ping", headers=bearer(newest)).status_code == 200
+
+    listed = cli(database_url, "credentials", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "upload-password: set" in listed.stdout and "admin-token: not set" in listed.stdout
+    for value in (UPLOAD_PASSWORD, new, newest, ADMIN_TOKEN):
+        assert value not in listed.stdout + listed.stderr
+
+
+def test_a_new_admin_token_ends_every_web_session(client, sql, database_url):
+    db = handler.api_connection()
+    cookie = handler.sign_in(db, ADMIN_TOKEN, "test")
+    assert cookie is not None and handler.live_session(db, cookie) is not None
+    assert handler.sign_in(db, "wrong", "test") is None
+    rotated = handler.rotate_credential(db, handler.Operator("t", "t"), "admin-token", 3600)
+    # The overlap keeps the old token working as a bearer, not the sessions it started.
+    assert handler.live_session(db, cookie) is None
+    assert client.get("/analysers", headers=ADMIN).status_code == 200
+    assert client.get("/analysers", headers=bearer(rotated["token"])).status_code == 200
+    assert rotated["token"].startswith("aqx_")
+
+
+def test_an_import_fills_an_empty_row_only_from_stdin(sql, database_url):
+    imported = cli(database_url, "credentials", "import", "upload-password", stdin="pi-fleet-pw\n")
+    assert imported.returncode == 0, imported.stderr
+    assert "pi-fleet-pw" not in imported.stdout + imported.stderr
+    assert sql.run(STORED) == [["upload_password", True, "command line"]]
+    again = cli(database_url, "credentials", "import", "upload-password", stdin="other\n")
+    assert again.returncode == 1
+    assert "set in the database already" in again.stderr
+    for value, words in (("\n", "1 to"), ("aqa_x\n", "named analyser")):
+        refused = cli(database_url, "credentials", "import", "admin-token", stdin=value)
+        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+    bad = cli(database_url, "credentials", "rotate", "database")
+    assert bad.returncode == 2
+    db = handler.api_connection()
+    assert handler.credential_matches(db, "upload_password", "pi-fleet-pw")
+    assert not handler.credential_matches(db, "upload_password", "pi-fleet-pw ")
+
+
+def test_the_report_rotates_and_lists_and_never_logs_a_value(client, sql, capsys):
+    capsys.readouterr()
+    rotated = handler.report(
+        {"command": "credentials-rotate", "name": "admin-token", "overlap": "0"}, LambdaContext()
+    )
+    token = rotated["token"]
+    assert rotated["name"] == "admin-token" and rotated["previousTokenValidUntil"] is None
+    listed = handler.report({"command": "credentials-list"}, LambdaContext())
+    admin = next(row for row in listed["credentials"] if row["name"] == "admin-token")
+    assert admin["set"] and not admin["chosenByPerson"] and admin["setBy"] == "report function"
+    out = capsys.readouterr()
+    assert token not in out.out + out.err
+    assert "credentials-rotate" in out.out + out.err
+    assert client.get("/analysers", headers=bearer(token)).status_code == 200
+    assert client.get("/analysers", headers=ADMIN).status_code == 401
+    for event in (
+        {"command": "credentials-rotate"},
+        {"command": "credentials-rotate", "name": ["admin-token"]},
+        {"command": "credentials-rotate", "name": "admin-token", "overlap": "forever"},
+        {"command": "credentials-list", "name": "x"},
+    ):
+        with pytest.raises(handler.BadInput):
+            handler.report(event, LambdaContext())
