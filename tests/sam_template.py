@@ -36,22 +36,21 @@ ANALYSER_ROUTES = {
     "POST /reportAnalysisFailure",
 }
 # What a stack with the defaults is given: no value without a default (DbResourceId has an
-# empty one, which IamAuthNeedsTheResourceId refuses with DbAuth iam, the default), and
-# exactly one source each of the shared password and the admin token (the Rules refuse
-# none): the password in Secrets Manager, the token in SSM, so both stores are read.
+# empty one, which IamAuthNeedsTheResourceId refuses with DbAuth iam, the default).
 REQUIRED_PARAMETERS = {
     "DbHost": "x.example.internal",
     "DbName": "analysis",
     "DbResourceId": "db-ABCDEFGHIJKLMNOPQRSTUVWXY0",
     "SubnetIds": "subnet-0123456789abcdef0",
     "SecurityGroupIds": "sg-0123456789abcdef0",
-    "UploadPasswordSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:up-AbCdEf",
-    "AdminTokenParameterName": "/analysis-queue/admin-token",
 }
-# The database's password in Secrets Manager (DbAuth secret) instead of the IAM login.
+# The database's password in Secrets Manager (DbAuth secret), and the shared password and
+# admin token imported from a secret and a parameter: every store the stack can read.
 SECRET_PARAMETERS = {
     "DbAuth": "secret",
     "DbSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:db-AbCdEf",
+    "UploadPasswordSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:up-AbCdEf",
+    "AdminTokenParameterName": "/analysis-queue/admin-token",
 }
 NO_VALUE = object()
 

@@ -326,14 +326,19 @@ def test_environment_variables(source_template, transformed):
         else:
             assert not api_only & set(env), name
     api_env = lambdas["ApiFunction"]["Properties"]["Environment"]["Variables"]
-    # Exactly one source each (the Rules): the secret's, or else the parameter's.
-    for var, arn_param, name_param in (
-        ("UPLOAD_PASSWORD_SECRET", "UploadPasswordSecretArn", "UploadPasswordParameterName"),
-        ("ADMIN_TOKEN_SECRET", "AdminTokenSecretArn", "AdminTokenParameterName"),
+    # The optional import sources: a secret, a parameter, or neither (empty).
+    for var, arn_param, name_param, in_ssm in (
+        (
+            "UPLOAD_PASSWORD_SECRET",
+            "UploadPasswordSecretArn",
+            "UploadPasswordParameterName",
+            "UploadPasswordInSsm",
+        ),
+        ("ADMIN_TOKEN_SECRET", "AdminTokenSecretArn", "AdminTokenParameterName", "AdminTokenInSsm"),
     ):
-        _, if_sm, if_ssm = api_env[var]["Fn::If"]
+        _, if_sm, otherwise = api_env[var]["Fn::If"]
         assert if_sm == {"Fn::Sub": f"secretsmanager:${{{arn_param}}}"}
-        assert if_ssm == {"Fn::Sub": f"ssm:${{{name_param}}}"}
+        assert otherwise == {"Fn::If": [in_ssm, {"Fn::Sub": f"ssm:${{{name_param}}}"}, ""]}
     params = source_template["Parameters"]
     for param, default in {
         "CurrentAnalysisVersion": 4,

@@ -3,7 +3,7 @@
 Conditions are evaluated (sam_template.deployed) for given parameter values
 (CloudFormation does it on deploy; neither the SAM translator nor cfn-lint does), so each
 optional piece is checked both ways: the database login (IAM authentication, the default,
-or a password secret), the shared password's and admin token's sources, reserved
+or a password secret), the shared password's and admin token's import sources, reserved
 concurrency, the alarm topic and its e-mail subscription, the S3 endpoint, the migration
 secret, SnapStart; and the Rules, which refuse what cannot work before anything changes.
 The alarm topic, subscription and alarms are then created in moto's SNS and CloudWatch
@@ -121,16 +121,14 @@ def test_s3_endpoint_rule_asks_for_the_vpc(source):
 
 RESOURCE_ID = REQUIRED_PARAMETERS["DbResourceId"]
 DB_SECRET = SECRET_PARAMETERS["DbSecretArn"]
-# The default stack's sources of the shared password (a secret) and the admin token (a
-# parameter): exactly one each, which the API function reads.
-UPLOAD_SECRET = REQUIRED_PARAMETERS["UploadPasswordSecretArn"]
-ADMIN_PARAMETER = REQUIRED_PARAMETERS["AdminTokenParameterName"]
-SSM_ARN = "arn:${AWS::Partition}:ssm:${AWS::Region}:${AWS::AccountId}:parameter"
 OWNER_SECRET = "arn:aws:secretsmanager:us-east-1:123456789012:secret:owner-AbCdEf"
-# The variables that name a database secret the handler would read.
-DB_SECRET_VARIABLES = ("DB_SECRET_ID", "DB_MIGRATION_SECRET_ID")
-# ... and those that name the shared password's and the admin token's stores.
-TOKEN_SECRET_VARIABLES = ("UPLOAD_PASSWORD_SECRET", "ADMIN_TOKEN_SECRET")
+# Every variable that names a secret store the handler would read.
+SECRET_VARIABLES = (
+    "DB_SECRET_ID",
+    "DB_MIGRATION_SECRET_ID",
+    "UPLOAD_PASSWORD_SECRET",
+    "ADMIN_TOKEN_SECRET",
+)
 
 
 def dbuser(user: str, resource_id: str = RESOURCE_ID) -> dict:
@@ -171,39 +169,22 @@ def settings_of(resources: dict, function: str):
     return handler.load_settings({k: str(v) for k, v in environment(resources, function).items()})
 
 
-def test_the_default_stack_logs_in_without_a_secret_and_reads_only_the_token_sources(
-    transformed,
-):
-    """With the defaults (DbAuth iam) the database login reads no secret: no variable names
-    a database secret and no role may read one. The only stores read are the shared
-    password's and the admin token's sources, by the API function alone (so its subnets
-    must reach Secrets Manager or SSM). Each role may also log in to the database
-    (rds-db:connect, made in the function) and the report publish its failed runs."""
+def test_the_default_stack_reads_no_secret_and_may_call_no_secret_store(transformed):
+    """With the defaults no role may call Secrets Manager, SSM or KMS, and no variable
+    names a secret: the functions call no AWS API at run time, so the VPC needs no
+    interface endpoint. What each role may do is its database login (rds-db:connect,
+    made in the function) and, for the report, publishing its failed runs to the topic."""
     resources = deployed(transformed)
-    expected = {
-        "ApiFunction": {
-            "rds-db:connect": [dbuser("queue_api")],
-            "secretsmanager:GetSecretValue": [UPLOAD_SECRET],
-            "ssm:GetParameter": [{"Fn::Sub": SSM_ARN + ADMIN_PARAMETER}],
-        },
-        "MigrationFunction": {"rds-db:connect": [dbuser("queue_owner")]},
-        "ReportFunction": {
-            "rds-db:connect": [dbuser("queue_api")],
-            "sns:Publish": [{"Ref": "AlarmTopic"}],
-        },
-    }
     for name in FUNCTIONS:
-        assert grants(resources, name) == expected[name], name
+        actions = set(grants(resources, name))
+        assert not {a for a in actions if a.split(":")[0] in ("secretsmanager", "ssm", "kms")}
+        expected = {"rds-db:connect"} | ({"sns:Publish"} if name == "ReportFunction" else set())
+        assert actions == expected, name
         env = environment(resources, name)
-        assert {var: env[var] for var in DB_SECRET_VARIABLES if env.get(var)} == {}, name
+        assert {var: env[var] for var in SECRET_VARIABLES if env.get(var)} == {}, name
         settings = settings_of(resources, name)
         assert settings.db_secret_id is settings.db_migration_secret_id is None
-        if name == "ApiFunction":
-            assert settings.upload_password_secret == f"secretsmanager:{UPLOAD_SECRET}"
-            assert settings.admin_token_secret == f"ssm:{ADMIN_PARAMETER}"
-        else:
-            assert not set(TOKEN_SECRET_VARIABLES) & set(env), name
-            assert settings.upload_password_secret is settings.admin_token_secret is None
+        assert settings.upload_password_secret is settings.admin_token_secret is None
         # Lambda's own: the logs, and the network interfaces in SubnetIds.
         assert resources[f"{name}Role"]["Properties"]["ManagedPolicyArns"] == [
             "arn:aws:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole",
@@ -257,13 +238,20 @@ def test_iam_auth_through_rds_proxy_connects_to_the_proxy(transformed):
 
 
 def test_db_auth_secret_is_the_password_stack_of_before(transformed):
-    """DbAuth secret: the database's password from DbSecretArn, the shared password and
-    the admin token from their stores, and no IAM login anywhere."""
+    """DbAuth secret: the database's password from DbSecretArn, the imports from their
+    stores, and no IAM login anywhere."""
     resources = deployed(transformed, **SECRET_PARAMETERS)
+    admin_parameter = (
+        "arn:${AWS::Partition}:ssm:${AWS::Region}:${AWS::AccountId}:parameter"
+        + SECRET_PARAMETERS["AdminTokenParameterName"]
+    )
     expected = {
         "ApiFunction": {
-            "secretsmanager:GetSecretValue": [DB_SECRET, UPLOAD_SECRET],
-            "ssm:GetParameter": [{"Fn::Sub": SSM_ARN + ADMIN_PARAMETER}],
+            "secretsmanager:GetSecretValue": [
+                DB_SECRET,
+                SECRET_PARAMETERS["UploadPasswordSecretArn"],
+            ],
+            "ssm:GetParameter": [{"Fn::Sub": admin_parameter}],
         },
         "MigrationFunction": {"secretsmanager:GetSecretValue": [DB_SECRET]},
         "ReportFunction": {
@@ -280,8 +268,11 @@ def test_db_auth_secret_is_the_password_stack_of_before(transformed):
         settings = settings_of(resources, name)
         assert settings.db_user is None and settings.db_secret_id == DB_SECRET
     api = environment(resources, "ApiFunction")
-    assert api["UPLOAD_PASSWORD_SECRET"] == f"secretsmanager:{UPLOAD_SECRET}"
-    assert api["ADMIN_TOKEN_SECRET"] == f"ssm:{ADMIN_PARAMETER}"
+    assert (
+        api["UPLOAD_PASSWORD_SECRET"]
+        == f"secretsmanager:{SECRET_PARAMETERS['UploadPasswordSecretArn']}"
+    )
+    assert api["ADMIN_TOKEN_SECRET"] == f"ssm:{SECRET_PARAMETERS['AdminTokenParameterName']}"
 
 
 def test_migration_secret_goes_to_the_migration_function_only(transformed):
@@ -309,81 +300,82 @@ def test_migration_secret_goes_to_the_migration_function_only(transformed):
         assert OWNER_SECRET not in json.dumps(iam[name]) + json.dumps(iam[f"{name}Role"])
 
 
-ADMIN_SECRET = "arn:aws:secretsmanager:us-east-1:123456789012:secret:a-1"
-NO_TOKEN_SOURCE = {
-    "UploadPasswordSecretArn": "",
-    "UploadPasswordParameterName": "",
-    "AdminTokenSecretArn": "",
-    "AdminTokenParameterName": "",
-}
-
-
 @pytest.mark.parametrize(
-    ("upload", "admin"),
+    ("source", "variable", "action", "resource"),
     [
-        (("secretsmanager", UPLOAD_SECRET), ("ssm", ADMIN_PARAMETER)),
-        (("ssm", "/queue/upload"), ("secretsmanager", ADMIN_SECRET)),
-        (("secretsmanager", UPLOAD_SECRET), ("secretsmanager", ADMIN_SECRET)),
-        (("ssm", "/queue/upload"), ("ssm", "/queue/admin")),
+        (
+            {"UploadPasswordSecretArn": SECRET_PARAMETERS["UploadPasswordSecretArn"]},
+            "UPLOAD_PASSWORD_SECRET",
+            "secretsmanager:GetSecretValue",
+            SECRET_PARAMETERS["UploadPasswordSecretArn"],
+        ),
+        (
+            {"UploadPasswordParameterName": "/queue/upload"},
+            "UPLOAD_PASSWORD_SECRET",
+            "ssm:GetParameter",
+            {
+                "Fn::Sub": "arn:${AWS::Partition}:ssm:${AWS::Region}:${AWS::AccountId}"
+                ":parameter/queue/upload"
+            },
+        ),
+        (
+            {"AdminTokenSecretArn": "arn:aws:secretsmanager:us-east-1:123456789012:secret:a-1"},
+            "ADMIN_TOKEN_SECRET",
+            "secretsmanager:GetSecretValue",
+            "arn:aws:secretsmanager:us-east-1:123456789012:secret:a-1",
+        ),
+        (
+            {"AdminTokenParameterName": "/queue/admin"},
+            "ADMIN_TOKEN_SECRET",
+            "ssm:GetParameter",
+            {
+                "Fn::Sub": "arn:${AWS::Partition}:ssm:${AWS::Region}:${AWS::AccountId}"
+                ":parameter/queue/admin"
+            },
+        ),
     ],
-    ids=["upload-secret-admin-parameter", "upload-parameter-admin-secret", "secrets", "parameters"],
+    ids=["upload-secret", "upload-parameter", "admin-secret", "admin-parameter"],
 )
-@pytest.mark.parametrize("kms", [False, True], ids=["aws-key", "own-key"])
-def test_the_token_sources_are_read_by_the_api_function_alone(transformed, upload, admin, kms):
-    """Each of the shared password's and the admin token's sources, a secret or a
-    parameter (with the IAM login): the API function may read exactly those, and with a
-    KMS key decrypt with it; no other function may read a store or use the key."""
+def test_an_import_source_is_read_by_the_api_function_alone(
+    transformed, source, variable, action, resource
+):
+    """One import source set (with the IAM login): the API function may read exactly it,
+    and with a KMS key decrypt with it; no other function may read a store."""
     key = "arn:aws:kms:us-east-1:123456789012:key/0a1b2c3d-aaaa-bbbb-cccc-0123456789ab"
-    overrides = dict(NO_TOKEN_SOURCE)
-    expected = {"rds-db:connect": [dbuser("queue_api")]}
-    for (scheme, value), prefix in ((upload, "UploadPassword"), (admin, "AdminToken")):
-        if scheme == "secretsmanager":
-            overrides[f"{prefix}SecretArn"] = value
-            expected.setdefault("secretsmanager:GetSecretValue", []).append(value)
-        else:
-            overrides[f"{prefix}ParameterName"] = value
-            expected.setdefault("ssm:GetParameter", []).append({"Fn::Sub": SSM_ARN + value})
-    if kms:
-        overrides["SecretsKmsKeyArn"] = key
-        expected["kms:Decrypt"] = [key]
-    resources = deployed(transformed, **overrides)
-    env = environment(resources, "ApiFunction")
-    assert env["UPLOAD_PASSWORD_SECRET"] == f"{upload[0]}:{upload[1]}"
-    assert env["ADMIN_TOKEN_SECRET"] == f"{admin[0]}:{admin[1]}"
-    assert grants(resources, "ApiFunction") == expected
+    resources = deployed(transformed, **source, SecretsKmsKeyArn=key)
+    scheme = action.split(":")[0]
+    value = next(iter(source.values()))
+    assert environment(resources, "ApiFunction")[variable] == f"{scheme}:{value}"
+    api = grants(resources, "ApiFunction")
+    assert api == {
+        "rds-db:connect": [dbuser("queue_api")],
+        action: [resource],
+        "kms:Decrypt": [key],
+    }
     for name in ("MigrationFunction", "ReportFunction"):
-        stores = ("secretsmanager", "ssm", "kms")
-        assert not {a for a in grants(resources, name) if a.split(":")[0] in stores}, name
+        assert not {a for a in grants(resources, name) if a.split(":")[0] in (scheme, "kms")}
+    # The key alone, with nothing to read, grants nothing.
+    assert "kms:Decrypt" not in grants(deployed(transformed, SecretsKmsKeyArn=key), "ApiFunction")
 
 
 def test_the_rules_refuse_what_cannot_work(source):
     """CloudFormation refuses these parameter values before it changes anything."""
-    assert broken_rules(source) == []  # the defaults, with the resource ID and the sources
+    assert broken_rules(source) == []  # the defaults, with the database's resource ID
     assert broken_rules(source, SECRET_PARAMETERS) == []
     assert broken_rules(source, {"DbResourceId": ""}) == ["IamAuthNeedsTheResourceId"]
     assert broken_rules(source, {"DbAuth": "secret"}) == ["SecretAuthNeedsTheSecret"]
     # A password login needs no resource ID.
     assert broken_rules(source, {**SECRET_PARAMETERS, "DbResourceId": ""}) == []
-    # The API has no other shared password or admin token: a source each, exactly one.
-    assert broken_rules(source, {"UploadPasswordSecretArn": ""}) == [
-        "UploadPasswordHasExactlyOneSource"
-    ]
-    assert broken_rules(source, {"AdminTokenParameterName": ""}) == [
-        "AdminTokenHasExactlyOneSource"
-    ]
-    assert broken_rules(source, NO_TOKEN_SOURCE) == [
-        "UploadPasswordHasExactlyOneSource",
-        "AdminTokenHasExactlyOneSource",
-    ]
-    assert broken_rules(source, {"UploadPasswordParameterName": "/queue/upload"}) == [
-        "UploadPasswordHasExactlyOneSource"
-    ]
-    assert broken_rules(source, {"AdminTokenSecretArn": ADMIN_SECRET}) == [
-        "AdminTokenHasExactlyOneSource"
-    ]
-    # The other source of each instead is fine.
-    other = {**NO_TOKEN_SOURCE, "UploadPasswordParameterName": "/queue/upload"}
-    assert broken_rules(source, {**other, "AdminTokenSecretArn": ADMIN_SECRET}) == []
+    both = {
+        "UploadPasswordSecretArn": SECRET_PARAMETERS["UploadPasswordSecretArn"],
+        "UploadPasswordParameterName": "/queue/upload",
+    }
+    assert broken_rules(source, both) == ["UploadPasswordHasAtMostOneSource"]
+    both = {
+        "AdminTokenSecretArn": SECRET_PARAMETERS["UploadPasswordSecretArn"],
+        "AdminTokenParameterName": "/queue/admin",
+    }
+    assert broken_rules(source, both) == ["AdminTokenHasAtMostOneSource"]
     assert broken_rules(source, {"S3EndpointRouteTableIds": "rtb-0a1"}) == ["S3EndpointNeedsTheVpc"]
 
 
