@@ -1857,7 +1857,7 @@ admin_bearer = HTTPBearer(auto_error=False, scheme_name=ADMIN_SCHEME)
 
 def _configured_secret(reference: str) -> str | None:
     """The secret's current version, as cached for SECRETS_MAX_AGE_SECONDS; None when it
-    is not text (no token). Read only to fill a credential's empty row (stored_credential)."""
+    is not text (no token). Read only while a credential's row is empty (credential_matches)."""
     try:
         value = fetch_secret(reference, settings().secrets_max_age_seconds)
     except Exception as error:  # noqa: BLE001 - unreadable: 503, never open, never 500
@@ -2616,17 +2616,21 @@ VALUES (:name, :token_hash, true, :set_by, :session_key)
 ON CONFLICT (name) DO NOTHING
 RETURNING set_at
 """
-# A new random value; the one it replaces keeps working for the overlap (none: at once).
+# A new random value; the one it replaces (the row's, or while there is none the
+# environment's, :configured_hash) keeps working for the overlap (0: not at all).
 ROTATE_SERVICE_CREDENTIAL = """
-INSERT INTO service_credentials AS c (name, token_hash, chosen_by_person, set_by, session_key)
-VALUES (:name, :token_hash, false, :set_by, :session_key)
+INSERT INTO service_credentials AS c (name, token_hash, previous_token_hash,
+                                      previous_token_expires, chosen_by_person, set_by,
+                                      session_key)
+VALUES (:name, :token_hash, CAST(:configured_hash AS bytea),
+        now() + make_interval(secs => :overlap_seconds), false, :set_by, :session_key)
 ON CONFLICT (name) DO UPDATE SET
-    previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN c.token_hash END,
-    previous_token_expires = CASE WHEN :overlap_seconds > 0
-                                  THEN now() + make_interval(secs => :overlap_seconds) END,
+    previous_token_hash = c.token_hash, previous_token_expires = EXCLUDED.previous_token_expires,
     token_hash = EXCLUDED.token_hash, chosen_by_person = false, set_at = now(),
     set_by = EXCLUDED.set_by, session_key = EXCLUDED.session_key
-RETURNING set_at, previous_token_expires
+RETURNING set_at,
+    CASE WHEN previous_token_hash IS NOT NULL AND previous_token_expires > now()
+         THEN previous_token_expires END AS previous_token_expires
 """
 LIST_SERVICE_CREDENTIALS = """
 SELECT name, chosen_by_person, set_at, set_by,
@@ -2639,7 +2643,7 @@ FROM service_credentials
 # -- checking
 
 # The credentials by the names operators type (the CLI, the report) -> their rows.
-SERVICE_CREDENTIALS = {"upload-password": "upload_password", "admin-token": "admin_token"}
+SHARED_BEARERS = {"upload-password": "upload_password", "admin-token": "admin_token"}
 # A new value's prefix says which credential it is, and is never a named analyser's
 # (ANALYSER_TOKEN_PREFIX): a shared password that began so would be looked up as one.
 NEW_CREDENTIAL_PREFIXES = {"upload_password": "aqs_", "admin_token": "aqx_"}
@@ -2648,11 +2652,11 @@ SESSION_KEY_BYTES = 32
 MAX_IMPORTED_CREDENTIAL_CHARS = 1_000
 
 
-def checked_credential_name(name: str) -> str:
+def service_row_name(name: str) -> str:
     """An operator's name for a credential (upload-password, admin-token) -> its row's."""
-    if not isinstance(name, str) or name not in SERVICE_CREDENTIALS:
+    if not isinstance(name, str) or name not in SHARED_BEARERS:
         raise BadInput(f"the credential is upload-password or admin-token, not {name!r}"[:200])
-    return SERVICE_CREDENTIALS[name]
+    return SHARED_BEARERS[name]
 
 
 def _operators_name(name: str) -> str:
@@ -2678,50 +2682,36 @@ def _configured_value(name: str) -> tuple[str | None, str]:
     return None, variable
 
 
-def _import_credential(db: SharedConnection, operator: Operator, name: str, value: str) -> bool:
-    """`value` into the credential's row if it is empty, with its record; whether it was."""
-    import secrets
-
-    def change(session: Session) -> tuple[bool, ActionRecord | None]:
-        rows = session.run(
-            IMPORT_SERVICE_CREDENTIAL,
-            name=name,
-            token_hash=token_hash(value),
-            set_by=operator.actor,
-            session_key=secrets.token_bytes(SESSION_KEY_BYTES),
-        )
-        if not rows:
-            return False, None
-        return True, ActionRecord(f"import {_operators_name(name)}")
-
-    return act(db, operator, change)
-
-
-def stored_credential(db: SharedConnection, name: str) -> dict[str, Any]:
-    """The credential's row; while there is none, first filled from the environment or
-    its secret store (503 when neither has a value)."""
-    rows = db.records(SERVICE_CREDENTIAL, name=name)
-    if rows:
-        return rows[0]
-    value, source = _configured_value(name)
-    if value is None:
-        raise HTTPException(503, "the server has no token configured for this route")
-    if _import_credential(db, Operator("service", source), name, value):
-        logger.warning(
-            "credential imported from the environment: rotate it",
-            extra={"credential": _operators_name(name), "source": source},
-        )
-    return db.records(SERVICE_CREDENTIAL, name=name)[0]
-
-
 def credential_matches(db: SharedConnection, name: str, given: str) -> bool:
     """Whether `given` is the credential's value (or its previous one, in its overlap),
-    compared in constant time on the hashes."""
-    row = stored_credential(db, name)
+    compared in constant time on the hashes. While the database holds none, the value of
+    the environment or its secret store is the credential (503 when neither has one),
+    until an operator imports it (`credentials import`): checking writes nothing."""
     digest = token_hash(given)
-    hashes = [row["token_hash"], row["previous_token_hash"]]
+    rows = db.records(SERVICE_CREDENTIAL, name=name)
+    if rows:
+        hashes = [rows[0]["token_hash"], rows[0]["previous_token_hash"]]
+    else:
+        value, _ = _configured_value(name)
+        if value is None:
+            raise HTTPException(503, "the server has no token configured for this route")
+        hashes = [token_hash(value)]
     found = [hmac.compare_digest(bytes(h), digest) for h in hashes if h is not None]
     return any(found)
+
+
+def web_session_key(db: SharedConnection) -> bytes:
+    """The key the web view's session cookies are signed with: the admin token's row's
+    (a new one at each rotation, so a rotation ends every session); while the database
+    holds no admin token, one derived from the configured value (its import ends the
+    sessions signed so)."""
+    rows = db.records(SERVICE_CREDENTIAL, name="admin_token")
+    if rows:
+        return bytes(rows[0]["session_key"])
+    value, _ = _configured_value("admin_token")
+    if value is None:
+        raise HTTPException(503, "the server has no token configured for this route")
+    return hmac.new(value.encode(), b"admin web session", hashlib.sha256).digest()
 
 
 # -- operators' commands
@@ -2735,8 +2725,9 @@ def rotate_credential(
     session (a new session key) whatever the overlap."""
     import secrets
 
-    name = checked_credential_name(name)
+    name = service_row_name(name)
     value = NEW_CREDENTIAL_PREFIXES[name] + secrets.token_urlsafe(32)
+    configured, _ = _configured_value(name)
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
         (row,) = session.records(
@@ -2746,6 +2737,7 @@ def rotate_credential(
             set_by=operator.actor,
             session_key=secrets.token_bytes(SESSION_KEY_BYTES),
             overlap_seconds=overlap,
+            configured_hash=None if configured is None else token_hash(configured),
         )
         rotated = {
             "name": _operators_name(name),
@@ -2758,25 +2750,48 @@ def rotate_credential(
     return act(db, operator, change)
 
 
-def import_credential(db: SharedConnection, operator: Operator, name: str, value: str) -> None:
+def import_credential(
+    db: SharedConnection, operator: Operator, name: str, value: str | None = None
+) -> dict[str, Any]:
     """Today's value (a person chose it) into the credential's empty row, so the hosts
-    that use it keep working; flagged until rotated. CredentialSet when it is set."""
-    name = checked_credential_name(name)
+    that use it keep working; flagged until rotated. `value` None: the one the
+    environment or its secret store holds. CredentialSet when the row is set."""
+    import secrets
+
+    name = service_row_name(name)
+    source = "the value given"
+    if value is None:
+        value, source = _configured_value(name)
+        if value is None:
+            raise BadInput(f"no value to import: {source} and {source}_SECRET are unset")
     value = value.strip()
     if not value or len(value) > MAX_IMPORTED_CREDENTIAL_CHARS:
         raise BadInput(f"the value is 1 to {MAX_IMPORTED_CREDENTIAL_CHARS} characters")
     if value.startswith(ANALYSER_TOKEN_PREFIX):
         raise BadInput(f"a value beginning {ANALYSER_TOKEN_PREFIX} is a named analyser's token")
-    if not _import_credential(db, operator, name, value):
-        raise CredentialSet(_operators_name(name))
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
+        filled = session.run(
+            IMPORT_SERVICE_CREDENTIAL,
+            name=name,
+            token_hash=token_hash(value),
+            set_by=operator.actor,
+            session_key=secrets.token_bytes(SESSION_KEY_BYTES),
+        )
+        if not filled:
+            raise CredentialSet(_operators_name(name))
+        imported = {"name": _operators_name(name), "from": source, "chosenByPerson": True}
+        return imported, ActionRecord(f"import {_operators_name(name)}")
+
+    return act(db, operator, change)
 
 
-def list_credentials(db: SharedConnection) -> list[dict[str, Any]]:
+def list_shared_bearers(db: SharedConnection) -> list[dict[str, Any]]:
     """Each credential: whether the database holds it, whether a person chose it (an
     import: rotate it), when and by whom it was set; never a value or its hash."""
     rows = {row["name"]: row for row in db.records(LIST_SERVICE_CREDENTIALS)}
     listed = []
-    for operators_name, name in SERVICE_CREDENTIALS.items():
+    for operators_name, name in SHARED_BEARERS.items():
         row = rows.get(name)
         listed.append(
             {
@@ -6705,11 +6720,9 @@ ADMIN_HEADERS = {
 
 
 def _session_signature(db: SharedConnection, session_id: str) -> str:
-    """The cookie's signature: an HMAC of the session id, keyed by the admin token's
-    session key (a random key of its own, replaced at each rotation of the token, so a
-    rotation ends every session at once)."""
-    key = bytes(stored_credential(db, "admin_token")["session_key"])
-    return hmac.new(key, session_id.encode(), hashlib.sha256).hexdigest()
+    """The cookie's signature: an HMAC of the session id, keyed by web_session_key
+    (replaced at each rotation of the admin token, so a rotation ends every session)."""
+    return hmac.new(web_session_key(db), session_id.encode(), hashlib.sha256).hexdigest()
 
 
 def _session_hash(session_id: str) -> bytes:
@@ -7924,15 +7937,19 @@ def _event_fields(event: dict[str, Any], required: tuple[str, ...], optional: tu
 def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
     """The report function's operator actions, as the CLI has them (docs/cli.md): why,
     queue-hold, queue-release, queue-pause, queue-resume, analysers-pause,
-    analysers-resume, analysers-revoke, credentials-list and credentials-rotate, each
-    answered and logged with the CLI's outcome. A rotated credential's new value is in
-    the answer only, never the log (report): a stack whose database the operators cannot
-    reach sets its first shared password and admin token so. (Adding and rotating named
+    analysers-resume, analysers-revoke, credentials-import (the function's configured
+    value), credentials-list and credentials-rotate, each answered and logged with the
+    CLI's outcome. A rotated credential's new value is in the answer only, never the log
+    (report): a stack whose database the operators cannot reach sets its first shared
+    password and admin token so. (Adding and rotating named
     analysers print a token: the CLI's and the admin API's alone.)"""
     command, db, policy = event["command"], api_connection(), settings().policy
     if command == "credentials-list":
         _event_fields(event, (), ())
-        return {"command": command, "credentials": list_credentials(db)}
+        return {"command": command, "credentials": list_shared_bearers(db)}
+    if command == "credentials-import":
+        fields = _event_fields(event, ("name",), ())
+        return {"command": command, **import_credential(db, operator, fields["name"])}
     if command == "credentials-rotate":
         fields = _event_fields(event, ("name",), ("overlap",))
         overlap = overlap_seconds(str(fields.get("overlap", DEFAULT_ROTATION_OVERLAP)))
@@ -7971,6 +7988,7 @@ REPORT_ACTIONS = (
     "analysers-pause",
     "analysers-resume",
     "analysers-revoke",
+    "credentials-import",
     "credentials-list",
     "credentials-rotate",
 )
@@ -8261,26 +8279,23 @@ def _local_defaults() -> None:
     must not change its schema."""
     _local_database(apply=True)
     config = settings()
-    stored = {row["name"] for row in list_credentials(api_connection()) if row["set"]}
-    local_tokens = []
+    local_defaults = []
     # Only what will be accepted is announced: turned off, the shared password is a wrong
-    # token (401) however it is set; and a credential the database holds is its own.
+    # token (401) however it is set.
     if config.shared_password_accepted and not (
         config.upload_password or config.upload_password_secret
     ):
-        local_tokens.append(("upload-password", "UPLOAD_PASSWORD", "local-upload-password"))
+        local_defaults.append(("UPLOAD_PASSWORD", "local-upload-password"))
     if not (config.admin_token or config.admin_token_secret):
-        local_tokens.append(("admin-token", "ADMIN_TOKEN", "local-admin-token"))
-    for credential, name, local_value in local_tokens:
-        if credential in stored:
-            print(
-                f"{name} is unset; the database holds the {credential}"
-                " (python3 handler.py credentials list)",
-                file=sys.stderr,
-            )
-            continue
+        local_defaults.append(("ADMIN_TOKEN", "local-admin-token"))
+    for name, local_value in local_defaults:
         use_cli_runtime(**{name: local_value})
-        print(f"{name} is unset; using {local_value!r} locally", file=sys.stderr)
+        # (Read nothing here: the database may be locked, and the command must answer.)
+        print(
+            f"{name} is unset; using {local_value!r} locally, while the database holds"
+            " none of its own (python3 handler.py credentials list)",
+            file=sys.stderr,
+        )
     if not config.shared_password_accepted:
         print(
             "ACCEPT_SHARED_UPLOAD_PASSWORD is false: the shared password is refused;"
@@ -8733,10 +8748,11 @@ def _cli_credentials(args: argparse.Namespace) -> int:
     _local_database(apply=True)
     db = api_connection()
     if args.action == "list":
-        for row in list_credentials(db):
+        for row in list_shared_bearers(db):
             if not row["set"]:
                 print(
-                    f"{row['name']}: not set (the environment or its secret fills it at first use)"
+                    f"{row['name']}: not set (the environment's value or its secret is"
+                    " checked until imported)"
                 )
                 continue
             chosen = "  chosen by a person: rotate it" if row["chosenByPerson"] else ""
@@ -8745,9 +8761,11 @@ def _cli_credentials(args: argparse.Namespace) -> int:
             print(f"{row['name']}: set {row['setAt']} by {row['setBy']}{overlap}{chosen}")
         return 0
     if args.action == "import":
-        import_credential(db, cli_operator(), args.name, sys.stdin.readline())
+        value = None if args.from_environment else sys.stdin.readline()
+        imported = import_credential(db, cli_operator(), args.name, value)
         print(
-            f"Imported the {args.name} (chosen by a person: rotate it when the hosts can follow)."
+            f"Imported the {imported['name']} from {imported['from']}: the database's hash is"
+            " now the one checked (chosen by a person: rotate it when the hosts can follow)."
         )
         return 0
     rotated = rotate_credential(db, cli_operator(), args.name, overlap_seconds(args.overlap))
@@ -8976,7 +8994,13 @@ def cli_parser() -> argparse.ArgumentParser:
         ("import", "today's value, read from stdin, into an empty row (hosts keep working)"),
     ):
         command = actions.add_parser(action, help=text)
-        command.add_argument("name", choices=list(SERVICE_CREDENTIALS))
+        command.add_argument("name", choices=list(SHARED_BEARERS))
+        if action == "import":
+            command.add_argument(
+                "--from-environment",
+                action="store_true",
+                help="import UPLOAD_PASSWORD / ADMIN_TOKEN (or its *_SECRET) instead of stdin",
+            )
         if action == "rotate":
             command.add_argument(
                 "--overlap",

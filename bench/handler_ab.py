@@ -39,9 +39,21 @@ CLAIMED_APP = "com.example.bench.app123"
 
 def answering_runtime(handler):
     """A handler.Runtime whose API connection answers every statement at once with the
-    claimed row, its promoter caught up (a clock that stands still)."""
+    claimed row (the shared password's row when that is asked), its promoter caught up (a
+    clock that stands still)."""
+
+    # The shared password's row (sql/034), for a version that reads it on each request.
+    credential = getattr(handler, "SERVICE_CREDENTIAL", None)
+    stored = {
+        "token_hash": handler.token_hash(claims.UPLOAD_PASSWORD),
+        "previous_token_hash": None,
+        "session_key": b"bench",
+    }
 
     class AnsweringConnection(handler.SharedConnection):
+        def records(self, sql, **params):
+            return [stored] if sql == credential else [{"appid": CLAIMED_APP}]
+
         def autocommit(self, work):
             return [{"appid": CLAIMED_APP}]
 

@@ -367,9 +367,10 @@ def test_docs_analysers_states_what_the_code_does():
         assert f"`{route}" in text
     assert "`POST\n  /analysers/{name}/rotate`" in text or "POST /analysers/{name}/rotate" in text
     assert "`ActiveAnalysers`" in text
-    seconds = handler.SECRET_REFRESH_SECONDS
-    refresh = f"{seconds} seconds, fixed in the code (`SECRET_REFRESH_SECONDS`)"
-    assert " ".join(text.split()).count(refresh) == 1
+    # The shared password and the admin token: their rules on this page, once.
+    assert text.count("\n## The shared password and the admin token\n") == 1
+    for command in ("credentials import", "credentials rotate", "credentials-import"):
+        assert command in text, command
 
 
 def test_the_schema_says_get_apps_is_public_with_an_optional_admin_token():

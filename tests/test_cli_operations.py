@@ -385,6 +385,7 @@ LOCKED_TABLES = (
     "app_analyses",
     "queue_pause",
     "operator_actions",
+    "service_credentials",
 )
 TIMEOUTS = {
     "LOCK_TIMEOUT_MS": "300",
@@ -523,6 +524,11 @@ def runs_of(command: tuple[str, ...], parser) -> list[tuple[list[str], object]] 
         ("analysers", "revoke"): [["analysers", "revoke", "pi-locked"]],
         ("analysers", "pause"): [["analysers", "pause", "pi-locked"]],
         ("analysers", "resume"): [["analysers", "resume", "pi-locked"]],
+        ("credentials", "list"): [["credentials", "list"]],
+        ("credentials", "rotate"): [
+            ["credentials", "rotate", "upload-password", "--overlap", "1h"]
+        ],
+        ("credentials", "import"): [["credentials", "import", "admin-token", "--from-environment"]],
     }
     assert command in arguments, f"the walk does not know how to run {' '.join(command)}"
     return [(args, lock_timeout_line) for args in arguments[command]]

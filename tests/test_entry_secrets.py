@@ -1,9 +1,8 @@
 """Secrets, as the Lambda entry points read them: the API's tokens from Secrets Manager and
-SSM through Powertools Parameters (moto), cached for SECRETS_MAX_AGE_SECONDS, read again
-when a bearer matches neither cached version (so a rotated value works at its first use),
-at most once per SECRET_REFRESH_SECONDS however many wrong tokens come and on however many
-threads, never logged by any entry point; the database's credentials from Secrets
-Manager; boto3 imported only when a secret is read."""
+SSM through Powertools Parameters (moto), cached for SECRETS_MAX_AGE_SECONDS, the tokens
+while the database holds none of its own (then the database's hash alone: sql/034,
+tests/test_service_credentials.py), never logged by any entry point; the database's
+credentials from Secrets Manager; boto3 imported only when a secret is read."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ import contextlib
 import json
 import logging
 import os
-import threading
 
-import httpx
 import pytest
 from kit import SteppingClock, configure_function
 
@@ -33,7 +30,7 @@ from helpers import (
     one_record,
     run_python,
 )
-from live import TcpProxy, serving
+from live import TcpProxy
 
 pytestmark = pytest.mark.usefixtures("lambda_container")
 
@@ -133,188 +130,27 @@ def test_secrets_are_cached_for_max_age(secret_api, aws, secret_reads):
     assert len(secret_reads) == warm
 
 
-def test_a_rotated_secret_works_at_its_first_use(secret_api, aws):
-    """With the default SECRETS_MAX_AGE_SECONDS (300), rotated while the process holds
-    the old values: the new value is accepted on its first request. Secrets Manager's
-    previous version still works (the overlap); an SSM parameter's old value stops once
-    the process has read the new one."""
-    assert handler.settings().secrets_max_age_seconds == 300
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
-    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
-    aws.client("secretsmanager").put_secret_value(
-        SecretId="queue/upload", SecretString="rotated-upload"
-    )
-    aws.client("ssm").put_parameter(
-        Name="/queue/admin", Value="rotated-admin", Type="SecureString", Overwrite=True
-    )
-    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
-    assert secret_api("add-app.json", "rotated-admin")["statusCode"] == 200
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
-    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 401
-    assert secret_api("queue.json", "rotated-upload")["body"] == "com.example.app"
-
-
-def test_a_flood_of_wrong_tokens_reads_each_secret_once_per_interval(secret_api, aws, secret_reads):
-    """Wrong tokens make the process read the secret again at most once per
-    SECRET_REFRESH_SECONDS (by its clock, advanced here): two reads of a Secrets Manager
-    secret (its current and previous versions), one of an SSM parameter, however many
-    wrong tokens come. And the promise's one limit: a value rotated within that interval
-    after such a read is refused until the interval is over."""
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
-    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 201
-    start = len(secret_reads)
-    for n in range(50):
-        assert secret_api("ping.json", f"wrong-{n}")["statusCode"] == 401
-        assert secret_api("add-app.json", f"wrong-{n}")["statusCode"] == 401
-    # One refresh each; the previous version was also read once before it, to be cached.
-    assert reads_since(secret_reads, start) == {
-        UPLOAD_CURRENT: 1,
-        UPLOAD_PREVIOUS: 2,
-        ADMIN_VALUE: 1,
-    }
-    start = len(secret_reads)
-    clock = handler.runtime().clock
-    clock.advance(handler.SECRET_REFRESH_SECONDS - 1)
-    for n in range(50):
-        assert secret_api("ping.json", f"wrong-{n}")["statusCode"] == 401
-        assert secret_api("add-app.json", f"wrong-{n}")["statusCode"] == 401
-    assert reads_since(secret_reads, start) == {}
-    clock.advance(1)
-    for n in range(50):
-        assert secret_api("ping.json", f"wrong-{n}")["statusCode"] == 401
-        assert secret_api("add-app.json", f"wrong-{n}")["statusCode"] == 401
-    assert reads_since(secret_reads, start) == {
-        UPLOAD_CURRENT: 1,
-        UPLOAD_PREVIOUS: 1,
-        ADMIN_VALUE: 1,
-    }
-    # Rotated right after that read: refused within the interval, accepted after it.
-    aws.client("secretsmanager").put_secret_value(
-        SecretId="queue/upload", SecretString="rotated-upload"
-    )
-    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 401
-    clock.advance(handler.SECRET_REFRESH_SECONDS)
-    assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
-
-
-def test_wrong_tokens_on_many_threads_at_once_share_one_read(secret_api, secret_reads, monkeypatch):
-    """Under `serve` the checks run on worker threads: requests that bring a wrong token
-    at the same time make one read of the secret between them. The first read is held
-    until every request has asked for one, so they all overlap it (an order, not a
-    timing)."""
-    threads = handler.SERVE_WORKER_THREADS
-    clock = SteppingClock()
-    asked = []
-    everyone_asked = threading.Event()
-    refresh, fetch = handler.Runtime.refresh_secret, handler.fetch_secret
-
-    def asking(runtime, reference):
-        asked.append(reference)
-        if len(asked) == threads:
-            everyone_asked.set()
-        return refresh(runtime, reference)
-
-    def held_first_read(*args, fresh=False, **kwargs):
-        if fresh:
-            assert everyone_asked.wait(60), f"only {len(asked)} request(s) asked for a read"
-        return fetch(*args, fresh=fresh, **kwargs)
-
-    with serving(handler.app, clock=clock) as server:
-        ping = f"{server.url}/ping"
-
-        def status(token: str) -> int:
-            return httpx.get(ping, headers={"Authorization": f"Bearer {token}"}).status_code
-
-        assert status(UPLOAD_SECRET) == 200
-        assert status("wrong") == 401  # the previous version is cached now
-        clock.advance(handler.SECRET_REFRESH_SECONDS)
-        monkeypatch.setattr(handler.Runtime, "refresh_secret", asking)
-        monkeypatch.setattr(handler, "fetch_secret", held_first_read)
-        asked.clear()
-        start = len(secret_reads)
-        statuses: list[int] = []
-        together = threading.Barrier(threads)
-
-        def client() -> None:
-            together.wait(60)
-            statuses.append(status("wrong"))
-
-        clients = [threading.Thread(target=client) for _ in range(threads)]
-        for thread in clients:
-            thread.start()
-        for thread in clients:
-            thread.join(120)
-    assert not any(thread.is_alive() for thread in clients)
-    assert statuses == [401] * threads
-    assert len(asked) == threads
-    assert reads_since(secret_reads, start) == {UPLOAD_CURRENT: 1, UPLOAD_PREVIOUS: 1}
-
-
-def test_a_secret_unreadable_at_a_refresh_keeps_its_cached_values(secret_api, aws, capsys):
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
-    aws.client("secretsmanager").delete_secret(
-        SecretId="queue/upload", ForceDeleteWithoutRecovery=True
-    )
-    capsys.readouterr()
-    assert secret_api("ping.json", "wrong")["statusCode"] == 401  # not 503: a wrong token
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
-    record = one_record(json_lines(capsys.readouterr().err), "secret refresh failed")
-    assert record["level"] == "WARNING" and record["secret"] == "secretsmanager:queue/upload"
-
-
-def test_secrets_are_read_again_after_max_age(secret_api, aws, monkeypatch):
+def test_a_rotated_secret_is_read_after_max_age_until_imported(secret_api, aws, monkeypatch):
+    """While the database holds no credential, the secret's current value is the token
+    (no previous version: the database's rotation has the overlap), read again once the
+    cached value is SECRETS_MAX_AGE_SECONDS old; once imported, the secret changes nothing."""
     monkeypatch.setenv("SECRETS_MAX_AGE_SECONDS", "0")
     handler.use_runtime(None)
     assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
     aws.client("secretsmanager").put_secret_value(
         SecretId="queue/upload", SecretString="rotated-upload"
     )
-    aws.client("ssm").put_parameter(
-        Name="/queue/admin", Value="rotated-admin", Type="SecureString", Overwrite=True
-    )
     assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
-    # Secrets Manager's previous version (AWSPREVIOUS) overlaps until the next rotation.
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 200
+    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 401
+    imported = handler.report(
+        {"command": "credentials-import", "name": "upload-password"}, LambdaContext()
+    )
+    assert imported["from"] == "UPLOAD_PASSWORD_SECRET"
     aws.client("secretsmanager").put_secret_value(
         SecretId="queue/upload", SecretString="rotated-twice"
     )
-    assert secret_api("ping.json", UPLOAD_SECRET)["statusCode"] == 401
+    assert secret_api("ping.json", "rotated-twice")["statusCode"] == 401
     assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
-    assert secret_api("ping.json", "rotated-twice")["statusCode"] == 200
-    # An SSM parameter has one value: no overlap.
-    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 401
-    assert secret_api("add-app.json", "rotated-admin")["statusCode"] == 201
-
-
-def test_admin_token_rotation_in_secrets_manager_overlaps(aws, database_url, monkeypatch):
-    """ADMIN_TOKEN rotated in Secrets Manager: the current and the previous version both
-    work (no 401 window while the operators' tools switch), the one before them not; a
-    secret never rotated has no previous version and only its value works."""
-    client = aws.client("secretsmanager")
-    client.create_secret(Name="queue/admin", SecretString="admin-v1")
-    configure_function(
-        monkeypatch,
-        "ApiFunction",
-        database_url,
-        ADMIN_TOKEN="",
-        ADMIN_TOKEN_SECRET="secretsmanager:queue/admin",
-    )
-    clock = container_with_a_clock().clock
-    assert handler.settings().secrets_max_age_seconds == 300
-
-    def status(token: str) -> int:
-        return invoke_api("add-app.json", {"authorization": f"Bearer {token}"})["statusCode"]
-
-    assert status("admin-v1") == 201
-    assert status("admin-v0") == 401
-    # Rotations are further apart than the refresh interval (the wrong token read it).
-    clock.advance(handler.SECRET_REFRESH_SECONDS)
-    client.put_secret_value(SecretId="queue/admin", SecretString="admin-v2")
-    assert (status("admin-v2"), status("admin-v1")) == (200, 200)
-    clock.advance(handler.SECRET_REFRESH_SECONDS)
-    client.put_secret_value(SecretId="queue/admin", SecretString="admin-v3")
-    assert (status("admin-v3"), status("admin-v2"), status("admin-v1")) == (200, 200, 401)
 
 
 def test_unreadable_secret_answers_503(secret_api, aws, capsys):

@@ -327,8 +327,10 @@ def test_the_walks_catch_a_change_committed_apart_from_its_record(database_url, 
     problems = walk_with_the_record_refused(walk, database_url)
     assert problems == ["POST /probe/apart (admin): with its record refused, 503, changed True"]
     faults = Faults(monkeypatch)
+    # Unit 1 checks the admin token (sql/034), unit 2 is the probe's change, unit 3 its
+    # record, which fails after the change committed.
     assert walk_with_the_database_lost(walk, faults) == [
-        "POST /probe/apart (admin): 5xx after unit 2 failed, yet it changed"
+        "POST /probe/apart (admin): 5xx after unit 3 failed, yet it changed"
     ]
 
 

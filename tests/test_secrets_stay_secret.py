@@ -184,10 +184,18 @@ def test_token_comparisons_are_constant_time(client, sql, monkeypatch):
 
     monkeypatch.setattr(handler.hmac, "compare_digest", spy)
     insert_app(sql, "com.example.app")
+    # The shared password and the admin token are compared as hashes (sql/034: the
+    # environment's value while the database holds none), the stored one first.
+    hashed = handler.token_hash
     client.get("/ping", headers={"Authorization": "Bearer wrong"})
-    assert calls[-1] == (b"wrong", UPLOAD_PASSWORD.encode())
+    assert calls[-1] == (hashed(UPLOAD_PASSWORD), hashed("wrong"))
     client.post("/apps", json={"appId": "com.x"}, headers=ANALYSER)
-    assert calls[-1] == (UPLOAD_PASSWORD.encode(), ADMIN_TOKEN.encode())
+    assert calls[-1] == (hashed(ADMIN_TOKEN), hashed(UPLOAD_PASSWORD))
+    handler.import_credential(
+        handler.api_connection(), handler.Operator("t", "t"), "upload-password"
+    )
+    client.get("/ping", headers={"Authorization": "Bearer wrong"})
+    assert calls[-1] == (hashed(UPLOAD_PASSWORD), hashed("wrong"))
     token = client.get("/queue", headers=ANALYSER).headers["x-analysis-claim-token"]
     client.post(
         "/uploadAnalysis?appId=com.example.app&analysisVersion=4",

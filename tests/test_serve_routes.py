@@ -56,7 +56,6 @@ class Recorder:
         (handler.SharedConnection, "autocommit"),
         (handler.SharedConnection, "raw_connection"),
         (handler, "fetch_secret"),
-        (handler, "fetch_previous_secret"),
     )
 
     def __init__(self, monkeypatch):

@@ -14,7 +14,7 @@ import os
 import subprocess
 
 import pytest
-from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD, configure_service
+from kit import ADMIN, ADMIN_TOKEN, ANALYSER, UPLOAD_PASSWORD
 
 import handler
 from helpers import LambdaContext, call_cli
@@ -43,25 +43,27 @@ def cli(database_url: str, *args: str, stdin: str | None = None) -> subprocess.C
     )
 
 
-def test_the_environment_fills_the_empty_rows_once_then_the_database_decides(
+def test_the_environment_is_checked_until_imported_then_the_database_decides(
     client, sql, monkeypatch, database_url
 ):
-    assert sql.run(STORED) == []
+    """Checking writes nothing: the environment's values work while the rows are empty.
+    An import makes them the database's, flagged as a person's choice, with its record;
+    from then on a changed environment is a wrong token."""
     assert client.get("/ping", headers=ANALYSER).status_code == 200
     assert client.get("/analysers", headers=ADMIN).status_code == 200
+    assert sql.run(STORED) == []
+    for name in ("upload-password", "admin-token"):
+        imported = cli(database_url, "credentials", "import", name, "--from-environment")
+        assert imported.returncode == 0, imported.stderr
+        assert UPLOAD_PASSWORD not in imported.stdout + imported.stderr
     assert sql.run(STORED) == [
-        ["admin_token", True, "service"],
-        ["upload_password", True, "service"],
+        ["admin_token", True, "command line"],
+        ["upload_password", True, "command line"],
     ]
-    assert sql.run(RECORDS) == [
-        ["service", "UPLOAD_PASSWORD", "import upload-password"],
-        ["service", "ADMIN_TOKEN", "import admin-token"],
-    ]
-    # Filled once: more requests import nothing more.
-    assert client.get("/ping", headers=ANALYSER).status_code == 200
-    assert len(sql.run(RECORDS)) == 2
-    # A new process whose environment says otherwise: the database's hash still decides.
-    configure_service(monkeypatch, database_url)
+    assert [row[2] for row in sql.run(RECORDS)] == ["import upload-password", "import admin-token"]
+    listed = cli(database_url, "credentials", "list")
+    assert listed.stdout.count("chosen by a person: rotate it") == 2
+    # A new process whose environment says otherwise: the database's hash decides.
     monkeypatch.setenv("UPLOAD_PASSWORD", "another-password")
     monkeypatch.setenv("ADMIN_TOKEN", "another-admin-token")
     handler.use_runtime(None)
@@ -69,6 +71,13 @@ def test_the_environment_fills_the_empty_rows_once_then_the_database_decides(
     assert client.get("/ping", headers=ANALYSER).status_code == 200
     assert client.get("/analysers", headers=bearer("another-admin-token")).status_code == 401
     assert client.get("/analysers", headers=ADMIN).status_code == 200
+
+
+def test_checking_a_token_writes_nothing(client, sql):
+    assert client.get("/ping", headers=bearer("wrong")).status_code == 401
+    assert client.get("/analysers", headers=bearer("wrong")).status_code == 401
+    assert client.get("/ping", headers=ANALYSER).status_code == 200
+    assert sql.run(STORED) == []
 
 
 def test_nothing_configured_and_nothing_stored_is_503(client, sql, monkeypatch):
@@ -83,7 +92,7 @@ def test_nothing_configured_and_nothing_stored_is_503(client, sql, monkeypatch):
 def test_the_cli_rotates_and_the_new_value_works_at_once_the_old_for_the_overlap(
     client, sql, database_url
 ):
-    assert client.get("/ping", headers=ANALYSER).status_code == 200  # filled
+    assert client.get("/ping", headers=ANALYSER).status_code == 200  # the environment's
     rotated = cli(database_url, "credentials", "rotate", "upload-password", "--overlap", "2h")
     assert rotated.returncode == 0, rotated.stderr
     new = rotated.stdout.splitlines()[-1]
@@ -141,7 +150,15 @@ def test_an_import_fills_an_empty_row_only_from_stdin(sql, database_url):
     assert not handler.credential_matches(db, "upload_password", "pi-fleet-pw ")
 
 
-def test_the_report_rotates_and_lists_and_never_logs_a_value(client, sql, capsys):
+def test_the_report_imports_rotates_and_lists_and_never_logs_a_value(client, sql, capsys):
+    imported = handler.report(
+        {"command": "credentials-import", "name": "upload-password"}, LambdaContext()
+    )
+    assert imported["from"] == "UPLOAD_PASSWORD" and imported["chosenByPerson"]
+    with pytest.raises(handler.CredentialSet):
+        handler.report(
+            {"command": "credentials-import", "name": "upload-password"}, LambdaContext()
+        )
     capsys.readouterr()
     rotated = handler.report(
         {"command": "credentials-rotate", "name": "admin-token", "overlap": "0"}, LambdaContext()

@@ -301,14 +301,10 @@ def test_environment_variables(source_template, transformed):
         "POWERTOOLS_METRICS_NAMESPACE",
         "LOG_LEVEL",
     }
-    api_only = {
-        "MAX_BODY_BYTES",
-        "ACCEPT_SHARED_UPLOAD_PASSWORD",
-        "UPLOAD_PASSWORD_SECRET",
-        "ADMIN_TOKEN_SECRET",
-        "UPLOAD_PASSWORD",
-        "ADMIN_TOKEN",
-    }
+    api_only = {"MAX_BODY_BYTES", "ACCEPT_SHARED_UPLOAD_PASSWORD", "UPLOAD_PASSWORD", "ADMIN_TOKEN"}
+    # The import sources: the API's while the database holds no credential, the report's
+    # for credentials-import.
+    sources = {"UPLOAD_PASSWORD_SECRET", "ADMIN_TOKEN_SECRET"}
     for name, resource in lambdas.items():
         env = resource["Properties"]["Environment"]["Variables"]
         assert common <= set(env), (name, common - set(env))
@@ -325,7 +321,13 @@ def test_environment_variables(source_template, transformed):
             assert api_only <= set(env)
         else:
             assert not api_only & set(env), name
+        if name in ("ApiFunction", "ReportFunction"):
+            assert sources <= set(env), name
+        else:
+            assert not sources & set(env), name
     api_env = lambdas["ApiFunction"]["Properties"]["Environment"]["Variables"]
+    report_env = lambdas["ReportFunction"]["Properties"]["Environment"]["Variables"]
+    assert {v: report_env[v] for v in sources} == {v: api_env[v] for v in sources}
     # The optional import sources: a secret, a parameter, or neither (empty).
     for var, arn_param, name_param, in_ssm in (
         (

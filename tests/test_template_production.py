@@ -254,8 +254,13 @@ def test_db_auth_secret_is_the_password_stack_of_before(transformed):
             "ssm:GetParameter": [{"Fn::Sub": admin_parameter}],
         },
         "MigrationFunction": {"secretsmanager:GetSecretValue": [DB_SECRET]},
+        # The report function reads the import sources too (credentials-import).
         "ReportFunction": {
-            "secretsmanager:GetSecretValue": [DB_SECRET],
+            "secretsmanager:GetSecretValue": [
+                DB_SECRET,
+                SECRET_PARAMETERS["UploadPasswordSecretArn"],
+            ],
+            "ssm:GetParameter": [{"Fn::Sub": admin_parameter}],
             "sns:Publish": [{"Ref": "AlarmTopic"}],
         },
     }
@@ -267,12 +272,13 @@ def test_db_auth_secret_is_the_password_stack_of_before(transformed):
         assert env.get("DB_MIGRATION_USER", "") == ""
         settings = settings_of(resources, name)
         assert settings.db_user is None and settings.db_secret_id == DB_SECRET
-    api = environment(resources, "ApiFunction")
-    assert (
-        api["UPLOAD_PASSWORD_SECRET"]
-        == f"secretsmanager:{SECRET_PARAMETERS['UploadPasswordSecretArn']}"
-    )
-    assert api["ADMIN_TOKEN_SECRET"] == f"ssm:{SECRET_PARAMETERS['AdminTokenParameterName']}"
+    for name in ("ApiFunction", "ReportFunction"):
+        env = environment(resources, name)
+        assert (
+            env["UPLOAD_PASSWORD_SECRET"]
+            == f"secretsmanager:{SECRET_PARAMETERS['UploadPasswordSecretArn']}"
+        )
+        assert env["ADMIN_TOKEN_SECRET"] == f"ssm:{SECRET_PARAMETERS['AdminTokenParameterName']}"
 
 
 def test_migration_secret_goes_to_the_migration_function_only(transformed):
@@ -336,24 +342,28 @@ def test_migration_secret_goes_to_the_migration_function_only(transformed):
     ],
     ids=["upload-secret", "upload-parameter", "admin-secret", "admin-parameter"],
 )
-def test_an_import_source_is_read_by_the_api_function_alone(
+def test_an_import_source_is_read_by_the_api_and_report_functions_alone(
     transformed, source, variable, action, resource
 ):
-    """One import source set (with the IAM login): the API function may read exactly it,
-    and with a KMS key decrypt with it; no other function may read a store."""
+    """One import source set (with the IAM login): the API function (which checks its
+    value while the database holds none) and the report function (credentials-import) may
+    read exactly it, and with a KMS key decrypt with it; the migration function reads
+    no store."""
     key = "arn:aws:kms:us-east-1:123456789012:key/0a1b2c3d-aaaa-bbbb-cccc-0123456789ab"
     resources = deployed(transformed, **source, SecretsKmsKeyArn=key)
     scheme = action.split(":")[0]
     value = next(iter(source.values()))
-    assert environment(resources, "ApiFunction")[variable] == f"{scheme}:{value}"
-    api = grants(resources, "ApiFunction")
-    assert api == {
-        "rds-db:connect": [dbuser("queue_api")],
-        action: [resource],
-        "kms:Decrypt": [key],
-    }
-    for name in ("MigrationFunction", "ReportFunction"):
-        assert not {a for a in grants(resources, name) if a.split(":")[0] in (scheme, "kms")}
+    for name in ("ApiFunction", "ReportFunction"):
+        assert environment(resources, name)[variable] == f"{scheme}:{value}"
+        granted = grants(resources, name)
+        granted.pop("sns:Publish", None)  # the report's failure destination
+        assert granted == {
+            "rds-db:connect": [dbuser("queue_api")],
+            action: [resource],
+            "kms:Decrypt": [key],
+        }, name
+    migration = grants(resources, "MigrationFunction")
+    assert not {a for a in migration if a.split(":")[0] in (scheme, "kms")}
     # The key alone, with nothing to read, grants nothing.
     assert "kms:Decrypt" not in grants(deployed(transformed, SecretsKmsKeyArn=key), "ApiFunction")
 
