@@ -5,6 +5,23 @@ the function read-only at /var/task, the layer read-only at /opt, the runtime cl
 /var/runtime, in a private mount namespace (`unshare -m`, so the machine's own /var and
 /opt are untouched), with Lambda's environment variables and Python 3.12.
 
+No route to AWS (`no_route_to_aws`, on unless a caller turns it off): the function's
+Python refuses every connection that would leave 127.0.0.1. tests/no_route_to_aws/
+sitecustomize.py, bind-mounted read-only at /var/no-route-to-aws and put first on the
+function's PYTHONPATH, installs an audit hook that raises PermissionError, naming the
+host, for a look-up of any name but localhost and for a connect or datagram to any
+address but loopback (a Unix socket is allowed), and writes each refusal to the log
+(GUARD_REFUSAL). The emulator's own TCP port stays reachable, which a network namespace
+would not allow; a refused call fails at once instead of succeeding or hanging. No
+AWS_ENDPOINT_URL is set: an SDK that ignored it would still find its way out, and a
+refusal by the guard is what a test sees. Before each emulator starts, the function's
+Python is run once with the same mounts, environment and PYTHONPATH (GUARD_PROBE): a
+connection to a Secrets Manager endpoint by name and to an AWS address must both be
+refused by the guard, and one to 127.0.0.1 must not, or the emulator does not start
+(about 45 ms). What the hook sees is Python's socket module (boto3/botocore, urllib,
+http.client), not a C library's own sockets (libpq, the runtime client's curl to the
+emulator): the tests give the function its database on 127.0.0.1.
+
 Used by tests/test_lambda_runtime.py (answers against the in-process ones) and
 bench/cold_start.py (the emulator's INIT REPORT, under a cgroup CPU quota).
 
@@ -34,6 +51,32 @@ RIE_IN_WHEEL = "samcli/local/rapid/aws-lambda-rie-x86_64"
 # Lambda gives a function one vCPU at 1,769 MB, and CPU in proportion below that.
 MB_PER_VCPU = 1769
 INVOKE_PATH = "/2015-03-31/functions/function/invocations"
+# No route to AWS: tests/no_route_to_aws/sitecustomize.py, mounted read-only here and put
+# first on the function's PYTHONPATH, refuses every socket that would leave 127.0.0.1.
+GUARD_DIR = REPO / "tests" / "no_route_to_aws"
+GUARD_DIR_IN = "/var/no-route-to-aws"
+# What the guard writes to the function's log at each refusal (its REFUSAL).
+GUARD_REFUSAL = "no-route-to-aws: refused"
+# The direct check that the guard is active in the function's Python, with the function's
+# environment and mounts: a look-up of an AWS endpoint and a connection to an AWS address
+# must both fail with the guard's PermissionError, without a packet sent.
+GUARD_PROBE = r"""
+import socket, sys
+where = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+assert where == sys.argv[1] + "/sitecustomize.py", f"sitecustomize from {where}"
+for attempt in (
+    lambda: socket.create_connection(("secretsmanager.us-east-1.amazonaws.com", 443), 5),
+    lambda: socket.create_connection(("52.94.0.1", 443), 5),
+):
+    try:
+        attempt().close()
+    except PermissionError as refused:
+        assert str(refused).startswith(sys.argv[2]), refused
+    else:
+        raise AssertionError("a connection to AWS was not refused")
+socket.create_connection(("127.0.0.1", int(sys.argv[3])), 5).close()
+print("guarded")
+"""
 
 # Inside the namespace: a tmpfs over /var (the machine's /var stays as it is outside),
 # then read-only bind mounts; the cgroup first, so that the emulator and the runtime
@@ -48,6 +91,7 @@ bind_ro() { mount --bind "$1" "$2" && mount -o remount,bind,ro "$2"; }
 bind_ro "$FUNCTION_DIR" /var/task
 bind_ro "$LAYER_DIR" /opt
 bind_ro "$RUNTIME_DIR" /var/runtime
+if [ -n "$GUARD_DIR" ]; then mkdir "$GUARD_DIR_IN"; bind_ro "$GUARD_DIR" "$GUARD_DIR_IN"; fi
 cd /var/task
 exec env -i "$@"
 """
@@ -254,6 +298,29 @@ class CpuQuota:
                     time.sleep(0.1)
 
 
+def check_no_route_to_aws(namespace: list[str], namespace_env: dict[str, str], python: str):
+    """Run GUARD_PROBE with the function's Python in a namespace like the function's (the
+    same mounts, environment and PYTHONPATH): it must say the guard refused both ways to
+    AWS, and still reach a listener on 127.0.0.1."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        probe = subprocess.run(
+            [*namespace, python, "-c", GUARD_PROBE, GUARD_DIR_IN, GUARD_REFUSAL, str(port)],
+            env=namespace_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    if probe.returncode != 0 or probe.stdout.strip() != "guarded":
+        raise AssertionError(
+            "the no-route-to-aws guard is not active in the function's Python"
+            f" ({GUARD_DIR / 'sitecustomize.py'}):\n{probe.stdout}{probe.stderr[-3000:]}"
+        )
+
+
 class Emulator:
     """One function in the emulator: `invoke(event)` answers as Lambda would; `log()` is
     what the emulator and the function printed (INIT REPORT and REPORT lines among it).
@@ -273,6 +340,7 @@ class Emulator:
         timeout_s: int = 60,
         cpu_quota: CpuQuota | None = None,
         log_path: Path,
+        no_route_to_aws: bool = True,
     ):
         for tree in (function_dir, layer_dir, kit["runtime"]):
             if Path(tree).resolve().is_relative_to("/var"):
@@ -283,7 +351,19 @@ class Emulator:
             **lambda_environment(function_name, handler_name, memory_mb, timeout_s),
             **variables,
         }
-        command = [
+        namespace_env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "FUNCTION_DIR": str(function_dir),
+            "LAYER_DIR": str(layer_dir),
+            "RUNTIME_DIR": str(kit["runtime"]),
+            "CGROUP_PROCS": "",
+            "GUARD_DIR": "",
+            "GUARD_DIR_IN": GUARD_DIR_IN,
+        }
+        if no_route_to_aws:
+            environment["PYTHONPATH"] = f"{GUARD_DIR_IN}:{environment['PYTHONPATH']}"
+            namespace_env["GUARD_DIR"] = str(GUARD_DIR)
+        namespace = [
             "unshare",
             "-m",
             "sh",
@@ -291,6 +371,11 @@ class Emulator:
             NAMESPACE_SCRIPT,
             "lambda-namespace",
             *(f"{name}={value}" for name, value in environment.items()),
+        ]
+        if no_route_to_aws:
+            check_no_route_to_aws(namespace, namespace_env, python)
+        command = [
+            *namespace,
             str(kit["rie"]),
             "--runtime-interface-emulator-address",
             f"127.0.0.1:{self.port}",
@@ -305,10 +390,7 @@ class Emulator:
         self.process = subprocess.Popen(
             command,
             env={
-                "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-                "FUNCTION_DIR": str(function_dir),
-                "LAYER_DIR": str(layer_dir),
-                "RUNTIME_DIR": str(kit["runtime"]),
+                **namespace_env,
                 "CGROUP_PROCS": " ".join(map(str, cpu_quota.procs)) if cpu_quota else "",
             },
             stdout=self._log,

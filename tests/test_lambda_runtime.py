@@ -11,19 +11,33 @@ order. Then the route walk (tests/route_walk.py) goes through the built package:
 route of the table answers on Python 3.12, the runtime's version, without a 5xx, an
 undocumented status or an error in the function's log. Where the machine lacks something
 this needs (Python 3.12, mount namespaces), the test fails saying so.
+
+All of it runs with no route to AWS (lambda_emulator's guard: any look-up of a name
+other than localhost, or connection off 127.0.0.1, from the function's Python is refused
+and logged). So the event run and the route walk, with events/env.json's defaults (the
+shared password and the admin token in the environment, the database on 127.0.0.1, no
+secret store), show that no default calls an AWS API at run time: every answer is as
+expected and no function's log holds a refusal. And the guard catches a default that
+would: with the shared password read from Secrets Manager and no row for it, /ping's
+answer is the 503 "the server cannot read its token for this route", within the function's
+timeout, its log naming the refused Secrets Manager host (botocore retries the refused
+look-up with its backoff first: a few seconds, at most about 15).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
 import re
+import time
 from urllib.parse import urlencode
 
 import pytest
 from expected_answers import EVENT_RUN, mismatches
 from kit import ADMIN_TOKEN, UPLOAD_PASSWORD, configure_function, configure_service
 from lambda_emulator import (
+    GUARD_REFUSAL,
     KIT_REQUIREMENTS,
     SAM_REQUIREMENTS,
     Emulator,
@@ -186,6 +200,10 @@ def test_every_event_answers_in_the_emulator_as_in_process_and_as_expected(
             assert ours[1] == ours[2], (step.event, log)
     # And Lambda's init ran the shipped bytecode read-only: nothing could be written.
     assert "Read-only file system" not in logs["ApiFunction"]
+    # With no route to AWS, nothing so much as tried: no default calls an AWS API.
+    assert {function: GUARD_REFUSAL in log for function, log in logs.items()} == dict.fromkeys(
+        FUNCTIONS, False
+    )
 
 
 # What the function's log shows of an error: Powertools' JSON lines, the runtime client's
@@ -223,6 +241,46 @@ def test_every_route_answers_on_the_runtimes_python(
     assert routes_walked(calls) == route_table(handler.app)
     assert problems == [], log[-3000:]
     assert [line for line in log.splitlines() if LOGGED_ERROR.search(line)] == []
+    assert GUARD_REFUSAL not in log
+
+
+SECRETS_MANAGER = "secretsmanager.us-east-1.amazonaws.com"
+
+
+def test_a_default_that_reads_a_secret_store_is_refused_a_route_to_aws(
+    runtime_parts, databases, tmp_path
+):
+    """The guard catches a default that would reach an AWS API at run time: the API
+    function with its shared password in Secrets Manager (UPLOAD_PASSWORD empty,
+    UPLOAD_PASSWORD_SECRET set) and no row for it in a new database reads the secret at
+    /ping; under the emulator the look-up of the Secrets Manager endpoint is refused, so
+    the answer is the route's 503, within the function's timeout, and the log names the
+    refused host."""
+    variables = {
+        **env_json("ApiFunction"),
+        "DATABASE_URL": databases.create(),
+        "UPLOAD_PASSWORD": "",
+        "UPLOAD_PASSWORD_SECRET": "secretsmanager:queue/upload",
+    }
+    _, _, timeout_s = FUNCTIONS["ApiFunction"]
+    with emulated(runtime_parts, "ApiFunction", variables, tmp_path / "aws.log") as emulator:
+        started = time.monotonic()
+        answer = emulator.invoke(load_event("ping.json"))
+        took = time.monotonic() - started
+        log = emulator.log()
+    assert answer["statusCode"] == 503, log[-3000:]
+    assert json.loads(answer["body"]) == {
+        "detail": "the server cannot read its token for this route"
+    }
+    # The guard refused the look-up (botocore tried again, and was refused again) ...
+    refused = f"{GUARD_REFUSAL} socket.getaddrinfo to {SECRETS_MANAGER}:443"
+    assert refused in log, log[-3000:]
+    # ... so the secret read failed for want of a connection, and the handler said so.
+    (warning,) = [json.loads(line) for line in log.splitlines() if '"secret unavailable"' in line]
+    assert warning["secret"] == variables["UPLOAD_PASSWORD_SECRET"]
+    assert warning["error"].startswith("GetParameterError: Could not connect to the endpoint")
+    assert SECRETS_MANAGER in warning["error"]
+    assert took < timeout_s, f"the refused read took {took:.1f} s: {log[-3000:]}"
 
 
 def dockerd_flags(text: str) -> set[str]:
