@@ -28,6 +28,14 @@
 5. `sam local start-api` on 127.0.0.1 (--port; a free port by default) and the README's
    curl walkthrough run as written against it, on a second, new database (migrated
    here), each command printing what the README shows.
+6. The secrets option, on a third new database: moto's server on the gateway (the
+   containers reach it as host.docker.internal) holds events/env.json's UPLOAD_PASSWORD in
+   Secrets Manager and its ADMIN_TOKEN in SSM Parameter Store; ApiFunction and
+   ReportFunction get UPLOAD_PASSWORD="" and ADMIN_TOKEN="", the *_SECRET references and
+   AWS_ENDPOINT_URL; the events that need a token (SECRETS_EVENTS) must answer as in
+   EVENT_RUN, and moto's request log must show each secret read. `sam local` passes a
+   function only the variables its template declares (--container-env-vars applies only
+   with --debug-port), so this pass runs a copy of the built template that declares them.
 
 The expected answers are the suite's (tests/expected_answers.py, the README): this script
 keeps none of its own. Every step is bounded in time; traffic goes only to this machine
@@ -41,6 +49,7 @@ import argparse
 import atexit
 import http.server
 import json
+import logging
 import os
 import shutil
 import socket
@@ -344,7 +353,7 @@ def sam_build(python: str) -> None:
         shutil.rmtree(source, ignore_errors=True)
 
 
-def sam_invoke(step, template: Path) -> list[str]:
+def sam_invoke(step, template: Path, env_vars: Path = ENV_VARS) -> list[str]:
     """`sam local invoke` on one step of EVENT_RUN: what is wrong with its answer (none:
     it is as expected)."""
     from expected_answers import mismatches
@@ -359,7 +368,7 @@ def sam_invoke(step, template: Path) -> list[str]:
         started = time.monotonic()
         command = [SAM, "local", "invoke", step.function, "-t", template, "-e", file.name]
         done = run(
-            [*command, *SAM_LOCAL, "--env-vars", ENV_VARS],
+            [*command, *SAM_LOCAL, "--env-vars", env_vars],
             timeout=INVOKE_TIMEOUT,
             check=False,
             env=SAM_ENV,
@@ -395,23 +404,27 @@ def sam_invoke(step, template: Path) -> list[str]:
 # --- 5. sam local start-api and the README's walkthrough ------------------------------------
 
 
-def walkthrough_database(url: str) -> Path:
-    """A second database on the server of `url`, new and migrated (the README's
-    walkthrough is a new checkout's), and an env.json whose ApiFunction uses it."""
+def new_database(url: str, name: str) -> dict:
+    """A new database `name` on the server of `url`, migrated (the README's walkthrough is
+    a new checkout's), and events/env.json's variables with every function on it."""
     from helpers import connect, migrate, with_database
 
     connection = connect(url)
     try:
-        connection.run("CREATE DATABASE walkthrough")
+        connection.run(f"CREATE DATABASE {name}")
     finally:
         connection.close()
-    migrate(with_database(url, "walkthrough"))
+    migrate(with_database(url, name))
     variables = json.loads(ENV_VARS.read_text())
-    api = variables["ApiFunction"]
-    api["DATABASE_URL"] = with_database(api["DATABASE_URL"], "walkthrough")
-    path = Path(tempfile.mkdtemp(prefix="sam-local-env-")) / "env.json"
+    for function in variables.values():
+        function["DATABASE_URL"] = with_database(function["DATABASE_URL"], name)
+    return variables
+
+
+def scratch_file(name: str, text: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="sam-local-env-")) / name
     atexit.register(shutil.rmtree, path.parent, ignore_errors=True)
-    path.write_text(json.dumps(variables))
+    path.write_text(text)
     return path
 
 
@@ -471,6 +484,118 @@ def start_api(template: Path, port: int, env_vars: Path) -> list[str]:
         log.close()
 
 
+# --- 6. the secrets option ---------------------------------------------------------------
+
+# Where the secrets option reads events/env.json's tokens from (handler.py, fetch_secret).
+SECRET_REFERENCES = {
+    "UPLOAD_PASSWORD": "secretsmanager:analysis-queue/upload-password",
+    "ADMIN_TOKEN": "ssm:/analysis-queue/admin-token",
+}
+# The events that need a token, answering on a new database as in EVENT_RUN's order.
+SECRETS_EVENTS = ("ping.json", "add-app.json", "queue.json", "analysers-add.json")
+# The request each store's read is (moto's request log names it by X-Amz-Target).
+READS = {"secretsmanager": "secretsmanager.GetSecretValue", "ssm": "AmazonSSM.GetParameter"}
+# The AWS side of the functions' environment: moto takes any credentials; no instance
+# metadata is asked for.
+MOTO_AWS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def start_secret_stores(values: dict[str, str]):
+    """moto's server on the gateway, a free port, holding `values` at SECRET_REFERENCES;
+    its request log (moto's recorder) started after they are written."""
+    log = Path(tempfile.mkdtemp(prefix="sam-local-moto-")) / "requests.jsonl"
+    atexit.register(shutil.rmtree, log.parent, ignore_errors=True)
+    os.environ["MOTO_RECORDER_FILEPATH"] = str(log)  # read when moto is imported
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
+    import boto3
+    from moto.moto_api import recorder
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address=GATEWAY, port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    aws = boto3.Session(
+        aws_access_key_id=MOTO_AWS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=MOTO_AWS["AWS_SECRET_ACCESS_KEY"],
+        region_name=MOTO_AWS["AWS_REGION"],
+    )
+    for variable, reference in SECRET_REFERENCES.items():
+        store, _, name = reference.partition(":")
+        client = aws.client(store, endpoint_url=f"http://{host}:{port}")
+        if store == "ssm":
+            client.put_parameter(Name=name, Value=values[variable], Type="SecureString")
+        else:
+            client.create_secret(Name=name, SecretString=values[variable])
+    recorder.reset_recording()
+    recorder.start_recording()
+    return server
+
+
+def secret_reads() -> list[str]:
+    """What moto's request log shows the functions asked for (X-Amz-Target), in order."""
+    from moto.moto_api import recorder
+
+    requests = [json.loads(line) for line in recorder.download_recording().splitlines()]
+    return [request["headers"].get("X-Amz-Target", "") for request in requests]
+
+
+def declaring(template: Path, variables: dict[str, dict]) -> Path:
+    """A copy of the built template, beside it (its paths are relative), in which each
+    function of `variables` declares every variable given there: `sam local` passes a
+    function only the variables its template declares."""
+    import yaml
+
+    data = yaml.safe_load(template.read_text())
+    for function, values in variables.items():
+        properties = data["Resources"][function]["Properties"]
+        declared = properties.setdefault("Environment", {}).setdefault("Variables", {})
+        declared.update({name: declared.get(name, "") for name in values})
+    copy = template.with_name("template-secrets-option.yaml")
+    copy.write_text(yaml.safe_dump(data, sort_keys=False))
+    return copy
+
+
+def secrets_option(url: str, template: Path) -> list[str]:
+    """The secrets option through `sam local invoke`, on a new database: the events of
+    SECRETS_EVENTS answer as in EVENT_RUN, and moto served a read of each secret."""
+    from expected_answers import EVENT_RUN
+
+    variables = new_database(url, "secrets")
+    plain = variables["ApiFunction"]
+    server = start_secret_stores({name: plain[name] for name in SECRET_REFERENCES})
+    try:
+        _, port = server.get_host_and_port()
+        for function in ("ApiFunction", "ReportFunction"):
+            variables[function].update(
+                {name: "" for name in SECRET_REFERENCES}
+                | {f"{name}_SECRET": ref for name, ref in SECRET_REFERENCES.items()}
+                | {"AWS_ENDPOINT_URL": f"http://host.docker.internal:{port}", **MOTO_AWS}
+            )
+        env_vars = scratch_file("env.json", json.dumps(variables))
+        functions = {f: variables[f] for f in ("ApiFunction", "ReportFunction")}
+        secrets_template = declaring(template, functions)
+        wrong = []
+        for event in SECRETS_EVENTS:
+            first = next(s for s in EVENT_RUN if s.event == event)
+            wrong += sam_invoke(first, secrets_template, env_vars)
+        reads = secret_reads()
+        for reference in SECRET_REFERENCES.values():
+            store = reference.partition(":")[0]
+            count = reads.count(READS[store])
+            print(f"{'ok ' if count else 'BAD'} moto served {count} read(s) of {reference}")
+            if not count:
+                wrong.append(f"the secrets option: no function read {reference} ({reads})")
+        return wrong
+    finally:
+        server.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -518,7 +643,10 @@ def main() -> int:
                 wrong += sam_invoke(event_step, template)
             port = args.port or free_port()
             step(f"sam local start-api on 127.0.0.1:{port} and the README's walkthrough")
-            wrong += start_api(template, port, walkthrough_database(url))
+            walkthrough = scratch_file("env.json", json.dumps(new_database(url, "walkthrough")))
+            wrong += start_api(template, port, walkthrough)
+            step("the secrets option: the tokens from Secrets Manager and SSM, moto on the gateway")
+            wrong += secrets_option(url, template)
         finally:
             forward.close()
             server.cleanup()
