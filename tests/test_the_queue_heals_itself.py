@@ -796,14 +796,19 @@ def listed(client, name: str) -> dict:
 
 
 def report_metrics(capsys) -> dict[str, float]:
-    """The scheduled report's metrics (its EMF document), name -> value."""
+    """The scheduled report's metrics (its EMF document), name -> value, and the paused
+    analysers its log record counts (PausedAnalysers: no metric of its own since the
+    report publishes only REPORT_METRICS)."""
     capsys.readouterr()
     handler.report(load_event("schedule.json"), LambdaContext())
-    _, emf = output_records(capsys.readouterr())
+    logs, emf = output_records(capsys.readouterr())
     (document,) = emf
     names = [m["Name"] for m in document["_aws"]["CloudWatchMetrics"][0]["Metrics"]]
-    return {name: document[name][0] if isinstance(document[name], list) else document[name]
-            for name in names}  # fmt: skip
+    assert set(names) <= set(handler.REPORT_METRICS)
+    values = {name: document[name][0] if isinstance(document[name], list) else document[name]
+              for name in names}  # fmt: skip
+    (status,) = [r["queue_status"] for r in logs if r.get("message") == "queue status"]
+    return {**values, "PausedAnalysers": status["paused_analysers"]}
 
 
 def test_a_named_analyser_failing_while_another_succeeds_is_flagged(
