@@ -483,8 +483,11 @@ def _check_settings(config: Settings) -> None:
             raise ConfigError(f"set DB_USER (IAM authentication) or {name} (a password), not both")
     if config.db_migration_user and not config.db_user:
         raise ConfigError("DB_MIGRATION_USER needs DB_USER (IAM authentication)")
-    if config.db_user and config.db_sslmode == "disable":
-        raise ConfigError("DB_USER (IAM authentication) sends its token over TLS only: DB_SSLMODE")
+    if config.db_user and config.db_sslmode not in ("verify-ca", "verify-full"):
+        raise ConfigError(
+            "DB_USER (IAM authentication) sends its token only to a verified server:"
+            " DB_SSLMODE must be verify-ca or verify-full"
+        )
     if not re.fullmatch(r"\d+\s*(us|ms|s|min|h|d)?", config.migration_lock_timeout):
         raise ConfigError("MIGRATION_LOCK_TIMEOUT must be a duration such as 10s or 500ms")
     for name, reference in (
@@ -2727,9 +2730,13 @@ def rotate_credential(
 
     name = service_row_name(name)
     value = NEW_CREDENTIAL_PREFIXES[name] + secrets.token_urlsafe(32)
-    configured, _ = _configured_value(name)
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
+        # The configured value is read only while the database holds none: once it does,
+        # a secret gone or unreachable must not stop a rotation (a leak's --overlap 0).
+        configured = None
+        if not session.records(SERVICE_CREDENTIAL, name=name):
+            configured, _ = _configured_value(name)
         (row,) = session.records(
             ROTATE_SERVICE_CREDENTIAL,
             name=name,
@@ -8693,6 +8700,17 @@ def _print_analyser(row: dict[str, Any]) -> None:
         print(f"  paused since {row['paused']['at']} by {row['paused']['by']}")
 
 
+def _print_rotated(what: str, noun: str, rotated: dict[str, Any]) -> None:
+    """A rotation's outcome, the new secret alone on the last line (`| tail -n 1`)."""
+    until = rotated["previousTokenValidUntil"]
+    print(
+        f"Rotated {what}; the previous {noun} "
+        + (f"works until {until}." if until else "no longer works.")
+    )
+    print(f"Its new {noun} (shown only now):")
+    print(rotated["token"])
+
+
 def _cli_analysers(args: argparse.Namespace) -> int:
     """Named analysers' credentials. A new token is printed once, alone on the last line
     of stdout (`| tail -n 1` gives it to a script); nothing else ever shows it."""
@@ -8725,13 +8743,7 @@ def _cli_analysers(args: argparse.Namespace) -> int:
             print(f"Analyser {done['name']} {words[done['outcome']]}.")
             return 0
         rotated = rotate_analyser(db, cli_operator(), args.name, overlap_seconds(args.overlap))
-        until = rotated["previousTokenValidUntil"]
-        print(
-            f"Rotated analyser {rotated['name']}; the previous token "
-            + (f"works until {until}." if until else "no longer works.")
-        )
-        print("Its new token (shown only now):")
-        print(rotated["token"])
+        _print_rotated(f"analyser {rotated['name']}", "token", rotated)
         return 0
     except BadInput as error:
         print(f"error: {error}", file=sys.stderr)
@@ -8769,13 +8781,7 @@ def _cli_credentials(args: argparse.Namespace) -> int:
         )
         return 0
     rotated = rotate_credential(db, cli_operator(), args.name, overlap_seconds(args.overlap))
-    until = rotated["previousTokenValidUntil"]
-    print(
-        f"Rotated the {rotated['name']}; the previous value "
-        + (f"works until {until}." if until else "no longer works.")
-    )
-    print("Its new value (shown only now):")
-    print(rotated["token"])
+    _print_rotated(f"the {rotated['name']}", "value", rotated)
     return 0
 
 

@@ -153,6 +153,20 @@ def test_a_rotated_secret_is_read_after_max_age_until_imported(secret_api, aws, 
     assert secret_api("ping.json", "rotated-upload")["statusCode"] == 200
 
 
+def test_a_rotation_needs_no_secret_once_the_database_holds_the_credential(secret_api, aws):
+    """The configured secret is read by a rotation only while the database holds none: a
+    secret deleted since (the upgrade's last step, docs/deploy.md) must not stop the
+    leaked-token runbook's rotation with --overlap 0."""
+    operator = handler.Operator("t", "t")
+    first = handler.rotate_credential(handler.api_connection(), operator, "upload-password", 0)
+    aws.client("secretsmanager").delete_secret(
+        SecretId="queue/upload", ForceDeleteWithoutRecovery=True
+    )
+    second = handler.rotate_credential(handler.api_connection(), operator, "upload-password", 0)
+    assert secret_api("ping.json", second["token"])["statusCode"] == 200
+    assert secret_api("ping.json", first["token"])["statusCode"] == 401
+
+
 def test_unreadable_secret_answers_503(secret_api, aws, capsys):
     aws.client("secretsmanager").delete_secret(
         SecretId="queue/upload", ForceDeleteWithoutRecovery=True
