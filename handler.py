@@ -198,6 +198,25 @@ class CredentialSet(OperatorRefused):
     words = "the {} is set in the database already: `credentials rotate` replaces it"
 
 
+class NothingToKeep(OperatorRefused):
+    """A first rotation (no row yet) with an overlap, where nothing configures the value
+    the hosts use now: it could not be kept for the overlap, and they would be cut off."""
+
+    words = (
+        "the database holds no {0} and nothing here configures one, so the value the hosts"
+        " use now cannot be kept for the overlap: import it first (`credentials import {0}`"
+        " or the report's credentials-import), or rotate with --overlap 0 to end it at once"
+    )
+
+
+class SecretUnavailable(ServiceError):
+    """A secret store could not give a credential's value (the service answers 503 and
+    logs why; the secret itself is never logged)."""
+
+    def __str__(self) -> str:
+        return "the server cannot read its token for this route"
+
+
 class MigrationRefused(ServiceError):
     """The ledger and sql/ disagree in a way no runner should paper over."""
 
@@ -533,9 +552,15 @@ def aws_identity(env: dict[str, str] | None = None) -> AwsIdentity:
         if not value
     ]
     if missing:
+        snap_start = (
+            "; a SnapStart function has none (its credentials come from the container"
+            " endpoint): use DbAuth secret with ApiSnapStart"
+            if env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI") and not key
+            else ""
+        )
         raise ConfigError(
             "DB_USER (IAM authentication) needs the function's role credentials and region;"
-            f" unset: {', '.join(missing)}"
+            f" unset: {', '.join(missing)}{snap_start}"
         )
     return AwsIdentity(key, secret, env.get("AWS_SESSION_TOKEN") or None, region)
 
@@ -1868,7 +1893,7 @@ def _configured_secret(reference: str) -> str | None:
             "secret unavailable",
             extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
         )
-        raise HTTPException(503, "the server cannot read its token for this route") from None
+        raise SecretUnavailable() from None
     return value if isinstance(value, str) and value else None
 
 
@@ -2653,6 +2678,7 @@ NEW_CREDENTIAL_PREFIXES = {"upload_password": "aqs_", "admin_token": "aqx_"}
 SESSION_KEY_BYTES = 32
 # An imported value, as long as the environment's may be: no more.
 MAX_IMPORTED_CREDENTIAL_CHARS = 1_000
+BEARER_TOKEN_CHARACTERS = re.compile(r"[\x21-\x7e]+")
 
 
 def service_row_name(name: str) -> str:
@@ -2703,18 +2729,46 @@ def credential_matches(db: SharedConnection, name: str, given: str) -> bool:
     return any(found)
 
 
-def web_session_key(db: SharedConnection) -> bytes:
-    """The key the web view's session cookies are signed with: the admin token's row's
-    (a new one at each rotation, so a rotation ends every session); while the database
-    holds no admin token, one derived from the configured value (its import ends the
-    sessions signed so)."""
+def web_session_key(db: SharedConnection) -> bytes | None:
+    """The key the web view's session cookies are signed with: a random one in the admin
+    token's row, replaced at each rotation (so a rotation ends every session). None while
+    the database holds no admin token: no cookie is valid until the first sign-in (or an
+    import, or a rotation) fills the row (sign_in_check)."""
+    rows = db.records(SERVICE_CREDENTIAL, name="admin_token")
+    return bytes(rows[0]["session_key"]) if rows else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SignInCheck:
+    """What one read of the admin token's row says about a web sign-in: whether the
+    token is the current one (never the previous one in its overlap: a session would
+    outlive it), the key to sign its cookie with, and whether the row is still to be
+    filled with the configured value (`imports`, for the sign-in's transaction)."""
+
+    accepted: bool
+    session_key: bytes
+    imports: bytes | None = None
+
+
+def sign_in_check(db: SharedConnection, given: str) -> SignInCheck:
+    """A web sign-in's check, from one read of the row. While the database holds no admin
+    token, the configured one is checked, and a sign-in it accepts fills the row with it
+    (as `credentials import` would) and a random session key: a cookie is never signed
+    with a key derived from a token a person chose."""
+    import secrets
+
+    digest = token_hash(given)
     rows = db.records(SERVICE_CREDENTIAL, name="admin_token")
     if rows:
-        return bytes(rows[0]["session_key"])
-    value, _ = _configured_value("admin_token")
-    if value is None:
-        raise HTTPException(503, "the server has no token configured for this route")
-    return hmac.new(value.encode(), b"admin web session", hashlib.sha256).digest()
+        current, key, imports = bytes(rows[0]["token_hash"]), bytes(rows[0]["session_key"]), None
+    else:
+        value, _ = _configured_value("admin_token")
+        if value is None:
+            raise HTTPException(503, "the server has no token configured for this route")
+        current = imports = token_hash(value)
+        key = secrets.token_bytes(SESSION_KEY_BYTES)
+    accepted = hmac.compare_digest(current, digest)
+    return SignInCheck(accepted, key, imports if accepted else None)
 
 
 # -- operators' commands
@@ -2734,9 +2788,11 @@ def rotate_credential(
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
         # The configured value is read only while the database holds none: once it does,
         # a secret gone or unreachable must not stop a rotation (a leak's --overlap 0).
-        configured = None
+        configured, kept = None, "the database"
         if not session.records(SERVICE_CREDENTIAL, name=name):
-            configured, _ = _configured_value(name)
+            configured, kept = _configured_value(name)
+            if configured is None and overlap > 0:
+                raise NothingToKeep(_operators_name(name))
         (row,) = session.records(
             ROTATE_SERVICE_CREDENTIAL,
             name=name,
@@ -2750,6 +2806,9 @@ def rotate_credential(
             "name": _operators_name(name),
             "setAt": _plain(row["set_at"]),
             "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+            # Where the value kept for the overlap came from: the database's row, or on a
+            # first rotation the variable that configured it here (the CLI's own shell).
+            "previousFrom": kept if row["previous_token_expires"] else None,
             "token": value,
         }
         return rotated, ActionRecord(f"rotate {_operators_name(name)}")
@@ -2774,6 +2833,11 @@ def import_credential(
     value = value.strip()
     if not value or len(value) > MAX_IMPORTED_CREDENTIAL_CHARS:
         raise BadInput(f"the value is 1 to {MAX_IMPORTED_CREDENTIAL_CHARS} characters")
+    if not BEARER_TOKEN_CHARACTERS.fullmatch(value):
+        # A bearer token a host can send in an Authorization header as it was imported:
+        # no space, no control character, no letter outside ASCII (UTF-8 on one side and
+        # Latin-1 on the other would never match).
+        raise BadInput("the value is printable ASCII without spaces (the characters a host sends)")
     if value.startswith(ANALYSER_TOKEN_PREFIX):
         raise BadInput(f"a value beginning {ANALYSER_TOKEN_PREFIX} is a named analyser's token")
 
@@ -6726,10 +6790,11 @@ ADMIN_HEADERS = {
 }
 
 
-def _session_signature(db: SharedConnection, session_id: str) -> str:
-    """The cookie's signature: an HMAC of the session id, keyed by web_session_key
-    (replaced at each rotation of the admin token, so a rotation ends every session)."""
-    return hmac.new(web_session_key(db), session_id.encode(), hashlib.sha256).hexdigest()
+def _session_signature(session_key: bytes, session_id: str) -> str:
+    """The cookie's signature: an HMAC of the session id, keyed by the admin token's
+    row's session key (web_session_key: replaced at each rotation of the admin token, so
+    a rotation ends every session)."""
+    return hmac.new(session_key, session_id.encode(), hashlib.sha256).hexdigest()
 
 
 def _session_hash(session_id: str) -> bytes:
@@ -6748,7 +6813,10 @@ def signed_session(db: SharedConnection, cookie: str | None) -> bytes | None:
     session_id, _, signature = (cookie or "").partition(".")
     if not session_id or len(cookie or "") > 200:
         return None
-    expected = _session_signature(db, session_id)
+    session_key = web_session_key(db)
+    if session_key is None:  # no admin token in the database: no session was started
+        return None
+    expected = _session_signature(session_key, session_id)
     if not hmac.compare_digest(signature.encode(), expected.encode()):
         return None
     return _session_hash(session_id)
@@ -6788,13 +6856,14 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
     window, 429 whatever the token, and nothing is written."""
     import secrets  # at the first sign-in, not at a cold start
 
-    # The bearer check: constant-time, on the hashes (the previous token's too, in its
-    # rotation's overlap).
-    accepted = credential_matches(db, "admin_token", token)
+    # Constant-time, on the hashes, from one read of the row: the current admin token
+    # only (a session started with the previous one would outlive its overlap).
+    check = sign_in_check(db, token)
+    accepted = check.accepted
     # A new session id at every sign-in (a cookie set before it is never adopted); made,
     # signed and written alike whether the token was right or not.
     session_id = secrets.token_urlsafe(32)
-    cookie = f"{session_id}.{_session_signature(db, session_id)}"
+    cookie = f"{session_id}.{_session_signature(check.session_key, session_id)}"
     id_hash = _session_hash(session_id)
     actor = session_actor(id_hash) if accepted else "sign-in"
 
@@ -6810,6 +6879,17 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
                 f" {SIGN_IN_WINDOW_MINUTES} minutes",
                 headers={"Retry-After": str(SIGN_IN_WINDOW_MINUTES * 60)},
             )
+        # The first sign-in fills the admin token's row with the configured value it
+        # matched (chosen by a person, as an import), and the key its cookie is signed
+        # with; another process that filled it first holds another key: sign in again.
+        if check.imports is not None and not session.run(
+            IMPORT_SERVICE_CREDENTIAL,
+            name="admin_token",
+            token_hash=check.imports,
+            set_by=actor,
+            session_key=check.session_key,
+        ):
+            raise HTTPException(409, "the admin token was set meanwhile; sign in again")
         session.run(
             ADMIN_SESSIONS_START,
             accepted=accepted,
@@ -7499,6 +7579,12 @@ async def _operator_refused(request: Request, error: OperatorRefused) -> Respons
     return await _http_error(request, HTTPException(error.status, str(error)))
 
 
+@app.exception_handler(SecretUnavailable)
+async def _secret_unavailable(request: Request, error: SecretUnavailable) -> Response:
+    # Logged where it was read (_configured_secret), with the store's error.
+    return await _http_error(request, HTTPException(503, str(error)))
+
+
 @app.exception_handler(DatabaseUnavailable)
 async def _database_down(request: Request, error: DatabaseUnavailable) -> Response:
     logger.warning("database unavailable", extra={"path": request.url.path})
@@ -8162,7 +8248,7 @@ def cli_error_line(error: BaseException) -> str:
     elif isinstance(error, OSError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
         text = f"{error.strerror}{where}"
-    elif isinstance(error, (OperatorRefused, BadInput)):  # its words are for people
+    elif isinstance(error, (OperatorRefused, BadInput, SecretUnavailable)):  # words for people
         text = str(error)
     else:
         text = _error_text(error)
@@ -8271,7 +8357,12 @@ def _local_database(apply: bool) -> None:
     if config.database_url or config.db_host:
         return
     url = start_embedded_postgres(LOCAL_DATA_DIR)
-    print("embedded PostgreSQL:", url, file=sys.stderr)
+    # Said on every command that uses it: an operator who meant production (and forgot
+    # DATABASE_URL) sees that this one acted on a database of this machine.
+    print(
+        f"no DATABASE_URL or DB_HOST: acting on this machine's embedded PostgreSQL, {url}",
+        file=sys.stderr,
+    )
     use_cli_runtime(DATABASE_URL=url)
     if apply:
         with closing_owner_connection() as db:
@@ -8773,7 +8864,13 @@ def _cli_credentials(args: argparse.Namespace) -> int:
             print(f"{row['name']}: set {row['setAt']} by {row['setBy']}{overlap}{chosen}")
         return 0
     if args.action == "import":
-        value = None if args.from_environment else sys.stdin.readline()
+        value = None
+        if not args.from_environment and sys.stdin.isatty():
+            import getpass  # a terminal: not echoed, as a password prompt is not
+
+            value = getpass.getpass(f"The {args.name} the hosts use now (not shown): ")
+        elif not args.from_environment:
+            value = sys.stdin.readline()
         imported = import_credential(db, cli_operator(), args.name, value)
         print(
             f"Imported the {imported['name']} from {imported['from']}: the database's hash is"
@@ -8781,6 +8878,11 @@ def _cli_credentials(args: argparse.Namespace) -> int:
         )
         return 0
     rotated = rotate_credential(db, cli_operator(), args.name, overlap_seconds(args.overlap))
+    if rotated["previousFrom"] not in (None, "the database"):
+        print(
+            f"(The previous value is {rotated['previousFrom']} of this command's environment:"
+            " the database held none; make sure it is the one the hosts use.)"
+        )
     _print_rotated(f"the {rotated['name']}", "value", rotated)
     return 0
 

@@ -399,6 +399,22 @@ def test_a_missing_credential_or_region_is_named(monkeypatch, missing):
 
 
 @pytest.mark.no_database
+def test_a_snapstart_container_is_told_why_it_cannot_sign():
+    """SnapStart gives a function its role's credentials by the container endpoint, not
+    the variables the token is signed with: the error says so (and the template refuses
+    ApiSnapStart with DbAuth iam, test_template_production.py)."""
+    snap_start = {
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://127.0.0.1:9001/2021-04-23/credentials",
+        "AWS_REGION": "eu-west-1",
+    }
+    with pytest.raises(handler.ConfigError, match="use DbAuth secret with ApiSnapStart"):
+        handler.aws_identity(snap_start)
+    with pytest.raises(handler.ConfigError) as plain:
+        handler.aws_identity({"AWS_REGION": "eu-west-1"})
+    assert "SnapStart" not in str(plain.value)
+
+
+@pytest.mark.no_database
 def test_the_identity_is_read_as_lambda_sets_it():
     assert dataclasses.asdict(handler.aws_identity(ROLE_ENVIRONMENT)) == {
         "access_key_id": MOTO_KEY_ID,

@@ -180,6 +180,11 @@ def test_unreadable_secret_answers_503(secret_api, aws, capsys):
     record = one_record(logs, "secret unavailable")
     assert record["secret"] == "secretsmanager:queue/upload"
     assert record["level"] == "WARNING"
+    # The report's import of the function's own value says so in the same words.
+    with pytest.raises(handler.SecretUnavailable, match="cannot read its token"):
+        handler.report(
+            {"command": "credentials-import", "name": "upload-password"}, LambdaContext()
+        )
 
 
 def test_binary_secret_is_not_a_token(secret_api, aws):

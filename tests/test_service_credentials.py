@@ -10,6 +10,7 @@ docs/analysers.md, "The shared password and the admin token"), on the real datab
 
 from __future__ import annotations
 
+import hmac
 import os
 import subprocess
 
@@ -99,6 +100,8 @@ def test_the_cli_rotates_and_the_new_value_works_at_once_the_old_for_the_overlap
     assert new.startswith("aqs_") and len(new) == 4 + 43
     assert rotated.stdout.count(new) == 1 and new not in rotated.stderr
     assert "previous value works until" in rotated.stdout
+    # The database held none: the value kept is this shell's, and the CLI says so.
+    assert "The previous value is UPLOAD_PASSWORD of this command's environment" in rotated.stdout
     # This process read nothing again: the database is asked on every request.
     assert client.get("/ping", headers=bearer(new)).status_code == 200
     assert client.get("/ping", headers=ANALYSER).status_code == 200  # the overlap
@@ -132,6 +135,54 @@ def test_a_new_admin_token_ends_every_web_session(client, sql, database_url):
     assert rotated["token"].startswith("aqx_")
 
 
+def test_web_sign_in_takes_the_current_admin_token_only_and_fills_an_empty_row(client, sql):
+    """No cookie is ever signed with a key derived from a token a person chose: while
+    the row is empty no cookie is valid, and the first sign-in fills it (the configured
+    value, flagged, and a random session key). The previous token, in its overlap, still
+    works as a bearer, but starts no session that would outlive it."""
+    db = handler.api_connection()
+    assert handler.web_session_key(db) is None
+    # A cookie signed as one was before there were keys in the database (a key derived
+    # from the token's value) is refused.
+    derived = hmac.new(ADMIN_TOKEN.encode(), b"admin web session", "sha256").digest()
+    forged = f"x.{hmac.new(derived, b'x', 'sha256').hexdigest()}"
+    assert handler.signed_session(db, forged) is None
+    assert handler.sign_in(db, "wrong", "test") is None
+    assert sql.run(STORED) == []  # a refused sign-in fills nothing
+    cookie = handler.sign_in(db, ADMIN_TOKEN, "test")
+    assert cookie is not None and handler.live_session(db, cookie) is not None
+    ((name, chosen, set_by),) = sql.run(STORED)
+    assert (name, chosen) == ("admin_token", True) and set_by.startswith("session ")
+    assert handler.web_session_key(db) is not None
+
+    rotated = handler.rotate_credential(db, handler.Operator("t", "t"), "admin-token", 3600)
+    assert client.get("/analysers", headers=ADMIN).status_code == 200  # a bearer: the overlap
+    assert handler.sign_in(db, ADMIN_TOKEN, "test") is None  # a session: not from the old one
+    assert handler.sign_in(db, rotated["token"], "test") is not None
+
+
+def test_a_first_rotation_keeps_only_a_configured_value(client, sql, monkeypatch, database_url):
+    """With the row empty and nothing configured here (an operator's shell without the
+    deployed value), a rotation with an overlap is refused rather than cut the hosts
+    off at once; --overlap 0 says it means that."""
+    monkeypatch.delenv("UPLOAD_PASSWORD")
+    handler.use_runtime(None)
+    operator = handler.Operator("t", "t")
+    with pytest.raises(handler.NothingToKeep, match="import it first"):
+        handler.rotate_credential(handler.api_connection(), operator, "upload-password", 3600)
+    assert sql.run(STORED) == [] and sql.run(RECORDS) == []
+    env = {k: v for k, v in os.environ.items() if k != "UPLOAD_PASSWORD"}
+    refused = call_cli(
+        "credentials", "rotate", "upload-password", env={**env, "DATABASE_URL": database_url}
+    )
+    assert refused.returncode == 1 and "import it first" in refused.stderr, refused.stderr
+    rotated = handler.rotate_credential(handler.api_connection(), operator, "upload-password", 0)
+    assert rotated["previousFrom"] is None and rotated["previousTokenValidUntil"] is None
+    again = handler.rotate_credential(handler.api_connection(), operator, "upload-password", 60)
+    assert again["previousFrom"] == "the database"
+    assert client.get("/ping", headers=bearer(rotated["token"])).status_code == 200
+
+
 def test_an_import_fills_an_empty_row_only_from_stdin(sql, database_url):
     imported = cli(database_url, "credentials", "import", "upload-password", stdin="pi-fleet-pw\n")
     assert imported.returncode == 0, imported.stderr
@@ -140,7 +191,13 @@ def test_an_import_fills_an_empty_row_only_from_stdin(sql, database_url):
     again = cli(database_url, "credentials", "import", "upload-password", stdin="other\n")
     assert again.returncode == 1
     assert "set in the database already" in again.stderr
-    for value, words in (("\n", "1 to"), ("aqa_x\n", "named analyser")):
+    for value, words in (
+        ("\n", "1 to"),
+        ("aqa_x\n", "named analyser"),
+        ("two words\n", "printable ASCII"),
+        ("pässword\n", "printable ASCII"),
+        ("a\x01b\n", "printable ASCII"),
+    ):
         refused = cli(database_url, "credentials", "import", "admin-token", stdin=value)
         assert refused.returncode == 2 and words in refused.stderr, refused.stderr
     bad = cli(database_url, "credentials", "rotate", "database")

@@ -387,6 +387,11 @@ def test_the_rules_refuse_what_cannot_work(source):
     }
     assert broken_rules(source, both) == ["AdminTokenHasAtMostOneSource"]
     assert broken_rules(source, {"S3EndpointRouteTableIds": "rtb-0a1"}) == ["S3EndpointNeedsTheVpc"]
+    # SnapStart restores containers with no AWS_* credential variables to sign an IAM
+    # token with: it goes with a password login only.
+    snap_start = {"ApiSnapStart": "PublishedVersions"}
+    assert broken_rules(source, snap_start) == ["SnapStartNeedsSecretAuth"]
+    assert broken_rules(source, {**SECRET_PARAMETERS, **snap_start}) == []
 
 
 def test_the_database_login_parameters(source):

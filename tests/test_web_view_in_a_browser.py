@@ -410,20 +410,30 @@ def test_the_session_cookie_is_httponly_strict_and_out_of_scripts_reach(serve, t
 
 
 def test_a_new_admin_token_ends_every_session(serve, tab):
-    """The cookie is signed with the admin token: a service given a new one (a rotation)
-    knows no session of before; one given the same token knows it still. (A cookie is
+    """The first sign-in puts the admin token in the database with a random key its
+    cookies are signed with: another service on the same database knows the session,
+    even one given another ADMIN_TOKEN (the database decides now); a rotation replaces
+    the key, so no session of before is known, and only the new token signs in (the old
+    one, in its overlap, is a bearer token still, but starts no session). (A cookie is
     the host's, whatever the port: each service here gets the same one.)"""
     signed_in = serve()
     sign_in(tab, signed_in)
     expect(tab.page.locator("h1")).to_have_text("Overview")
 
-    same_token = serve()
-    tab.page.goto(f"{same_token}/admin")
+    other_environment = serve(ADMIN_TOKEN="the-next-admin-token")
+    tab.page.goto(f"{other_environment}/admin")
     expect(tab.page.locator("h1")).to_have_text("Overview")
 
-    rotated = serve(ADMIN_TOKEN="the-next-admin-token")
-    tab.page.goto(f"{rotated}/admin")
-    expect(tab.page).to_have_url(f"{rotated}/admin/login")
+    rotated = run_cli(
+        "credentials", "rotate", "admin-token", "--overlap", "1h", env=dict(os.environ)
+    )
+    assert rotated.returncode == 0, rotated.stderr
+    tab.page.goto(f"{signed_in}/admin")
+    expect(tab.page).to_have_url(f"{signed_in}/admin/login")
+    sign_in(tab, signed_in)  # the old token, in its overlap
+    expect(tab.page).to_have_url(f"{signed_in}/admin/login")
+    sign_in(tab, signed_in, rotated.stdout.splitlines()[-1])
+    expect(tab.page.locator("h1")).to_have_text("Overview")
 
 
 # --------------------------------------------------------------------------- the pages
