@@ -4867,7 +4867,7 @@ async def get_app(request: Request) -> JSONResponse:
         try:
             await require_admin(credentials)
             admin = True
-        except HTTPException:
+        except (HTTPException, SecretUnavailable):
             admin = False
     app_id = _bundle_id(request.path_params["appId"])
 

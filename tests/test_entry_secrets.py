@@ -187,6 +187,17 @@ def test_unreadable_secret_answers_503(secret_api, aws, capsys):
         )
 
 
+def test_a_public_route_stays_public_when_the_admin_secret_is_unreadable(secret_api, aws, sql):
+    """GET /apps/{appId} takes the admin token as optional: a token the server cannot
+    check (its secret gone) is no admin token, and the answer is the public one, not 503."""
+    insert_app(sql, "com.example.app")
+    aws.client("ssm").delete_parameter(Name="/queue/admin")
+    answer = secret_api("get-app.json", ADMIN_SECRET)
+    assert answer["statusCode"] == 200, answer
+    assert json_answer(answer) == json_answer(secret_api("get-app.json", None))
+    assert secret_api("add-app.json", ADMIN_SECRET)["statusCode"] == 503
+
+
 def test_binary_secret_is_not_a_token(secret_api, aws):
     aws.client("secretsmanager").put_secret_value(SecretId="queue/upload", SecretBinary=b"x")
     answer = secret_api("ping.json", "x")
