@@ -23,7 +23,9 @@ it:
   HTTP scaffolding: answers         JSON answers that fit Lambda, the OpenAPI of errors
   Analysers: pings and credentials  GET /ping's heartbeats, named analysers' tokens
   Service credentials               the shared password and the admin token, as hashes
+  Operators by name                 named operators' tokens, read-only or full
   Analysers: guards and routes      who sent a request; /ping and the /analysers routes
+  Operators: routes                 the /operators routes: add, list, revoke, rotate
   Results: the verdict              failure classes, judge_result
   Results: storing                  POST /uploadAnalysis and /reportAnalysisFailure
   Promotion                         flagging rows due by time into the claim's index, the back-off
@@ -48,7 +50,7 @@ it:
 Lambda entry points: `api` (API Gateway HTTP API via Mangum), `migrate` (CloudFormation
 custom resource that applies sql/ before the API is updated), `report` (EventBridge
 schedule). CLI: `python3 handler.py serve|migrate|queue-status|priority-report|why|queue-refetch|
-queue-hold|queue-release|queue-pause|queue-resume|analysers|invoke`.
+queue-hold|queue-release|queue-pause|queue-resume|analysers|credentials|operators|invoke`.
 """
 
 from __future__ import annotations
@@ -192,6 +194,25 @@ class AnalyserRevoked(AnalyserRefused):
     words = "the analyser {} is revoked"
 
 
+class UnknownOperator(OperatorRefused):
+    """No named operator has that name."""
+
+    status = 404
+    words = "no operator named {}"
+
+
+class OperatorExists(OperatorRefused):
+    """An operator of that name exists (a revoked one too)."""
+
+    words = "an operator named {} exists"
+
+
+class OperatorRevoked(OperatorRefused):
+    """The named operator is revoked: their token cannot be rotated."""
+
+    words = "the operator {} is revoked"
+
+
 class CredentialSet(OperatorRefused):
     """An import into a credential the database holds already (a rotation replaces it)."""
 
@@ -199,22 +220,24 @@ class CredentialSet(OperatorRefused):
 
 
 class NothingToKeep(OperatorRefused):
-    """A first rotation (no row yet) with an overlap, where nothing configures the value
-    the hosts use now: it could not be kept for the overlap, and they would be cut off."""
+    """A first rotation (no row yet) from the CLI with an overlap, where its shell
+    configures no value: the one in use could not be kept, and those using it would be
+    cut off at once."""
 
     words = (
-        "the database holds no {0} and nothing here configures one, so the value the hosts"
-        " use now cannot be kept for the overlap: import it first (`credentials import {0}`"
-        " or the report's credentials-import), or rotate with --overlap 0 to end it at once"
+        "the database holds no {0} and this shell configures none, so the value in use now"
+        " cannot be kept for the overlap: import it first (`credentials import {0}`, or the"
+        " report function's credentials-import), or rotate with --overlap 0 to end it at once"
     )
 
 
 class SecretUnavailable(ServiceError):
-    """A secret store could not give a credential's value (the service answers 503 and
-    logs why; the secret itself is never logged)."""
+    """A secret store could not give a credential's value, named by the reference (a
+    route answers 503 without it, SECRET_UNAVAILABLE, and logs why; the secret itself is
+    never logged)."""
 
     def __str__(self) -> str:
-        return "the server cannot read its token for this route"
+        return f"cannot read the secret {self.args[0]} (its error is in the log line above)"
 
 
 class MigrationRefused(ServiceError):
@@ -1360,9 +1383,9 @@ OPERATOR_ACTIONS_DONE = (
 # one-key lock; the sign-in limit's class is SIGN_IN_LOCK_CLASS).
 ACT_LOCK_CLASS = 11_490
 
-# How a record names whoever sent the admin token (ADMIN_TOKEN), the credential of the
-# admin API and of curl against the web view's JSON.
-BEARER_ACTOR = "bearer token"
+# How a record names whoever sent the admin token (ADMIN_TOKEN): the break-glass
+# credential beside the named operators' own tokens (sql/035), who are named by name.
+BEARER_ACTOR = "admin token"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1375,6 +1398,7 @@ class Operator:
     actor: str
     source: str
     session: bytes | None = None
+    read_only: bool = False  # a named operator who may read only (sql/035)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1731,8 +1755,10 @@ class GuardedRoute(APIRoute):
 
     Every route here reads its input itself (for the contract's exact 400s, see
     _documented), so what FastAPI resolves per request is only its guards: `guard(
-    credentials=Depends(bearer))`, declared as a parameter (`credential: Credential =
-    Depends(require_analyser)`) or in `dependencies=`. FastAPI's resolver walks that
+    credentials=Depends(bearer))` or `guard(request, credentials=Depends(bearer))`,
+    declared as a parameter (`credential: Credential = Depends(require_analyser)`) or in
+    `dependencies=`, each called once per request however often it is declared (as
+    FastAPI caches a dependency). FastAPI's resolver walks that
     tree anew for every request, most of Starlette and FastAPI's part of a warm claim;
     this class walks it once, when the
     route is declared, and calls the guards in that order. The declaration is FastAPI's,
@@ -1748,17 +1774,20 @@ class GuardedRoute(APIRoute):
             dependant.cookie_params,
             dependant.body_params,
         )
-        guards = [(guard.name, guard.call, guard.dependencies) for guard in dependant.dependencies]
+        guards = [
+            (guard.name, guard.call, guard.dependencies, guard.request_param_name is not None)
+            for guard in dependant.dependencies
+        ]
         if (
             any(own)
             or not inspect.iscoroutinefunction(endpoint)
-            or any(len(bearers) != 1 or bearers[0].dependencies for _, _, bearers in guards)
+            or any(len(bearers) != 1 or bearers[0].dependencies for _, _, bearers, _ in guards)
         ):
             raise TypeError(
                 f"{self.path}: a GuardedRoute's endpoint is an async def that takes the"
-                " Request and guards of the form guard(credentials=Depends(bearer))"
+                " Request and guards of the form guard([request, ]credentials=Depends(bearer))"
             )
-        plan = [(name, guard, bearers[0].call) for name, guard, bearers in guards]
+        plan = [(name, guard, bearers[0].call, takes) for name, guard, bearers, takes in guards]
         request_name = dependant.request_param_name
         # The web view's dispatcher applies the query rule itself, once ADMIN_WEB and its
         # own guard have answered (with the web view's headers): "Web view: routes".
@@ -1767,10 +1796,15 @@ class GuardedRoute(APIRoute):
         async def handle(request: Request) -> Response:
             values: dict[str, Any] = {request_name: request} if request_name else {}
             refuse_repeated_headers(request)
-            for name, guard, bearer in plan:
-                value = await guard(await bearer(request))
+            done: dict[Any, Any] = {}
+            for name, guard, bearer, takes_request in plan:
+                if guard not in done:
+                    credentials = await bearer(request)
+                    done[guard] = await (
+                        guard(request, credentials) if takes_request else guard(credentials)
+                    )
                 if name is not None:
-                    values[name] = value
+                    values[name] = done[guard]
             if not own_dispatch:
                 refuse_repeated_query(request)
             response = await endpoint(**values)
@@ -1893,7 +1927,7 @@ def _configured_secret(reference: str) -> str | None:
             "secret unavailable",
             extra={"secret": reference, "error": f"{type(error).__name__}: {error}"[:500]},
         )
-        raise SecretUnavailable() from None
+        raise SecretUnavailable(reference) from None
     return value if isinstance(value, str) and value else None
 
 
@@ -2203,6 +2237,8 @@ def _json_answer(
 ERROR_ANSWERS = {
     400: "Bad input, named in `detail`; nothing was written.",
     401: "A wrong or missing bearer token.",
+    403: "A read-only operator's token (sql/035): it may read, never change anything;"
+    " nothing was changed.",
     404: "No such app (bundle IDs match in any letter case); nothing was written.",
     409: "The result is refused, and `detail` says why (a stale X-Analysis-Claim-Token, a"
     " result of a newer analysisVersion stored, a claim answered already, or, sent without"
@@ -2324,53 +2360,57 @@ SELECT extract(epoch FROM now() - max(last_seen)) / 60 AS minutes_since_last_pin
            AS analysers_last_hour
 FROM seen WHERE isfinite(last_seen) AND last_seen <= now()
 """
-# Named analysers' credentials (sql/022): a token is known by its SHA-256 only. A request
-# finds its analyser with one probe of a unique index; a rotation's previous token works
-# until previous_token_expires; a revoked analyser's tokens never work again.
+# Named tokens, the analysers' (sql/022) and the operators' (sql/035), each table
+# ({table}) with the same columns for them: a token is known by its SHA-256 only. A
+# request finds its holder with one probe of a unique index; a rotation's previous token
+# works until previous_token_expires; a revoked holder's tokens never work again.
 ADD_ANALYSER = """
 INSERT INTO analysers (name, token_hash) VALUES (:name, :token_hash)
 ON CONFLICT DO NOTHING
 RETURNING name, created
 """
-ANALYSER_BY_HASH = """
-SELECT name, token_hash, previous_token_hash FROM analysers
+HOLDER_BY_HASH = """
+SELECT name, token_hash, previous_token_hash{columns} FROM {table}
 WHERE revoked IS NULL
   AND (token_hash = :token_hash
        OR (previous_token_hash = :token_hash AND previous_token_expires > now()))
 """
+ANALYSER_BY_HASH = HOLDER_BY_HASH.format(table="analysers", columns="")
 # `revoked_now` false: it was revoked already, and keeps the time it was revoked at.
-REVOKE_ANALYSER = """
+REVOKE_HOLDER = """
 WITH found AS (
-    SELECT name, revoked IS NULL AS revoked_now FROM analysers WHERE name = :name FOR UPDATE
+    SELECT name, revoked IS NULL AS revoked_now FROM {table} WHERE name = :name FOR UPDATE
 ), revoked AS (
-    UPDATE analysers SET revoked = COALESCE(revoked, now()), previous_token_hash = NULL,
+    UPDATE {table} SET revoked = COALESCE(revoked, now()), previous_token_hash = NULL,
                          previous_token_expires = NULL
-    FROM found WHERE analysers.name = found.name
-    RETURNING analysers.name, analysers.revoked
+    FROM found WHERE {table}.name = found.name
+    RETURNING {table}.name, {table}.revoked
 )
 SELECT revoked.name, revoked.revoked, found.revoked_now
 FROM found JOIN revoked ON revoked.name = found.name
 """
+REVOKE_ANALYSER = REVOKE_HOLDER.format(table="analysers")
 # The token in use becomes the previous one for the overlap (none with no overlap); a
-# previous token still in its overlap is dropped. A revoked analyser stays revoked. One
+# previous token still in its overlap is dropped. A revoked holder stays revoked. One
 # statement that locks the row before it decides: a revocation that commits while it
 # waits is seen (revoked), so the answer is one row saying which case it was (none: no
-# such analyser), whatever commits meanwhile.
-ROTATE_ANALYSER = """
+# such name), whatever commits meanwhile.
+ROTATE_HOLDER = """
 WITH found AS (
-    SELECT name, revoked IS NOT NULL AS revoked FROM analysers WHERE name = :name FOR UPDATE
+    SELECT name, revoked IS NOT NULL AS revoked FROM {table} WHERE name = :name FOR UPDATE
 ), rotated AS (
-    UPDATE analysers
+    UPDATE {table}
     SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
         previous_token_expires = CASE WHEN :overlap_seconds > 0
                                       THEN now() + make_interval(secs => :overlap_seconds) END,
         token_hash = :token_hash, rotated = now()
-    FROM found WHERE analysers.name = found.name AND NOT found.revoked
-    RETURNING analysers.name, analysers.rotated, analysers.previous_token_expires
+    FROM found WHERE {table}.name = found.name AND NOT found.revoked
+    RETURNING {table}.name, {table}.rotated, {table}.previous_token_expires
 )
 SELECT found.name, found.revoked, rotated.rotated, rotated.previous_token_expires
 FROM found LEFT JOIN rotated ON rotated.name = found.name
 """
+ROTATE_ANALYSER = ROTATE_HOLDER.format(table="analysers")
 # A /ping authenticated just before its analyser's revocation committed records no
 # heartbeat after it.
 RECORD_ANALYSER_SEEN = """
@@ -2420,6 +2460,9 @@ ORDER BY a.name
 # it up, and an operator knows what it is) and 256 random bits, URL-safe base64: safe to
 # paste into a shell or an .env file unquoted.
 ANALYSER_TOKEN_PREFIX = "aqa_"  # noqa: S105 - a prefix, not a token
+# A named operator's (sql/035), likewise: never a named analyser's, the shared
+# password's or the admin token's (NEW_CREDENTIAL_PREFIXES).
+OPERATOR_TOKEN_PREFIX = "aqo_"  # noqa: S105 - a prefix, not a token
 # How an analyser's name is spelt, and an X-Analyser-Id label (checked_analyser_name),
 # and the same in words: the one rule, for the API, the CLI and the OpenAPI schema.
 # Not "." or "..": path segments a browser or proxy folds away, so such an analyser's
@@ -2515,59 +2558,110 @@ def add_analyser(db: SharedConnection, operator: Operator, name: str) -> dict[st
     return act(db, operator, change)
 
 
-def rotate_analyser(
-    db: SharedConnection, operator: Operator, name: str, overlap: int
+@dataclasses.dataclass(frozen=True)
+class TokenHolders:
+    """A table of named tokens (analysers, operators): its statements, the errors that
+    name a holder, and how an action on one is recorded."""
+
+    rotate_sql: str
+    revoke_sql: str
+    by_hash_sql: str
+    unknown: type[OperatorRefused]
+    revoked: type[OperatorRefused]
+    record: Callable[[str, str], ActionRecord]  # (verb, name) -> the action's record
+
+
+ANALYSERS = TokenHolders(
+    ROTATE_ANALYSER,
+    REVOKE_ANALYSER,
+    ANALYSER_BY_HASH,
+    UnknownAnalyser,
+    AnalyserRevoked,
+    lambda verb, name: ActionRecord(f"{verb} analyser", analyser=name),
+)
+
+
+def rotate_token(
+    db: SharedConnection,
+    operator: Operator,
+    holders: TokenHolders,
+    name: str,
+    token: str,
+    overlap: int,
 ) -> dict[str, Any]:
-    """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
-    name, token = checked_analyser_name(name, stored=True), new_analyser_token()
+    """`token` becomes the holder's; the one it had keeps working for `overlap` seconds."""
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
         rows = session.records(
-            ROTATE_ANALYSER, name=name, token_hash=token_hash(token), overlap_seconds=overlap
+            holders.rotate_sql, name=name, token_hash=token_hash(token), overlap_seconds=overlap
         )
         if not rows:
-            raise UnknownAnalyser(name)
+            raise holders.unknown(name)
         (row,) = rows
         if row["revoked"]:
-            raise AnalyserRevoked(name)
+            raise holders.revoked(name)
         rotated = {
             "name": row["name"],
             "rotated": _plain(row["rotated"]),
             "previousTokenValidUntil": _plain(row["previous_token_expires"]),
             "token": token,
         }
-        return rotated, ActionRecord("rotate analyser", analyser=name)
+        return rotated, holders.record("rotate", name)
 
     return act(db, operator, change)
+
+
+def revoke_token(
+    db: SharedConnection, operator: Operator, holders: TokenHolders, name: str
+) -> dict[str, Any]:
+    """The holder's tokens (current and previous) stop working with this commit. One
+    revoked already keeps the time it was revoked at, and nothing is recorded again."""
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
+        rows = session.records(holders.revoke_sql, name=name)
+        if not rows:
+            raise holders.unknown(name)
+        (row,) = rows
+        revoked = {"name": row["name"], "revoked": _plain(row["revoked"])}
+        return revoked, holders.record("revoke", name) if row["revoked_now"] else None
+
+    return act(db, operator, change)
+
+
+def token_holder(
+    db: SharedConnection, holders: TokenHolders, token: str, current_only: bool = False
+) -> dict[str, Any] | None:
+    """The row of the holder whose current (or, unless `current_only`, still overlapping
+    previous) token this is, or None. One index probe per request, no cache: a
+    revocation or the end of an overlap holds from the next request on, in every
+    process."""
+    digest = token_hash(token)
+    for row in db.records(holders.by_hash_sql, token_hash=digest):
+        stored = (
+            [row["token_hash"]] if current_only else [row["token_hash"], row["previous_token_hash"]]
+        )
+        if any(h is not None and hmac.compare_digest(bytes(h), digest) for h in stored):
+            return row
+    return None
+
+
+def rotate_analyser(
+    db: SharedConnection, operator: Operator, name: str, overlap: int
+) -> dict[str, Any]:
+    """A new token for the analyser; the one it had keeps working for `overlap` seconds."""
+    name = checked_analyser_name(name, stored=True)
+    return rotate_token(db, operator, ANALYSERS, name, new_analyser_token(), overlap)
 
 
 def revoke_analyser(db: SharedConnection, operator: Operator, name: str) -> dict[str, Any]:
-    """The analyser's tokens (current and previous) stop working with this commit. One
-    revoked already keeps the time it was revoked at, and nothing is recorded again."""
-    name = checked_analyser_name(name, stored=True)
-
-    def change(session: Session) -> tuple[dict[str, Any], ActionRecord | None]:
-        rows = session.records(REVOKE_ANALYSER, name=name)
-        if not rows:
-            raise UnknownAnalyser(name)
-        (row,) = rows
-        revoked = {"name": row["name"], "revoked": _plain(row["revoked"])}
-        first = row["revoked_now"]
-        return revoked, ActionRecord("revoke analyser", analyser=name) if first else None
-
-    return act(db, operator, change)
+    """The analyser's tokens stop working with this commit (revoke_token)."""
+    return revoke_token(db, operator, ANALYSERS, checked_analyser_name(name, stored=True))
 
 
 def authenticate_analyser(db: SharedConnection, token: str) -> str | None:
-    """The name of the analyser whose current (or still overlapping previous) token this
-    is, or None. One index probe per request, no cache: a revocation or the end of an
-    overlap holds from the next request on, in every process."""
-    digest = token_hash(token)
-    for row in db.records(ANALYSER_BY_HASH, token_hash=digest):
-        for stored in (row["token_hash"], row["previous_token_hash"]):
-            if stored is not None and hmac.compare_digest(bytes(stored), digest):
-                return row["name"]
-    return None
+    """The name of the analyser whose token this is (token_holder), or None."""
+    row = token_holder(db, ANALYSERS, token)
+    return None if row is None else row["name"]
 
 
 def record_analyser_seen(db: SharedConnection, name: str) -> None:
@@ -2738,48 +2832,23 @@ def web_session_key(db: SharedConnection) -> bytes | None:
     return bytes(rows[0]["session_key"]) if rows else None
 
 
-@dataclasses.dataclass(frozen=True)
-class SignInCheck:
-    """What one read of the admin token's row says about a web sign-in: whether the
-    token is the current one (never the previous one in its overlap: a session would
-    outlive it), the key to sign its cookie with, and whether the row is still to be
-    filled with the configured value (`imports`, for the sign-in's transaction)."""
-
-    accepted: bool
-    session_key: bytes
-    imports: bytes | None = None
-
-
-def sign_in_check(db: SharedConnection, given: str) -> SignInCheck:
-    """A web sign-in's check, from one read of the row. While the database holds no admin
-    token, the configured one is checked, and a sign-in it accepts fills the row with it
-    (as `credentials import` would) and a random session key: a cookie is never signed
-    with a key derived from a token a person chose."""
-    import secrets
-
-    digest = token_hash(given)
-    rows = db.records(SERVICE_CREDENTIAL, name="admin_token")
-    if rows:
-        current, key, imports = bytes(rows[0]["token_hash"]), bytes(rows[0]["session_key"]), None
-    else:
-        value, _ = _configured_value("admin_token")
-        if value is None:
-            raise HTTPException(503, "the server has no token configured for this route")
-        current = imports = token_hash(value)
-        key = secrets.token_bytes(SESSION_KEY_BYTES)
-    accepted = hmac.compare_digest(current, digest)
-    return SignInCheck(accepted, key, imports if accepted else None)
-
-
 # -- operators' commands
 
 
 def rotate_credential(
-    db: SharedConnection, operator: Operator, name: str, overlap: int
+    db: SharedConnection,
+    operator: Operator,
+    name: str,
+    overlap: int,
+    *,
+    here_is_deployed: bool = False,
 ) -> dict[str, Any]:
     """A new random value for the credential (set for the first time too); the one it
     replaces works for `overlap` seconds. The admin token's rotation ends every web view
-    session (a new session key) whatever the overlap."""
+    session (a new session key) whatever the overlap. On a first rotation the value kept
+    is the one configured here: `here_is_deployed` (the report function) knows it is the
+    deployed one, so with none configured nothing is in use and nothing is kept; the
+    CLI's shell may just lack it (NothingToKeep, unless the overlap is 0)."""
     import secrets
 
     name = service_row_name(name)
@@ -2791,7 +2860,7 @@ def rotate_credential(
         configured, kept = None, "the database"
         if not session.records(SERVICE_CREDENTIAL, name=name):
             configured, kept = _configured_value(name)
-            if configured is None and overlap > 0:
+            if configured is None and overlap > 0 and not here_is_deployed:
                 raise NothingToKeep(_operators_name(name))
         (row,) = session.records(
             ROTATE_SERVICE_CREDENTIAL,
@@ -2838,8 +2907,9 @@ def import_credential(
         # no space, no control character, no letter outside ASCII (UTF-8 on one side and
         # Latin-1 on the other would never match).
         raise BadInput("the value is printable ASCII without spaces (the characters a host sends)")
-    if value.startswith(ANALYSER_TOKEN_PREFIX):
-        raise BadInput(f"a value beginning {ANALYSER_TOKEN_PREFIX} is a named analyser's token")
+    for prefix, whose in ((ANALYSER_TOKEN_PREFIX, "analyser"), (OPERATOR_TOKEN_PREFIX, "operator")):
+        if value.startswith(prefix):
+            raise BadInput(f"a value beginning {prefix} is a named {whose}'s token")
 
     def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
         filled = session.run(
@@ -2875,6 +2945,125 @@ def list_shared_bearers(db: SharedConnection) -> list[dict[str, Any]]:
             }
         )
     return listed
+
+
+# == Operators by name ==================================================================
+# Named operators (sql/035), as named analysers are: a token each, kept as its hash, a
+# rotation's overlap, revocation at once on every route and in every process; read-only
+# or full. Every action and sign-in is recorded under the operator's name; the admin
+# token stays as the break-glass credential, recorded as `admin token`.
+
+
+# -- SQL
+
+ADD_OPERATOR = """
+INSERT INTO operators (name, token_hash, read_only, created_by)
+VALUES (:name, :token_hash, :read_only, :created_by)
+ON CONFLICT DO NOTHING
+RETURNING name, created, read_only
+"""
+OPERATOR_BY_HASH = HOLDER_BY_HASH.format(table="operators", columns=", read_only")
+REVOKE_OPERATOR = REVOKE_HOLDER.format(table="operators")
+ROTATE_OPERATOR = ROTATE_HOLDER.format(table="operators")
+LIST_OPERATORS = """
+SELECT name, read_only, created, created_by, rotated, revoked,
+       CASE WHEN previous_token_expires > now() THEN previous_token_expires END
+           AS previous_token_expires
+FROM operators ORDER BY name
+"""
+
+
+# -- named operators
+
+OPERATORS = TokenHolders(
+    ROTATE_OPERATOR,
+    REVOKE_OPERATOR,
+    OPERATOR_BY_HASH,
+    UnknownOperator,
+    OperatorRevoked,
+    lambda verb, name: ActionRecord(f"{verb} operator {name}"),
+)
+
+
+def new_operator_token() -> str:
+    import secrets
+
+    return OPERATOR_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def checked_operator_name(name: object) -> str:
+    """An operator's name is spelt as an analyser's is (ANALYSER_NAME); BadInput if not."""
+    return checked_analyser_name(name, "an operator's name is")
+
+
+def add_operator(
+    db: SharedConnection, operator: Operator, name: str, read_only: bool
+) -> dict[str, Any]:
+    """A new named operator and their token, in this answer only: the database keeps its
+    hash. Recorded under the name of whoever added them."""
+    name, token = checked_operator_name(name), new_operator_token()
+    if not isinstance(read_only, bool):
+        raise BadInput("readOnly is true or false")
+
+    def change(session: Session) -> tuple[dict[str, Any], ActionRecord]:
+        rows = session.records(
+            ADD_OPERATOR,
+            name=name,
+            token_hash=token_hash(token),
+            read_only=read_only,
+            created_by=operator.actor,
+        )
+        if not rows:
+            raise OperatorExists(name)
+        (row,) = rows
+        added = {
+            "name": row["name"],
+            "created": _plain(row["created"]),
+            "readOnly": row["read_only"],
+            "token": token,
+        }
+        return added, OPERATORS.record("add read-only" if read_only else "add", name)
+
+    return act(db, operator, change)
+
+
+def rotate_operator(
+    db: SharedConnection, operator: Operator, name: str, overlap: int
+) -> dict[str, Any]:
+    """A new token for the operator; the old one works as a bearer token for `overlap`
+    seconds, but every web view session they started ends now (sql/035)."""
+    name = checked_analyser_name(name, "an operator's name is", stored=True)
+    return rotate_token(db, operator, OPERATORS, name, new_operator_token(), overlap)
+
+
+def revoke_operator(db: SharedConnection, operator: Operator, name: str) -> dict[str, Any]:
+    """The operator's tokens and web view sessions stop working with this commit."""
+    name = checked_analyser_name(name, "an operator's name is", stored=True)
+    return revoke_token(db, operator, OPERATORS, name)
+
+
+def list_operators(db: SharedConnection) -> list[dict[str, Any]]:
+    """Every named operator (revoked ones too): never a token or its hash."""
+    return [
+        {
+            "name": row["name"],
+            "readOnly": row["read_only"],
+            "created": _plain(row["created"]),
+            "createdBy": row["created_by"],
+            "rotated": _plain(row["rotated"]),
+            "previousTokenValidUntil": _plain(row["previous_token_expires"]),
+            "revoked": _plain(row["revoked"]),
+        }
+        for row in db.records(LIST_OPERATORS)
+    ]
+
+
+def named_operator(
+    db: SharedConnection, token: str, source: str, current_only: bool = False
+) -> Operator | None:
+    """Who a named operator's token says acts (their name, read-only or not), or None."""
+    row = token_holder(db, OPERATORS, token, current_only)
+    return None if row is None else Operator(row["name"], source, read_only=row["read_only"])
 
 
 # == Analysers: guards and routes =======================================================
@@ -2913,10 +3102,25 @@ def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credent
     return SHARED_PASSWORD
 
 
-def _check_admin(credentials: HTTPAuthorizationCredentials | None) -> None:
+def _check_admin(credentials: HTTPAuthorizationCredentials | None, source: str) -> Operator:
+    """Who an admin request acts as: a named operator, by their token (found by its hash
+    on every request: a revocation holds from the next one), or the admin token."""
     given = credentials.credentials if credentials else ""
+    if given.startswith(OPERATOR_TOKEN_PREFIX):
+        named = named_operator(api_connection(), given, source)
+        if named is None:
+            raise _unauthorized()
+        return named
     if not credential_matches(api_connection(), "admin_token", given):
         raise _unauthorized()
+    return Operator(BEARER_ACTOR, source)
+
+
+def refuse_read_only(operator: Operator) -> Operator:
+    """A read-only operator's write is refused (403), whatever route it came by."""
+    if operator.read_only:
+        raise HTTPException(403, f"{operator.actor} is a read-only operator: nothing was changed")
+    return operator
 
 
 async def require_analyser(
@@ -2928,15 +3132,15 @@ async def require_analyser(
 
 
 async def require_admin(
+    request: Request,
     credentials: HTTPAuthorizationCredentials | None = Depends(admin_bearer),
-):
-    await blocking(_check_admin, credentials)
-
-
-def bearer_operator(request: Request) -> Operator:
-    """Who an admin route's action is recorded as: the admin token, from the request's
-    address (require_admin has checked the token)."""
-    return Operator(BEARER_ACTOR, request_source(request))
+) -> Operator:
+    """Who sent an admin request (a named operator, or the admin token), from the
+    request's address; a read-only operator may only read (GET, HEAD)."""
+    operator = await blocking(_check_admin, credentials, request_source(request))
+    if request.method not in ("GET", "HEAD"):
+        refuse_read_only(operator)
+    return operator
 
 
 # -- routes
@@ -2971,9 +3175,9 @@ async def ping(
 
 
 def _analyser_errors(**answers: str) -> dict[str, dict]:
-    """The OpenAPI responses of an admin analyser route: 401 and 503 as every route's,
-    and its own (`e404="..."` for 404)."""
-    responses = _errors(401, 503)
+    """The OpenAPI responses of an admin route that writes: 401 and 503 as every route's,
+    403 for a read-only operator (require_admin), and its own (`e404="..."` for 404)."""
+    responses = _errors(401, 403, 503)
     for code, description in answers.items():
         responses[code.lstrip("e")] = {
             "description": description,
@@ -3002,6 +3206,43 @@ def requested_overlap(body: object) -> int:
     return overlap_seconds(overlap)
 
 
+async def requested_rotation(request: Request) -> int:
+    """The overlap a rotation route's body asks for (requested_overlap): a JSON object,
+    or no body at all."""
+    body = await _read_body(request)
+    parsed = {}
+    if body:
+        _require_content_type(request, ("application/json",))
+        parsed = await blocking(_parse_operators_json, body, "the body", parse=True)
+    return requested_overlap(parsed)
+
+
+# A rotation route's body: {"overlap": "24h"}, or none.
+ROTATION_BODY = {
+    "required": False,
+    "content": {
+        "application/json": {
+            "schema": {"type": "object", "properties": {"overlap": {"type": "string"}}}
+        }
+    },
+}
+
+
+def rotate_route_doc(no_such: str, noun: str) -> dict:
+    """The OpenAPI of a named token's rotate route (/analysers/{name}/rotate, ...)."""
+    return {
+        "parameters": [ANALYSER_NAME_PATH],
+        "requestBody": ROTATION_BODY,
+        "responses": _analyser_errors(
+            e400="Bad input (the name or the overlap); nothing was changed.",
+            e404=no_such,
+            e409=f"The {noun} is revoked; nothing was changed.",
+            e413=ERROR_ANSWERS[413],
+            e415=ERROR_ANSWERS[415],
+        ),
+    }
+
+
 def _analyser_name_param(request: Request) -> str:
     return checked_analyser_name(request.path_params["name"], stored=True)
 
@@ -3009,7 +3250,6 @@ def _analyser_name_param(request: Request) -> str:
 @app.post(
     "/analysers",
     status_code=201,
-    dependencies=[Depends(require_admin)],
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -3031,14 +3271,15 @@ def _analyser_name_param(request: Request) -> str:
         ),
     },
 )
-async def create_analyser(request: Request) -> JSONResponse:
+async def create_analyser(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
     """A new named analyser: {"name": ...}. Its token is in this answer and nowhere else,
     ever: the database keeps its SHA-256."""
     _require_content_type(request, ("application/json",))
     body = await blocking(_parse_operators_json, await _read_body(request), "the body", parse=True)
     if not isinstance(body, dict) or set(body) != {"name"} or not isinstance(body["name"], str):
         raise HTTPException(400, 'the body must be {"name": "..."}')
-    operator = bearer_operator(request)
     created = await blocking(lambda: add_analyser(api_connection(), operator, body["name"]))
     return JSONResponse(created, status_code=201, headers=NO_STORE)
 
@@ -3058,53 +3299,134 @@ async def get_analysers() -> JSONResponse:
 
 @app.delete(
     "/analysers/{name}",
-    dependencies=[Depends(require_admin)],
     openapi_extra={
         "parameters": [ANALYSER_NAME_PATH],
         "responses": _analyser_errors(e400="Bad input (the name).", e404=NO_SUCH_ANALYSER),
     },
 )
-async def delete_analyser(request: Request) -> JSONResponse:
+async def delete_analyser(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
     """Revoke the analyser: its tokens stop working with this answer. Its row stays."""
-    name, operator = _analyser_name_param(request), bearer_operator(request)
+    name = _analyser_name_param(request)
     revoked = await blocking(lambda: revoke_analyser(api_connection(), operator, name))
     return JSONResponse(revoked, headers=NO_STORE)
 
 
+@app.post("/analysers/{name}/rotate", openapi_extra=rotate_route_doc(NO_SUCH_ANALYSER, "analyser"))
+async def rotate_analyser_token(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
+    """A new token for the analyser (in this answer only); the old one keeps working for
+    the overlap: {"overlap": "24h"} (the default, also for an empty body); "0" ends it at
+    once."""
+    name = _analyser_name_param(request)
+    seconds = await requested_rotation(request)
+    rotated = await blocking(lambda: rotate_analyser(api_connection(), operator, name, seconds))
+    return JSONResponse(rotated, headers=NO_STORE)
+
+
+# == Operators: routes ==================================================================
+# The named operators' admin API (a full operator's, or the admin token's), as the
+# analysers' routes above: add, list, revoke, rotate.
+
+NO_SUCH_OPERATOR = "No such operator; nothing was changed."
+
+
+def _operator_name_param(request: Request) -> str:
+    return checked_analyser_name(request.path_params["name"], "an operator's name is", stored=True)
+
+
 @app.post(
-    "/analysers/{name}/rotate",
-    dependencies=[Depends(require_admin)],
+    "/operators",
+    status_code=201,
     openapi_extra={
-        "parameters": [ANALYSER_NAME_PATH],
         "requestBody": {
-            "required": False,
+            "required": True,
             "content": {
                 "application/json": {
-                    "schema": {"type": "object", "properties": {"overlap": {"type": "string"}}}
+                    "schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "readOnly": {"type": "boolean"},
+                        },
+                    }
                 }
             },
         },
         "responses": _analyser_errors(
-            e400="Bad input (the name or the overlap); nothing was changed.",
-            e404=NO_SUCH_ANALYSER,
-            e409="The analyser is revoked; nothing was changed.",
+            e400="Bad input (the name, readOnly); nothing was written.",
+            e409="An operator of that name exists (revoked ones too); nothing was written.",
             e413=ERROR_ANSWERS[413],
             e415=ERROR_ANSWERS[415],
         ),
     },
 )
-async def rotate_analyser_token(request: Request) -> JSONResponse:
-    """A new token for the analyser (in this answer only); the old one keeps working for
-    the overlap: {"overlap": "24h"} (the default, also for an empty body); "0" ends it at
-    once."""
-    name = _analyser_name_param(request)
-    body = await _read_body(request)
-    parsed = {}
-    if body:
-        _require_content_type(request, ("application/json",))
-        parsed = await blocking(_parse_operators_json, body, "the body", parse=True)
-    seconds, operator = requested_overlap(parsed), bearer_operator(request)
-    rotated = await blocking(lambda: rotate_analyser(api_connection(), operator, name, seconds))
+async def create_operator(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
+    """A new named operator: {"name": ..., "readOnly": false}. Their token is in this
+    answer and nowhere else, ever: the database keeps its SHA-256."""
+    _require_content_type(request, ("application/json",))
+    body = await blocking(_parse_operators_json, await _read_body(request), "the body", parse=True)
+    if (
+        not isinstance(body, dict)
+        or "name" not in body
+        or not set(body) <= {"name", "readOnly"}
+        or not isinstance(body["name"], str)
+    ):
+        raise HTTPException(400, 'the body must be {"name": "...", "readOnly": false}')
+    read_only = body.get("readOnly", False)
+    added = await blocking(
+        lambda: add_operator(api_connection(), operator, body["name"], read_only)
+    )
+    return JSONResponse(added, status_code=201, headers=NO_STORE)
+
+
+@app.get(
+    "/operators",
+    dependencies=[Depends(require_admin)],
+    openapi_extra={"responses": _errors(401, 503)},
+)
+async def get_operators() -> JSONResponse:
+    """Every named operator: full or read-only, added when and by whom, rotated, revoked.
+    Never a token."""
+    operators = await blocking(lambda: list_operators(api_connection()))
+    return JSONResponse({"operators": operators}, headers=NO_STORE)
+
+
+@app.delete(
+    "/operators/{name}",
+    openapi_extra={
+        "parameters": [ANALYSER_NAME_PATH],
+        "responses": _analyser_errors(
+            e400="Bad input (the name).",
+            e404=NO_SUCH_OPERATOR,
+        ),
+    },
+)
+async def delete_operator(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
+    """Revoke the operator: their tokens and web view sessions stop working with this
+    answer. Their row stays, as their records do."""
+    name = _operator_name_param(request)
+    revoked = await blocking(lambda: revoke_operator(api_connection(), operator, name))
+    return JSONResponse(revoked, headers=NO_STORE)
+
+
+@app.post("/operators/{name}/rotate", openapi_extra=rotate_route_doc(NO_SUCH_OPERATOR, "operator"))
+async def rotate_operator_token(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
+    """A new token for the operator (in this answer only); the old one keeps working as a
+    bearer token for the overlap ({"overlap": "24h"}, the default); their web view
+    sessions end at once."""
+    name = _operator_name_param(request)
+    seconds = await requested_rotation(request)
+    rotated = await blocking(lambda: rotate_operator(api_connection(), operator, name, seconds))
     return JSONResponse(rotated, headers=NO_STORE)
 
 
@@ -4811,7 +5133,7 @@ NEW_APP_SCHEMA = {
     "properties": {"appId": {"type": "string"}, "details": {"type": "object"}},
 }
 NEW_APP_DOC = _documented(
-    {}, ("application/json", NEW_APP_SCHEMA), errors=(400, 401, 413, 415, 503)
+    {}, ("application/json", NEW_APP_SCHEMA), errors=(400, 401, 403, 413, 415, 503)
 )
 NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any letter case)."}
 
@@ -4819,15 +5141,14 @@ NEW_APP_DOC["responses"]["200"] = {"description": "The app existed already (any 
 @app.post(
     "/apps",
     status_code=201,
-    dependencies=[Depends(require_admin)],
     openapi_extra=NEW_APP_DOC,
 )
-async def create_app(request: Request) -> JSONResponse:
+async def create_app(request: Request, operator: Operator = Depends(require_admin)) -> JSONResponse:
     """Add an app as queued: {"appId": ..., "details": {...}}. 200 if it exists."""
     _require_content_type(request, ("application/json",))
     body = await _read_body(request)
     sent, parsed = await blocking(_parse_operators_json_text, body, "the body", parse=True)
-    return await blocking(_create_app, bearer_operator(request), parsed, sent)
+    return await blocking(_create_app, operator, parsed, sent)
 
 
 def _create_app(operator: Operator, body: Any, sent: str) -> Response:
@@ -4865,7 +5186,7 @@ async def get_app(request: Request) -> JSONResponse:
     credentials = await admin_bearer(request)  # read here: the route is public
     if credentials is not None:
         try:
-            await require_admin(credentials)
+            await require_admin(request, credentials)
             admin = True
         except (HTTPException, SecretUnavailable):
             admin = False
@@ -6123,7 +6444,6 @@ async def _optional_json_object(request: Request, allowed: set[str]) -> dict[str
 
 @app.post(
     "/apps/{appId:any_path}/hold",
-    dependencies=[Depends(require_admin)],
     openapi_extra={
         "parameters": APP_ID_PATH["parameters"],
         "requestBody": HOLD_BODY,
@@ -6135,12 +6455,11 @@ async def _optional_json_object(request: Request, allowed: set[str]) -> dict[str
         ),
     },
 )
-async def hold(request: Request) -> JSONResponse:
+async def hold(request: Request, operator: Operator = Depends(require_admin)) -> JSONResponse:
     """Hold the app: never handed out until released. {"reason": "...", "force": true}
     (both optional); `outcome` says what happened to a lease (docs/cli.md, queue-hold)."""
     app_id = stored_app_id(request.path_params["appId"])
     body = await _optional_json_object(request, {"reason", "force"})
-    operator = bearer_operator(request)
     held = await blocking(
         lambda: hold_app(
             api_connection(), operator, app_id, body.get("reason"), body.get("force", False)
@@ -6151,7 +6470,6 @@ async def hold(request: Request) -> JSONResponse:
 
 @app.post(
     "/apps/{appId:any_path}/release",
-    dependencies=[Depends(require_admin)],
     openapi_extra={
         "parameters": APP_ID_PATH["parameters"],
         "responses": _analyser_errors(
@@ -6162,12 +6480,11 @@ async def hold(request: Request) -> JSONResponse:
         ),
     },
 )
-async def release(request: Request) -> JSONResponse:
+async def release(request: Request, operator: Operator = Depends(require_admin)) -> JSONResponse:
     """Release a held app: the queue's rule decides again. `outcome`: released or
     not_held."""
     app_id = stored_app_id(request.path_params["appId"])
     await _optional_json_object(request, set())
-    operator = bearer_operator(request)
     released = await blocking(lambda: release_app(api_connection(), operator, app_id))
     return JSONResponse(released, headers=NO_STORE)
 
@@ -6183,39 +6500,39 @@ ANALYSER_PAUSE_DOC = {
 }
 
 
-async def _set_analyser_pause(request: Request, paused: bool) -> JSONResponse:
+async def _set_analyser_pause(request: Request, operator: Operator, paused: bool) -> JSONResponse:
     name = _analyser_name_param(request)
     await _optional_json_object(request, set())
-    operator = bearer_operator(request)
     done = await blocking(lambda: pause_analyser(api_connection(), operator, name, paused))
     return JSONResponse(done, headers=NO_STORE)
 
 
 @app.post(
     "/analysers/{name}/pause",
-    dependencies=[Depends(require_admin)],
     openapi_extra=ANALYSER_PAUSE_DOC,
 )
-async def pause_an_analyser(request: Request) -> JSONResponse:
+async def pause_an_analyser(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
     """Pause the analyser: its GET /queue is answered as an empty queue is; its pings
     count and its lease stays its own. `outcome`: paused or unchanged."""
-    return await _set_analyser_pause(request, True)
+    return await _set_analyser_pause(request, operator, True)
 
 
 @app.post(
     "/analysers/{name}/resume",
-    dependencies=[Depends(require_admin)],
     openapi_extra=ANALYSER_PAUSE_DOC,
 )
-async def resume_an_analyser(request: Request) -> JSONResponse:
+async def resume_an_analyser(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
     """Resume the analyser, and start its failures in a row again. `outcome`: resumed or
     unchanged."""
-    return await _set_analyser_pause(request, False)
+    return await _set_analyser_pause(request, operator, False)
 
 
 @app.post(
     "/queue/pause",
-    dependencies=[Depends(require_admin)],
     openapi_extra={
         "requestBody": PAUSE_BODY,
         "responses": _analyser_errors(
@@ -6225,18 +6542,18 @@ async def resume_an_analyser(request: Request) -> JSONResponse:
         ),
     },
 )
-async def pause_the_queue(request: Request) -> JSONResponse:
+async def pause_the_queue(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
     """Pause the whole queue: every claim is answered as an empty queue is, until
     resumed. {"reason": "..."} (optional)."""
     body = await _optional_json_object(request, {"reason"})
-    operator = bearer_operator(request)
     done = await blocking(lambda: pause_queue(api_connection(), operator, True, body.get("reason")))
     return JSONResponse(done, headers=NO_STORE)
 
 
 @app.post(
     "/queue/resume",
-    dependencies=[Depends(require_admin)],
     openapi_extra={
         "responses": _analyser_errors(
             e400="Bad input (a body); nothing was changed.",
@@ -6245,10 +6562,11 @@ async def pause_the_queue(request: Request) -> JSONResponse:
         )
     },
 )
-async def resume_the_queue(request: Request) -> JSONResponse:
+async def resume_the_queue(
+    request: Request, operator: Operator = Depends(require_admin)
+) -> JSONResponse:
     """Resume the queue: claims hand out apps again."""
     await _optional_json_object(request, set())
-    operator = bearer_operator(request)
     done = await blocking(lambda: pause_queue(api_connection(), operator, False))
     return JSONResponse(done, headers=NO_STORE)
 
@@ -6751,11 +7069,19 @@ async def healthz_analyser() -> JSONResponse:
 # A session's id is 256 random bits; the table keeps its SHA-256 only. A refused token
 # starts none (:accepted false), so both are answered after the same work.
 ADMIN_SESSIONS_START = """
-INSERT INTO admin_sessions (id_hash, expires, source)
-SELECT :id_hash, now() + make_interval(hours => :hours), :source WHERE :accepted
+INSERT INTO admin_sessions (id_hash, expires, source, operator)
+SELECT :id_hash, now() + make_interval(hours => :hours), :source, CAST(:operator AS text)
+WHERE :accepted
 """
+# A session is live until it ends or expires, and a named operator's (sql/035) only while
+# they are not revoked and have not rotated their token since it started.
 ADMIN_SESSIONS_SELECT_LIVE = """
-SELECT 1 FROM admin_sessions WHERE id_hash = :id_hash AND ended IS NULL AND expires > now()
+SELECT s.operator, COALESCE(o.read_only, false) AS read_only
+FROM admin_sessions s LEFT JOIN operators o ON o.name = s.operator
+WHERE s.id_hash = :id_hash AND s.ended IS NULL AND s.expires > now()
+  AND (s.operator IS NULL
+       OR (o.name IS NOT NULL AND o.revoked IS NULL
+           AND s.created >= COALESCE(o.rotated, '-infinity')))
 """
 # The sessions it ended (none: it had ended, or expired, already).
 ADMIN_SESSIONS_END = """
@@ -6802,8 +7128,10 @@ def _session_hash(session_id: str) -> bytes:
 
 
 def session_actor(id_hash: bytes) -> str:
-    """How an action's record names a session: a prefix of its id's hash, never the id."""
-    return f"session {id_hash.hex()[:12]}"
+    """How an action's record names a session the admin token started (the break-glass
+    credential's): a prefix of its id's hash, never the id. A named operator's session
+    is recorded under their name."""
+    return f"{BEARER_ACTOR}, session {id_hash.hex()[:12]}"
 
 
 def signed_session(db: SharedConnection, cookie: str | None) -> bytes | None:
@@ -6822,13 +7150,25 @@ def signed_session(db: SharedConnection, cookie: str | None) -> bytes | None:
     return _session_hash(session_id)
 
 
-def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
-    """The hash of the session this cookie carries, if it is signed (signed_session) and
-    has neither ended nor expired; else None."""
+def session_operator(db: SharedConnection, cookie: str | None, source: str) -> Operator | None:
+    """Who acts by this cookie, if it is signed (signed_session) and its session live
+    (ADMIN_SESSIONS_SELECT_LIVE): the named operator who started it, or the admin token's
+    session; else None."""
     id_hash = signed_session(db, cookie)
     if id_hash is None:
         return None
-    return id_hash if db.run(ADMIN_SESSIONS_SELECT_LIVE, id_hash=id_hash) else None
+    rows = db.records(ADMIN_SESSIONS_SELECT_LIVE, id_hash=id_hash)
+    if not rows:
+        return None
+    named = rows[0]["operator"]
+    actor = session_actor(id_hash) if named is None else named
+    return Operator(actor, source, session=id_hash, read_only=rows[0]["read_only"])
+
+
+def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
+    """The hash of the session this cookie carries if it is live (session_operator)."""
+    operator = session_operator(db, cookie, "")
+    return None if operator is None else operator.session
 
 
 def session_cookie(value: str, secure: bool, max_age: int) -> str:
@@ -6839,6 +7179,47 @@ def session_cookie(value: str, secure: bool, max_age: int) -> str:
 
 
 # -- signing in
+
+
+@dataclasses.dataclass(frozen=True)
+class SignInCheck:
+    """What a web sign-in's token is: accepted or not; the key to sign its cookie with;
+    the configured admin token's hash when the sign-in is to fill the admin token's
+    empty row with it (`imports`); and the named operator it is, if one (`named`)."""
+
+    accepted: bool
+    session_key: bytes
+    imports: bytes | None = None
+    named: Operator | None = None
+
+
+def sign_in_check(db: SharedConnection, given: str, source: str) -> SignInCheck:
+    """A web sign-in's check, with the current token only (a session started with a
+    previous one would outlive its overlap): a named operator's, by its hash; else the
+    admin token's, from one read of its row. The cookie's key is the admin token's row's;
+    while the database holds no admin token, the configured one is checked, and a
+    sign-in it accepts fills the row with it (as `credentials import` would) and a random
+    session key: a cookie is never signed with a key derived from a token a person
+    chose."""
+    import secrets
+
+    digest = token_hash(given)
+    named = None
+    if given.startswith(OPERATOR_TOKEN_PREFIX):
+        named = named_operator(db, given, source, current_only=True)
+    rows = db.records(SERVICE_CREDENTIAL, name="admin_token")
+    if rows:
+        current, key, imports = bytes(rows[0]["token_hash"]), bytes(rows[0]["session_key"]), None
+    else:
+        value, _ = _configured_value("admin_token")
+        if value is None:
+            raise HTTPException(
+                503, "the web view needs the admin token set (`credentials rotate admin-token`)"
+            )
+        current = imports = token_hash(value)
+        key = secrets.token_bytes(SESSION_KEY_BYTES)
+    accepted = named is not None or hmac.compare_digest(current, digest)
+    return SignInCheck(accepted, key, imports if accepted else None, named)
 
 
 # The sign-in limit's decision and its record are one: every sign-in from an address
@@ -6856,16 +7237,17 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
     window, 429 whatever the token, and nothing is written."""
     import secrets  # at the first sign-in, not at a cold start
 
-    # Constant-time, on the hashes, from one read of the row: the current admin token
-    # only (a session started with the previous one would outlive its overlap).
-    check = sign_in_check(db, token)
+    # Constant-time, on the hashes: the current token only (sign_in_check).
+    check = sign_in_check(db, token, source)
     accepted = check.accepted
     # A new session id at every sign-in (a cookie set before it is never adopted); made,
     # signed and written alike whether the token was right or not.
     session_id = secrets.token_urlsafe(32)
     cookie = f"{session_id}.{_session_signature(check.session_key, session_id)}"
     id_hash = _session_hash(session_id)
-    actor = session_actor(id_hash) if accepted else "sign-in"
+    actor = "sign-in"
+    if accepted:
+        actor = session_actor(id_hash) if check.named is None else check.named.actor
 
     def change(session: Session) -> tuple[None, ActionRecord]:
         session.run(XACT_LOCK, lock_class=SIGN_IN_LOCK_CLASS, key=source)
@@ -6896,6 +7278,7 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
             id_hash=id_hash,
             hours=ADMIN_SESSION_HOURS,
             source=source,
+            operator=None if check.named is None else check.named.actor,
         )
         return None, ActionRecord("sign-in" if accepted else "sign-in refused")
 
@@ -6939,13 +7322,14 @@ def admin_guard(request: Request, write: bool) -> Operator:
         scheme, _, token = request.headers["authorization"].partition(" ")
         if scheme.lower() != "bearer":
             raise _unauthorized()
-        _check_admin(HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip()))
-        operator = Operator(actor=BEARER_ACTOR, source=source)
+        bearer = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip())
+        operator = _check_admin(bearer, source)
     else:
-        session = live_session(api_connection(), request.cookies.get(ADMIN_SESSION_COOKIE))
-        if session is None:
+        cookie = request.cookies.get(ADMIN_SESSION_COOKIE)
+        signed_in = session_operator(api_connection(), cookie, source)
+        if signed_in is None:
             raise HTTPException(401, "sign in at /admin/login")
-        operator = Operator(session_actor(session), source, session=session)
+        operator = signed_in
     if write and operator.session is not None:
         if not from_own_page(request):
             raise HTTPException(403, "a write must come from the web view's own page")
@@ -6953,10 +7337,13 @@ def admin_guard(request: Request, write: bool) -> Operator:
     return operator
 
 
-def require_actions() -> None:
-    """Operator actions need ADMIN_WEB=full: with read-only, every one answers 403."""
+def require_actions(operator: Operator) -> None:
+    """An operator action (an "action" route of ADMIN_ROUTES, checked by the dispatcher
+    before its body is read) needs ADMIN_WEB=full and an operator who is not read-only:
+    else 403, and nothing is read or changed."""
     if settings().admin_web != "full":
         raise HTTPException(403, "the web view is read-only here (ADMIN_WEB=read-only)")
+    refuse_read_only(operator)
 
 
 # == Web view: what it reads ============================================================
@@ -7139,7 +7526,7 @@ def web_file(name: str) -> str:
     return (WEB_DIR / name).read_text(encoding="utf-8")
 
 
-SIGN_IN_REFUSED = '<p class="error">That is not the admin token.</p>'
+SIGN_IN_REFUSED = '<p class="error">That is no current operator token, nor the admin token.</p>'
 SIGN_IN_LIMITED = (
     "Too many refused sign-ins from this address: try again within"
     f" {SIGN_IN_WINDOW_MINUTES} minutes."
@@ -7164,7 +7551,11 @@ ADMIN_ASSETS = {
 
 
 def _admin_page(request: Request, operator: Operator, body: bytes, **_: str) -> Response:
-    page = web_file("admin.html").format(mode=settings().admin_web)
+    import html  # at the first page, not at a cold start
+
+    # A read-only operator gets the read-only page (no action buttons) in any mode.
+    mode = "read-only" if operator.read_only else settings().admin_web
+    page = web_file("admin.html").format(mode=mode, who=html.escape(operator.actor))
     return Response(page, media_type="text/html; charset=utf-8")
 
 
@@ -7302,7 +7693,6 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
     condition, re-checked on each app under its lock: an app that no longer matches is
     "skipped". A named app whose bundle ID is not a valid one (a row older than sql/003,
     as the apps list shows it) is never valid again: "invalid"."""
-    require_actions()
     asked = _json_object(body, {"appIds", "filter", "force", "dryRun"})
     force, dry_run = asked.get("force", False), asked.get("dryRun", False)
     flags_are_booleans = isinstance(force, bool) and isinstance(dry_run, bool)
@@ -7361,7 +7751,6 @@ def _api_refetch(request: Request, operator: Operator, body: bytes) -> Response:
 
 def _api_hold(request: Request, operator: Operator, body: bytes, appId: str) -> Response:
     """Hold the app, as queue-hold does: {"reason": text, "force": true} (both optional)."""
-    require_actions()
     asked = _json_object(body, {"reason", "force"})
     held = hold_app(
         api_connection(), operator, appId, asked.get("reason"), asked.get("force", False)
@@ -7370,50 +7759,42 @@ def _api_hold(request: Request, operator: Operator, body: bytes, appId: str) -> 
 
 
 def _api_release(request: Request, operator: Operator, body: bytes, appId: str) -> Response:
-    require_actions()
     _json_object(body, set())
     return JSONResponse(release_app(api_connection(), operator, appId))
 
 
 def _api_pause_analyser(request: Request, operator: Operator, body: bytes, name: str) -> Response:
-    require_actions()
     _json_object(body, set())
     return JSONResponse(pause_analyser(api_connection(), operator, name, True))
 
 
 def _api_resume_analyser(request: Request, operator: Operator, body: bytes, name: str) -> Response:
-    require_actions()
     _json_object(body, set())
     return JSONResponse(pause_analyser(api_connection(), operator, name, False))
 
 
 def _api_pause_queue(request: Request, operator: Operator, body: bytes) -> Response:
-    require_actions()
     reason = _json_object(body, {"reason"}).get("reason")
     return JSONResponse(pause_queue(api_connection(), operator, True, reason))
 
 
 def _api_resume_queue(request: Request, operator: Operator, body: bytes) -> Response:
-    require_actions()
     _json_object(body, set())
     return JSONResponse(pause_queue(api_connection(), operator, False))
 
 
 def _api_add_analyser(request: Request, operator: Operator, body: bytes) -> Response:
-    require_actions()
     name = checked_analyser_name(_json_object(body, {"name"}).get("name"))
     created = add_analyser(api_connection(), operator, name)
     return JSONResponse(created, status_code=201)
 
 
 def _api_rotate(request: Request, operator: Operator, body: bytes, name: str) -> Response:
-    require_actions()
     seconds = requested_overlap(_parse_operators_json(body, "the body") if body else {})
     return JSONResponse(rotate_analyser(api_connection(), operator, name, seconds))
 
 
 def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) -> Response:
-    require_actions()
     _json_object(body, set())
     return JSONResponse(revoke_analyser(api_connection(), operator, name))
 
@@ -7421,8 +7802,10 @@ def _api_revoke(request: Request, operator: Operator, body: bytes, name: str) ->
 # -- the route table
 
 # (method, path, work, who): "anyone" (the sign-in and static text), "page" (a session,
-# else to the sign-in page), "read" and "write" (a session or the bearer token; a write
-# by session must come from the page itself: admin_guard). Path parameters are {name}.
+# else to the sign-in page), "read", "write" and "action" (a session or the bearer token;
+# a write by session must come from the page itself: admin_guard; an action is a write
+# that changes the queue, refused with ADMIN_WEB=read-only and to a read-only operator:
+# require_actions). Path parameters are {name}.
 ADMIN_ROUTES = (
     ("GET", "/admin/login", _sign_in_form, "anyone"),
     ("POST", "/admin/login", _sign_in, "anyone"),
@@ -7437,17 +7820,17 @@ ADMIN_ROUTES = (
     ("GET", "/admin/api/priority", _api_priority, "read"),
     ("GET", "/admin/api/apps", _api_apps, "read"),
     ("GET", "/admin/api/apps/{appId}", _api_app, "read"),
-    ("POST", "/admin/api/refetch", _api_refetch, "write"),
-    ("POST", "/admin/api/apps/{appId}/hold", _api_hold, "write"),
-    ("POST", "/admin/api/apps/{appId}/release", _api_release, "write"),
-    ("POST", "/admin/api/queue/pause", _api_pause_queue, "write"),
-    ("POST", "/admin/api/queue/resume", _api_resume_queue, "write"),
+    ("POST", "/admin/api/refetch", _api_refetch, "action"),
+    ("POST", "/admin/api/apps/{appId}/hold", _api_hold, "action"),
+    ("POST", "/admin/api/apps/{appId}/release", _api_release, "action"),
+    ("POST", "/admin/api/queue/pause", _api_pause_queue, "action"),
+    ("POST", "/admin/api/queue/resume", _api_resume_queue, "action"),
     ("GET", "/admin/api/analysers", _api_analysers, "read"),
-    ("POST", "/admin/api/analysers", _api_add_analyser, "write"),
-    ("POST", "/admin/api/analysers/{name}/rotate", _api_rotate, "write"),
-    ("POST", "/admin/api/analysers/{name}/revoke", _api_revoke, "write"),
-    ("POST", "/admin/api/analysers/{name}/pause", _api_pause_analyser, "write"),
-    ("POST", "/admin/api/analysers/{name}/resume", _api_resume_analyser, "write"),
+    ("POST", "/admin/api/analysers", _api_add_analyser, "action"),
+    ("POST", "/admin/api/analysers/{name}/rotate", _api_rotate, "action"),
+    ("POST", "/admin/api/analysers/{name}/revoke", _api_revoke, "action"),
+    ("POST", "/admin/api/analysers/{name}/pause", _api_pause_analyser, "action"),
+    ("POST", "/admin/api/analysers/{name}/resume", _api_resume_analyser, "action"),
 )
 # A parameter that ends its path takes the rest of it, "/" included, or none of it: an
 # app's bundle ID, kept from before sql/003, may hold one (its %2F arrives decoded), or
@@ -7491,11 +7874,13 @@ def _admin_route(request: Request) -> tuple[Callable[..., Response], Any, dict[s
         if who == "anyone":
             return work, None, {}
         try:
-            operator = admin_guard(request, write=who == "write")
+            operator = admin_guard(request, write=who in ("write", "action"))
         except HTTPException as refusal:
             if who != "page" or refusal.status_code != 401:
                 raise
             return _to_sign_in, None, {}
+        if who == "action":
+            require_actions(operator)
         return work, operator, found.groupdict()
     if allowed:
         raise HTTPException(405, "Method Not Allowed")
@@ -7579,10 +7964,14 @@ async def _operator_refused(request: Request, error: OperatorRefused) -> Respons
     return await _http_error(request, HTTPException(error.status, str(error)))
 
 
+SECRET_UNAVAILABLE = "the server cannot read its token for this route"  # noqa: S105 - words
+
+
 @app.exception_handler(SecretUnavailable)
 async def _secret_unavailable(request: Request, error: SecretUnavailable) -> Response:
-    # Logged where it was read (_configured_secret), with the store's error.
-    return await _http_error(request, HTTPException(503, str(error)))
+    # Logged where it was read (_configured_secret), with the store's error; a client
+    # is not told which secret.
+    return await _http_error(request, HTTPException(503, SECRET_UNAVAILABLE))
 
 
 @app.exception_handler(DatabaseUnavailable)
@@ -8031,10 +8420,11 @@ def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
     """The report function's operator actions, as the CLI has them (docs/cli.md): why,
     queue-hold, queue-release, queue-pause, queue-resume, analysers-pause,
     analysers-resume, analysers-revoke, credentials-import (the function's configured
-    value), credentials-list and credentials-rotate, each answered and logged with the
-    CLI's outcome. A rotated credential's new value is in the answer only, never the log
-    (report): a stack whose database the operators cannot reach sets its first shared
-    password and admin token so. (Adding and rotating named
+    value), credentials-list, credentials-rotate, and operators-add, -list, -revoke and
+    -rotate, each answered and logged with the CLI's outcome. A new credential or
+    operator's token is in the answer only, never the log (report): a stack whose
+    database the operators cannot reach sets its first shared password, admin token and
+    operators so. (Adding and rotating named
     analysers print a token: the CLI's and the admin API's alone.)"""
     command, db, policy = event["command"], api_connection(), settings().policy
     if command == "credentials-list":
@@ -8046,7 +8436,22 @@ def report_action(event: dict[str, Any], operator: Operator) -> dict[str, Any]:
     if command == "credentials-rotate":
         fields = _event_fields(event, ("name",), ("overlap",))
         overlap = overlap_seconds(str(fields.get("overlap", DEFAULT_ROTATION_OVERLAP)))
-        return {"command": command, **rotate_credential(db, operator, fields["name"], overlap)}
+        rotated = rotate_credential(db, operator, fields["name"], overlap, here_is_deployed=True)
+        return {"command": command, **rotated}
+    if command == "operators-list":
+        _event_fields(event, (), ())
+        return {"command": command, "operators": list_operators(db)}
+    if command == "operators-add":
+        fields = _event_fields(event, ("name",), ("readOnly",))
+        added = add_operator(db, operator, fields["name"], fields.get("readOnly", False))
+        return {"command": command, **added}
+    if command == "operators-rotate":
+        fields = _event_fields(event, ("name",), ("overlap",))
+        overlap = overlap_seconds(str(fields.get("overlap", DEFAULT_ROTATION_OVERLAP)))
+        return {"command": command, **rotate_operator(db, operator, fields["name"], overlap)}
+    if command == "operators-revoke":
+        fields = _event_fields(event, ("name",), ())
+        return {"command": command, **revoke_operator(db, operator, fields["name"])}
     if command == "why":
         app_id = checked_bundle_id(_event_fields(event, ("appId",), ())["appId"])
         why = app_why(db, app_id, policy)
@@ -8084,6 +8489,10 @@ REPORT_ACTIONS = (
     "credentials-import",
     "credentials-list",
     "credentials-rotate",
+    "operators-add",
+    "operators-list",
+    "operators-revoke",
+    "operators-rotate",
 )
 
 
@@ -8390,8 +8799,8 @@ def _local_defaults() -> None:
         use_cli_runtime(**{name: local_value})
         # (Read nothing here: the database may be locked, and the command must answer.)
         print(
-            f"{name} is unset; using {local_value!r} locally, while the database holds"
-            " none of its own (python3 handler.py credentials list)",
+            f"{name} is unset; using {local_value!r} locally until the database holds one"
+            " of its own, which then decides (python3 handler.py credentials list)",
             file=sys.stderr,
         )
     if not config.shared_password_accepted:
@@ -8868,22 +9277,58 @@ def _cli_credentials(args: argparse.Namespace) -> int:
         if not args.from_environment and sys.stdin.isatty():
             import getpass  # a terminal: not echoed, as a password prompt is not
 
-            value = getpass.getpass(f"The {args.name} the hosts use now (not shown): ")
+            value = getpass.getpass(f"The {args.name} in use now (not shown): ")
         elif not args.from_environment:
             value = sys.stdin.readline()
         imported = import_credential(db, cli_operator(), args.name, value)
         print(
             f"Imported the {imported['name']} from {imported['from']}: the database's hash is"
-            " now the one checked (chosen by a person: rotate it when the hosts can follow)."
+            " now the one checked (chosen by a person: rotate it when those using it can"
+            " follow)."
         )
         return 0
-    rotated = rotate_credential(db, cli_operator(), args.name, overlap_seconds(args.overlap))
+    overlap = overlap_seconds(args.overlap)
+    rotated = rotate_credential(db, cli_operator(), args.name, overlap, here_is_deployed=False)
     if rotated["previousFrom"] not in (None, "the database"):
         print(
             f"(The previous value is {rotated['previousFrom']} of this command's environment:"
             " the database held none; make sure it is the one the hosts use.)"
         )
     _print_rotated(f"the {rotated['name']}", "value", rotated)
+    return 0
+
+
+def _cli_operators(args: argparse.Namespace) -> int:
+    """Named operators' credentials (sql/035). A new token is printed once, alone on the
+    last line of stdout, as an analyser's is."""
+    _local_database(apply=True)
+    db = api_connection()
+    if args.action == "list":
+        rows = list_operators(db)
+        for row in rows:
+            kind = "read-only" if row["readOnly"] else "full"
+            state = f"revoked {row['revoked']}" if row["revoked"] else "active"
+            until = row["previousTokenValidUntil"]
+            overlap = f"; the previous token works until {until}" if until else ""
+            print(
+                f"{row['name']}: {kind}, {state}; added {row['created']} by"
+                f" {row['createdBy']}{overlap}"
+            )
+        if not rows:
+            print("No named operators.")
+        return 0
+    if args.action == "add":
+        added = add_operator(db, cli_operator(), args.name, args.read_only)
+        kind = "read-only operator" if added["readOnly"] else "operator"
+        print(f"Added {kind} {added['name']}. Their token (shown only now):")
+        print(added["token"])
+        return 0
+    if args.action == "revoke":
+        revoked = revoke_operator(db, cli_operator(), args.name)
+        print(f"Revoked operator {revoked['name']} at {revoked['revoked']}: sessions ended.")
+        return 0
+    rotated = rotate_operator(db, cli_operator(), args.name, overlap_seconds(args.overlap))
+    _print_rotated(f"operator {rotated['name']} (their web sessions ended)", "token", rotated)
     return 0
 
 
@@ -9117,6 +9562,28 @@ def cli_parser() -> argparse.ArgumentParser:
                 " (default: %(default)s)",
             )
     credentials.set_defaults(run=input_checked(_cli_credentials))
+    operators = commands.add_parser("operators", help="named operators' credentials")
+    actions = operators.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="every operator: full or read-only, revoked (never a token)")
+    for action, text in (
+        ("add", "a new operator; prints their token once, on the last line"),
+        ("revoke", "their tokens and web sessions stop working at once"),
+        ("rotate", "a new token, printed once; the old one works for the overlap"),
+    ):
+        command = actions.add_parser(action, help=text)
+        command.add_argument("name")
+        if action == "add":
+            command.add_argument(
+                "--read-only", action="store_true", help="they may read, never change anything"
+            )
+        if action == "rotate":
+            command.add_argument(
+                "--overlap",
+                default=DEFAULT_ROTATION_OVERLAP,
+                help="how long the old token keeps working as a bearer token: 0, 90s, 30m,"
+                " 12h, 7d (default: %(default)s)",
+            )
+    operators.set_defaults(run=input_checked(_cli_operators))
     invoke = commands.add_parser("invoke", help="run a Lambda entry point on an event file")
     invoke.add_argument("function", choices=["api", "migrate", "report"])
     invoke.add_argument("event", help="an event file, e.g. events/queue.json")

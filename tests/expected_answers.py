@@ -131,6 +131,25 @@ EVENT_RUN = [
     ),
     Step("ApiFunction", "queue-pause.json", {"statusCode": 200, "body": Json(outcome="paused")}),
     Step("ApiFunction", "queue-resume.json", {"statusCode": 200, "body": Json(outcome="resumed")}),
+    # The /operators routes: alice added (a full operator), rotated, listed, revoked.
+    Step(
+        "ApiFunction",
+        "operators-add.json",
+        {"statusCode": 201, "body": Json(name="alice", readOnly=False, token=PRESENT)},
+    ),
+    Step(
+        "ApiFunction",
+        "operators-rotate.json",
+        {"statusCode": 200, "body": Json(name="alice", token=PRESENT)},
+    ),
+    Step(
+        "ApiFunction", "operators-list.json", {"statusCode": 200, "body": Json(operators=PRESENT)}
+    ),
+    Step(
+        "ApiFunction",
+        "operators-revoke.json",
+        {"statusCode": 200, "body": Json(name="alice", revoked=PRESENT)},
+    ),
     Step("ReportFunction", "schedule.json", {"total": 1, "counts": {"analysed": 1}}),
 ]
 

@@ -113,7 +113,7 @@ def admin_calls(values: Values) -> list[Call]:
         path = path_format.replace("{appId}", APP_ID)
         if "{name}" in path:
             path = path.replace("{name}", values.path("name"))
-        headers: dict[str, str] = dict(ADMIN if who == "write" else session)
+        headers: dict[str, str] = dict(ADMIN if who in ("write", "action") else session)
         body = None
         if path == "/admin/logout":  # a session of its own to end, from the page itself
             ending = handler.sign_in(handler.api_connection(), ADMIN_TOKEN, "203.0.113.1")
@@ -137,19 +137,30 @@ def admin_calls(values: Values) -> list[Call]:
 
 
 class Values:
-    """What valid requests carry, by where a value goes and its name. The apps and
-    analysers they name are in the database (an analyser per path parameter, since a
-    DELETE revokes it)."""
+    """What valid requests carry, by where a value goes and its name. The apps,
+    analysers and operators they name are in the database (an analyser and an operator
+    per path parameter, since a DELETE revokes it). The admin routes are walked with the
+    admin token and with a full named operator's token."""
 
     def __init__(self, sql):
         self.sql = sql
         self.made = 0
         self.named_token = handler.new_analyser_token()
         self._analyser(NAMED, self.named_token)
+        self.operator_token = handler.new_operator_token()
+        self._operator(NAMED, self.operator_token)
 
     def _analyser(self, name: str, token: str) -> None:
         self.sql.run(
             "INSERT INTO analysers (name, token_hash) VALUES (:name, :hash)",
+            name=name,
+            hash=handler.token_hash(token),
+        )
+
+    def _operator(self, name: str, token: str) -> None:
+        self.sql.run(
+            "INSERT INTO operators (name, token_hash, read_only, created_by)"
+            " VALUES (:name, :hash, false, 'walk')",
             name=name,
             hash=handler.token_hash(token),
         )
@@ -164,6 +175,7 @@ class Values:
         if name == "name":
             made = self._new_name()
             self._analyser(made, handler.new_analyser_token())
+            self._operator(made, handler.new_operator_token())
             return made
         raise CannotBuild(f"a value for the path parameter {name}")
 
@@ -191,7 +203,8 @@ class Values:
             named = {"Authorization": f"Bearer {self.named_token}"}
             return [("shared password", ANALYSER), ("named analyser", named)]
         if scheme == "AdminToken":
-            return [("admin", ADMIN)]
+            operator = {"Authorization": f"Bearer {self.operator_token}"}
+            return [("admin", ADMIN), ("named operator", operator)]
         raise CannotBuild(f"a credential of the security scheme {scheme}")
 
 

@@ -47,6 +47,10 @@ EVENT_TESTS = {
     "queue-pause.json": OPERATORS_EVENTS,
     "queue-resume.json": OPERATORS_EVENTS,
     "analysers-rotate.json": "test_entry_api.test_event_analysers_rotate",
+    "operators-add.json": "test_entry_api.test_the_operators_events",
+    "operators-list.json": "test_entry_api.test_the_operators_events",
+    "operators-rotate.json": "test_entry_api.test_the_operators_events",
+    "operators-revoke.json": "test_entry_api.test_the_operators_events",
     "add-app.json": "test_entry_api.test_event_add_app",
     "cfn-create.json": "test_entry_migrate.test_custom_resource_create_applies_the_ledger",
     "cfn-delete.json": "test_entry_migrate.test_custom_resource_delete_touches_no_database",
@@ -344,6 +348,30 @@ def test_event_analysers_list(api):
     assert analyser["name"] == "pi-01" and analyser["online"] is True
     assert analyser["revoked"] is None and "token" not in analyser
     assert token not in listed["body"]
+
+
+def test_the_operators_events(api, sql):
+    """alice added (her token, once), rotated with the event's hour of overlap, listed
+    (never a token), revoked: each as API Gateway sends it; then each refused as it must."""
+    assert api("operators-rotate.json")["statusCode"] == 404
+    added = api("operators-add.json")
+    assert added["statusCode"] == 201
+    token = json_answer(added)["token"]
+    assert set(json_answer(added)) == {"name", "created", "readOnly", "token"}
+    assert api("operators-add.json")["statusCode"] == 409
+    rotated = json_answer(api("operators-rotate.json"))
+    until = datetime.fromisoformat(rotated["previousTokenValidUntil"])
+    assert (until - datetime.fromisoformat(rotated["rotated"])).total_seconds() == 3600
+    for working in (token, rotated["token"]):
+        answer = api("operators-list.json", {"authorization": f"Bearer {working}"})
+        assert answer["statusCode"] == 200 and working not in answer["body"]
+    (listed,) = json_answer(answer)["operators"]
+    assert listed["name"] == "alice" and listed["revoked"] is None
+    assert json_answer(api("operators-revoke.json"))["name"] == "alice"
+    for gone in (token, rotated["token"]):
+        assert api("operators-list.json", {"authorization": f"Bearer {gone}"})["statusCode"] == 401
+    assert api("operators-rotate.json")["statusCode"] == 409
+    assert sql.run("SELECT actor FROM operator_actions ORDER BY id") == [["admin token"]] * 3
 
 
 def test_event_analysers_revoke(api):

@@ -180,8 +180,9 @@ def test_unreadable_secret_answers_503(secret_api, aws, capsys):
     record = one_record(logs, "secret unavailable")
     assert record["secret"] == "secretsmanager:queue/upload"
     assert record["level"] == "WARNING"
-    # The report's import of the function's own value says so in the same words.
-    with pytest.raises(handler.SecretUnavailable, match="cannot read its token"):
+    # The report's import of the function's own value names the secret it could not read.
+    unreadable = "cannot read the secret secretsmanager:queue/upload"
+    with pytest.raises(handler.SecretUnavailable, match=unreadable):
         handler.report(
             {"command": "credentials-import", "name": "upload-password"}, LambdaContext()
         )

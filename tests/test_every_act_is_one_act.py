@@ -64,11 +64,15 @@ def who(call: Call) -> str:
     return call.label.rsplit(" (", 1)[1].rstrip(")")
 
 
+# The walk's credentials of the admin routes: the admin token, and a named operator's.
+ADMIN_CREDENTIALS = ("admin", "named operator")
+
+
 def operator_write(call: Call) -> bool:
-    """An operator's action: a write the admin token opens (the admin API, the web
-    view's JSON), or a sign-in (anyone may try one: it is recorded either way)."""
+    """An operator's action: a write an operator's credential opens (the admin API, the
+    web view's JSON), or a sign-in (anyone may try one: it is recorded either way)."""
     signs_in = call.method == "POST" and call.path == "/admin/login"
-    return call.method not in ("GET", "HEAD") and (who(call) == "admin" or signs_in)
+    return call.method not in ("GET", "HEAD") and (who(call) in ADMIN_CREDENTIALS or signs_in)
 
 
 def send(call: Call, query: str | None = None) -> dict:
@@ -306,10 +310,12 @@ def copy_with_a_probe(path: str) -> FastAPI:
     copy.router.routes.extend(route for route in handler.app.routes if isinstance(route, APIRoute))
     copy.exception_handlers.update(handler.app.exception_handlers)
 
-    @copy.post(path, dependencies=[Depends(handler.require_admin)])
-    async def apart(request: Request) -> JSONResponse:
+    @copy.post(path)
+    async def apart(
+        request: Request, operator: handler.Operator = Depends(handler.require_admin)
+    ) -> JSONResponse:
         def work() -> None:
-            db, operator = handler.api_connection(), handler.bearer_operator(request)
+            db = handler.api_connection()
             db.run("UPDATE apps SET details = '{\"probe\": 1}' WHERE appid = :a", a=APP_ID)
             handler.act(db, operator, lambda session: (None, handler.ActionRecord("probe")))
 
@@ -325,12 +331,16 @@ def test_the_walks_catch_a_change_committed_apart_from_its_record(database_url, 
     walk = Walk(sql, handler.deployed_app)
     assert "POST /probe/apart (admin)" in walk.labels
     problems = walk_with_the_record_refused(walk, database_url)
-    assert problems == ["POST /probe/apart (admin): with its record refused, 503, changed True"]
+    assert problems == [
+        f"POST /probe/apart ({who}): with its record refused, 503, changed True"
+        for who in ADMIN_CREDENTIALS
+    ]
     faults = Faults(monkeypatch)
-    # Unit 1 checks the admin token (sql/034), unit 2 is the probe's change, unit 3 its
-    # record, which fails after the change committed.
+    # Unit 1 checks the credential (the admin token's row, or the operator's), unit 2 is
+    # the probe's change, unit 3 its record, which fails after the change committed.
     assert walk_with_the_database_lost(walk, faults) == [
-        "POST /probe/apart (admin): 5xx after unit 3 failed, yet it changed"
+        f"POST /probe/apart ({who}): 5xx after unit 3 failed, yet it changed"
+        for who in ADMIN_CREDENTIALS
     ]
 
 
@@ -379,7 +389,7 @@ def test_a_key_given_twice_in_an_operators_body_is_refused_on_every_route(walked
 
 def test_every_answer_only_the_admin_token_opens_is_kept_by_no_cache(walked):
     for call, _ in walked.each():
-        if who(call) != "admin" or call.path.startswith("/apps/"):
+        if who(call) not in ADMIN_CREDENTIALS or call.path.startswith("/apps/"):
             continue  # GET /apps/{appId} is public, and says so for its admin answer
         answer = send(call)
         assert answer["statusCode"] < 400, (call.label, answer)

@@ -62,6 +62,9 @@ def test_every_route_is_in_the_schema():
         "/apps/{appId}/release",
         "/queue/pause",
         "/queue/resume",
+        "/operators",
+        "/operators/{name}",
+        "/operators/{name}/rotate",
     }
 
 
@@ -99,34 +102,32 @@ def test_the_error_answers_are_in_the_schema():
         for method, operation in operations.items()
     }
     results = ["200", "400", "401", "404", "409", "413", "415", "503"]
+    # Every admin route that writes answers 403 to a read-only operator's token.
+    rotate = ["200", "400", "401", "403", "404", "409", "413", "415", "503"]
+    named_post = ["200", "400", "401", "403", "404", "413", "415", "503"]
     assert documented == {
         ("GET", "/ping"): ["200", "400", "401", "503"],
         ("GET", "/queue"): ["200", "400", "401", "503"],
         ("POST", "/uploadAnalysis"): results,
         ("POST", "/reportAnalysisFailure"): results,
-        ("POST", "/apps"): ["200", "201", "400", "401", "413", "415", "503"],
+        ("POST", "/apps"): ["200", "201", "400", "401", "403", "413", "415", "503"],
         ("GET", "/apps/{appId}"): ["200", "400", "404", "503"],
         ("GET", "/healthz"): ["200", "503"],
         ("GET", "/healthz/analyser"): ["200", "503"],
         ("GET", "/analysers"): ["200", "401", "503"],
-        ("POST", "/analysers"): ["201", "400", "401", "409", "413", "415", "503"],
-        ("DELETE", "/analysers/{name}"): ["200", "400", "401", "404", "503"],
-        ("POST", "/analysers/{name}/rotate"): [
-            "200",
-            "400",
-            "401",
-            "404",
-            "409",
-            "413",
-            "415",
-            "503",
-        ],
-        ("POST", "/analysers/{name}/pause"): ["200", "400", "401", "404", "413", "415", "503"],
-        ("POST", "/analysers/{name}/resume"): ["200", "400", "401", "404", "413", "415", "503"],
-        ("POST", "/apps/{appId}/hold"): ["200", "400", "401", "404", "413", "415", "503"],
-        ("POST", "/apps/{appId}/release"): ["200", "400", "401", "404", "413", "415", "503"],
-        ("POST", "/queue/pause"): ["200", "400", "401", "413", "415", "503"],
-        ("POST", "/queue/resume"): ["200", "400", "401", "413", "415", "503"],
+        ("POST", "/analysers"): ["201", "400", "401", "403", "409", "413", "415", "503"],
+        ("DELETE", "/analysers/{name}"): ["200", "400", "401", "403", "404", "503"],
+        ("POST", "/analysers/{name}/rotate"): rotate,
+        ("POST", "/analysers/{name}/pause"): named_post,
+        ("POST", "/analysers/{name}/resume"): named_post,
+        ("POST", "/apps/{appId}/hold"): named_post,
+        ("POST", "/apps/{appId}/release"): named_post,
+        ("POST", "/queue/pause"): ["200", "400", "401", "403", "413", "415", "503"],
+        ("POST", "/queue/resume"): ["200", "400", "401", "403", "413", "415", "503"],
+        ("GET", "/operators"): ["200", "401", "503"],
+        ("POST", "/operators"): ["201", "400", "401", "403", "409", "413", "415", "503"],
+        ("DELETE", "/operators/{name}"): ["200", "400", "401", "403", "404", "503"],
+        ("POST", "/operators/{name}/rotate"): rotate,
     }
     conflict = paths["/uploadAnalysis"]["post"]["responses"]["409"]["description"]
     assert "stale X-Analysis-Claim-Token" in conflict and "newer analysisVersion" in conflict

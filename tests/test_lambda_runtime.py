@@ -73,12 +73,13 @@ FUNCTIONS = {
     "ReportFunction": ("handler.report", 512, 60),
 }
 # What legitimately differs between two runs of the same event a moment apart: times,
-# and what is random (the claim token, an analyser's token); only these are replaced
-# before comparing.
+# and what is random (the claim token, an analyser's or an operator's token); only these
+# are replaced before comparing.
 VOLATILE = [
     (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)?"), "<time>"),
     (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"), "<uuid>"),
     (re.compile(r"aqa_[A-Za-z0-9_-]{43}"), "<analyser token>"),
+    (re.compile(r"aqo_[A-Za-z0-9_-]{43}"), "<operator token>"),
 ]
 # ... and how long ago something happened (the in-process side runs a moment later).
 VOLATILE_KEYS = {"age_minutes", "minutesSinceLastPing", "minutes_since_last_ping"}

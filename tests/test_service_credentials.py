@@ -152,7 +152,7 @@ def test_web_sign_in_takes_the_current_admin_token_only_and_fills_an_empty_row(c
     cookie = handler.sign_in(db, ADMIN_TOKEN, "test")
     assert cookie is not None and handler.live_session(db, cookie) is not None
     ((name, chosen, set_by),) = sql.run(STORED)
-    assert (name, chosen) == ("admin_token", True) and set_by.startswith("session ")
+    assert (name, chosen) == ("admin_token", True) and set_by.startswith("admin token, session ")
     assert handler.web_session_key(db) is not None
 
     rotated = handler.rotate_credential(db, handler.Operator("t", "t"), "admin-token", 3600)

@@ -287,7 +287,7 @@ def test_a_paused_analyser_keeps_its_lease_its_pings_and_its_result(client, sql)
     (listed,) = [a for a in client.get("/analysers", headers=ADMIN).json()["analysers"]
                  if a["name"] == "pi-a"]  # fmt: skip
     assert listed["holding"]["appId"] == "heal.first"
-    assert listed["paused"]["by"].startswith("bearer token")
+    assert listed["paused"]["by"].startswith("admin token")
     assert columns(sql, "heal.first", "status", "claimed_by", "claimed_with") == (
         "processing",
         "pi-a",
@@ -1064,7 +1064,7 @@ def web_actions_without_a_command(routes, commands: set[tuple[str, ...]]) -> lis
     """The web view's actions that no CLI command does, by method and path."""
     missing = []
     for method, path, _, who in routes:
-        if who != "write" or (method, path) in SESSION_ONLY:
+        if who != "action" or (method, path) in SESSION_ONLY:
             continue
         if WEB_ACTION_COMMANDS.get((method, path)) not in commands:
             missing.append(f"{method} {path}")
@@ -1080,7 +1080,7 @@ def test_every_web_view_action_has_a_cli_command():
 
 
 def test_a_new_web_view_action_without_a_command_fails_by_name():
-    routes = (*handler.ADMIN_ROUTES, ("POST", "/admin/api/apps/{appId}/bless", None, "write"))
+    routes = (*handler.ADMIN_ROUTES, ("POST", "/admin/api/apps/{appId}/bless", None, "action"))
     commands = cli_commands(handler.cli_parser())
     assert web_actions_without_a_command(routes, commands) == ["POST /admin/api/apps/{appId}/bless"]
 

@@ -109,7 +109,7 @@ def tab(chromium) -> Iterator[Tab]:
 def sign_in(tab: Tab, base: str, token: str = ADMIN_TOKEN) -> None:
     page = tab.page
     page.goto(f"{base}/admin/login")
-    page.get_by_label("Admin token").fill(token)
+    page.get_by_label("Your token").fill(token)
     page.get_by_role("button", name="Sign in").click()
     page.wait_for_load_state()
 
@@ -313,7 +313,9 @@ def test_sign_in_takes_the_admin_token_and_refuses_another(serve, tab, sql):
 
     sign_in(tab, base, token="not-the-admin-token")
     expect(page).to_have_url(f"{base}/admin/login")
-    expect(page.locator(".error")).to_have_text("That is not the admin token.")
+    expect(page.locator(".error")).to_have_text(
+        "That is no current operator token, nor the admin token."
+    )
     assert tab.session_cookies() == []
 
     sign_in(tab, base)
@@ -434,6 +436,35 @@ def test_a_new_admin_token_ends_every_session(serve, tab):
     expect(tab.page).to_have_url(f"{signed_in}/admin/login")
     sign_in(tab, signed_in, rotated.stdout.splitlines()[-1])
     expect(tab.page.locator("h1")).to_have_text("Overview")
+
+
+def test_an_operator_signs_in_by_name_acts_by_name_and_is_refused_once_revoked(serve, tab, sql):
+    """A named operator's own token signs them in; the bar names them, their action is
+    recorded under their name, and a revocation ends their session at once."""
+    added = run_cli("operators", "add", "alice", env=dict(os.environ))
+    assert added.returncode == 0, added.stderr
+    token = added.stdout.splitlines()[-1]
+    base = serve()
+    page = tab.page
+    sign_in(tab, base, token)
+    expect(page.locator("h1")).to_have_text("Overview")
+    expect(page.locator("#who")).to_have_text("alice")
+
+    tab.accepting = True
+    page.get_by_role("button", name="Pause the queue").click()
+    expect(page.locator("#outcome")).to_have_text("The queue is paused.")
+    actors = sql.run("SELECT actor, action FROM operator_actions ORDER BY id")
+    assert actors[-2:] == [["alice", "sign-in"], ["alice", "pause queue"]]
+
+    revoked = run_cli("operators", "revoke", "alice", env=dict(os.environ))
+    assert revoked.returncode == 0, revoked.stderr
+    page.goto(f"{base}/admin")
+    expect(page).to_have_url(f"{base}/admin/login")
+    sign_in(tab, base, token)
+    expect(page.locator(".error")).to_have_text(
+        "That is no current operator token, nor the admin token."
+    )
+    assert tab.errors == []
 
 
 # --------------------------------------------------------------------------- the pages
@@ -607,8 +638,8 @@ def test_refetch_asks_once_then_queues_the_app_and_records_it(serve, tab, sql):
     actions = cells(page, "Operator actions")
     # Newest first: the refetch by this session, then the app's adding by the admin token.
     assert [row[3:] for row in actions[1:]] == [["refetch", "queued"], ["add app", "queued"]]
-    assert actions[1][1].startswith("session ") and actions[1][2] == "127.0.0.1"
-    assert actions[2][1] == "bearer token"
+    assert actions[1][1].startswith("admin token, session ") and actions[1][2] == "127.0.0.1"
+    assert actions[2][1] == "admin token"
     assert app_row(sql, "com.example.gone")["status"] == "queued"
     assert tab.errors == []
 
@@ -696,7 +727,7 @@ def test_the_queue_is_paused_and_resumed_from_the_overview(serve, tab, sql):
     banner = page.locator("#queue-paused")
     expect(page.locator("#outcome")).to_have_text("The queue is paused.")
     ((paused_at, paused_by, stored_reason),) = queue_pause(sql)
-    assert re.fullmatch(r"session \S+ \(127\.0\.0\.1\)", paused_by), paused_by
+    assert re.fullmatch(r"admin token, session \S+ \(127\.0\.0\.1\)", paused_by), paused_by
     assert stored_reason == reason
     expect(banner).to_have_text(
         "The queue is paused: no app is handed out until it is resumed. Since"
@@ -740,12 +771,12 @@ def test_a_queue_paused_elsewhere_is_shown_with_who_when_and_why(serve, tab, sql
     held = service.http.post("/apps/com.example.held/hold", headers=ADMIN, json={})
     assert (paused.status_code, held.status_code) == (200, 200)
     ((paused_at, paused_by, _),) = queue_pause(sql)
-    assert paused_by == "bearer token (127.0.0.1)"
+    assert paused_by == "admin token (127.0.0.1)"
     sign_in(tab, base)
     page = tab.page
     expect(page.locator("#queue-paused")).to_have_text(
         "The queue is paused: no app is handed out until it is resumed. Since"
-        f" {paused_at.astimezone(UTC).isoformat()}, by bearer token (127.0.0.1)."
+        f" {paused_at.astimezone(UTC).isoformat()}, by admin token (127.0.0.1)."
         " Reason: moving the Macs"
     )
     assert cells(page, "Retries and holds")[1][4] == "1"  # apps held
@@ -761,7 +792,7 @@ def test_a_queue_paused_elsewhere_is_shown_with_who_when_and_why(serve, tab, sql
     )
     page.goto(f"{base}/admin/apps/com.example.held")
     expect(page.locator("#hold")).to_contain_text(
-        "Held: never handed out until released. Held by bearer token (127.0.0.1) at"
+        "Held: never handed out until released. Held by admin token (127.0.0.1) at"
     )
     expect(page.locator("#hold")).to_contain_text("No reason given.")
     expect(page.locator("main button, main form")).to_have_count(0)
@@ -788,7 +819,7 @@ def test_an_analyser_is_paused_and_resumed_from_its_row(serve, tab, sql):
     ((paused_at, paused_by),) = sql.run(
         "SELECT paused_at, paused_by FROM analysers WHERE name = 'pi-kitchen'"
     )
-    assert re.fullmatch(r"session \S+ \(127\.0\.0\.1\)", paused_by), paused_by
+    assert re.fullmatch(r"admin token, session \S+ \(127\.0\.0\.1\)", paused_by), paused_by
     expect(paused_cell).to_have_text(
         f"paused by {paused_by} at {paused_at.astimezone(UTC).isoformat()}"
     )
@@ -848,7 +879,7 @@ def test_an_app_is_held_with_a_reason_and_released(serve, tab, sql):
     ((held_at, held_by, hold_reason),) = sql.run(
         "SELECT held_at, held_by, hold_reason FROM apps WHERE appid = 'com.example.held'"
     )
-    assert re.fullmatch(r"session \S+ \(127\.0\.0\.1\)", held_by), held_by
+    assert re.fullmatch(r"admin token, session \S+ \(127\.0\.0\.1\)", held_by), held_by
     assert hold_reason == reason
     expect(page.locator("#hold")).to_have_text(
         "Held: never handed out until released. Held by"
@@ -1169,7 +1200,7 @@ def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, tmp_path):
 
     page = tab.page
     page.goto(f"{base}/admin/login")
-    expect(page.get_by_label("Admin token")).to_be_visible()
+    expect(page.get_by_label("Your token")).to_be_visible()
     screenshot(page, tmp_path, "sign-in")
 
     sign_in(tab, base)
