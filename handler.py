@@ -369,6 +369,7 @@ class Settings:
     migration_lock_timeout: str
     migration_wait_seconds: int
     admin_web: str = "off"
+    operator_claim: str = ""
     broken_analyser_failures: int = 5
     pause_broken_analysers: bool = False
 
@@ -494,6 +495,9 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         # The operators' web view under /admin (docs/web-view.md): off (every /admin path
         # answers 404), read-only (no action) or full.
         admin_web=(env.get("ADMIN_WEB") or "off").strip().lower(),
+        # The claim of an API Gateway JWT authorizer's verified token that names the named
+        # operator an admin request acts as (docs/web-view.md); empty: none is read.
+        operator_claim=(env.get("OPERATOR_CLAIM") or "").strip(),
         # A named analyser whose last results are this many failures in a row while
         # another analyser succeeded is flagged broken (docs/monitoring.md); with
         # PAUSE_BROKEN_ANALYSERS=true the failure that flags it also pauses it.
@@ -515,6 +519,8 @@ def _check_settings(config: Settings) -> None:
         raise ConfigError("DATABASE_URL must start with postgresql://")
     if config.admin_web not in ADMIN_WEB_MODES:
         raise ConfigError(f"ADMIN_WEB must be one of {', '.join(ADMIN_WEB_MODES)}")
+    if config.operator_claim and not re.fullmatch(r"[\w:./-]{1,100}", config.operator_claim):
+        raise ConfigError("OPERATOR_CLAIM must be a claim's name, such as email or sub")
     if config.db_sslmode not in SSL_MODES:
         raise ConfigError(f"DB_SSLMODE must be one of {', '.join(SSL_MODES)}")
     for name, secret in (
@@ -2965,6 +2971,10 @@ RETURNING name, created, read_only
 OPERATOR_BY_HASH = HOLDER_BY_HASH.format(table="operators", columns=", read_only")
 REVOKE_OPERATOR = REVOKE_HOLDER.format(table="operators")
 ROTATE_OPERATOR = ROTATE_HOLDER.format(table="operators")
+# The operator a verified identity names (OPERATOR_CLAIM), by name, while not revoked.
+OPERATOR_NAMED = """
+SELECT name, read_only FROM operators WHERE name = :name AND revoked IS NULL
+"""
 LIST_OPERATORS = """
 SELECT name, read_only, created, created_by, rotated, revoked,
        CASE WHEN previous_token_expires > now() THEN previous_token_expires END
@@ -3058,6 +3068,12 @@ def list_operators(db: SharedConnection) -> list[dict[str, Any]]:
     ]
 
 
+def operator_by_name(db: SharedConnection, name: str, source: str) -> Operator | None:
+    """The named operator `name` (not revoked), acting from `source`; else None."""
+    rows = db.records(OPERATOR_NAMED, name=name)
+    return Operator(name, source, read_only=rows[0]["read_only"]) if rows else None
+
+
 def named_operator(
     db: SharedConnection, token: str, source: str, current_only: bool = False
 ) -> Operator | None:
@@ -3102,9 +3118,35 @@ def _check_analyser(credentials: HTTPAuthorizationCredentials | None) -> Credent
     return SHARED_PASSWORD
 
 
-def _check_admin(credentials: HTTPAuthorizationCredentials | None, source: str) -> Operator:
-    """Who an admin request acts as: a named operator, by their token (found by its hash
-    on every request: a revocation holds from the next one), or the admin token."""
+def verified_claims(request: Request) -> dict[str, Any] | None:
+    """The claims API Gateway's JWT authorizer verified for this request (an HTTP API
+    event's requestContext.authorizer.jwt.claims, in the ASGI scope as Mangum puts the
+    event: "aws.event"); None without an authorizer, and always under `serve`. No client
+    writes them: API Gateway makes the requestContext."""
+    event = request.scope.get("aws.event")
+    context = event.get("requestContext") if isinstance(event, dict) else None
+    authorizer = context.get("authorizer") if isinstance(context, dict) else None
+    jwt = authorizer.get("jwt") if isinstance(authorizer, dict) else None
+    claims = jwt.get("claims") if isinstance(jwt, dict) else None
+    return claims if isinstance(claims, dict) else None
+
+
+def _check_admin(request: Request, credentials: HTTPAuthorizationCredentials | None) -> Operator:
+    """Who an admin request acts as. With OPERATOR_CLAIM, a verified identity (its JWT
+    checked by API Gateway's authorizer) names a named operator, who must exist and not
+    be revoked; else a named operator's token (found by its hash on every request: a
+    revocation holds from the next one), or the admin token."""
+    source = request_source(request)
+    claim = settings().operator_claim
+    claims = verified_claims(request) if claim else None
+    if claims is not None and claim in claims:
+        name = claims[claim]
+        if not isinstance(name, str) or not STORED_ANALYSER_NAME.fullmatch(name):
+            raise _unauthorized()
+        claimed = operator_by_name(api_connection(), name, source)
+        if claimed is None:
+            raise _unauthorized()
+        return claimed
     given = credentials.credentials if credentials else ""
     if given.startswith(OPERATOR_TOKEN_PREFIX):
         named = named_operator(api_connection(), given, source)
@@ -3137,7 +3179,7 @@ async def require_admin(
 ) -> Operator:
     """Who sent an admin request (a named operator, or the admin token), from the
     request's address; a read-only operator may only read (GET, HEAD)."""
-    operator = await blocking(_check_admin, credentials, request_source(request))
+    operator = await blocking(_check_admin, request, credentials)
     if request.method not in ("GET", "HEAD"):
         refuse_read_only(operator)
     return operator
@@ -7312,8 +7354,9 @@ def from_own_page(request: Request) -> bool:
 
 
 def admin_guard(request: Request, write: bool) -> Operator:
-    """Who may do this: the bearer token (Authorization: Bearer ADMIN_TOKEN, as curl
-    sends it), else a live session's cookie. A write by cookie must come from the web
+    """Who may do this: the bearer token (a named operator's or ADMIN_TOKEN, as curl
+    sends it; or the JWT of a verified identity: _check_admin), else a live session's
+    cookie. A write by cookie must come from the web
     view's own pages: Sec-Fetch-Site: same-origin (a browser always sends it; a missing
     one is refused, SameSite alone does not stop another port of the same host) and a
     JSON body (which no plain form can send)."""
@@ -7323,7 +7366,7 @@ def admin_guard(request: Request, write: bool) -> Operator:
         if scheme.lower() != "bearer":
             raise _unauthorized()
         bearer = HTTPAuthorizationCredentials(scheme="Bearer", credentials=token.strip())
-        operator = _check_admin(bearer, source)
+        operator = _check_admin(request, bearer)
     else:
         cookie = request.cookies.get(ADMIN_SESSION_COOKIE)
         signed_in = session_operator(api_connection(), cookie, source)

@@ -232,6 +232,71 @@ def test_the_first_operator_sign_in_fills_the_admin_tokens_row(database_url, sql
     assert web_request("GET", "/admin/api/status", bearer(ADMIN_TOKEN))["statusCode"] == 200
 
 
+# --------------------------------------------------------------------------- a JWT authorizer
+
+
+def with_claims(method: str, path: str, claims: dict | None, body: str | None = None) -> dict:
+    """An HTTP API event as API Gateway sends it behind a JWT authorizer: the JWT in the
+    Authorization header, the claims it verified in requestContext.authorizer."""
+    headers = {"authorization": "Bearer eyJhbGciOiJSUzI1NiJ9.e30.c2ln"}
+    if body is not None:
+        headers["content-type"] = "application/json"
+    event = gateway_event(method, path, headers=headers, body=body)
+    if claims is not None:
+        event["requestContext"]["authorizer"] = {"jwt": {"claims": claims, "scopes": None}}
+    return event
+
+
+def test_a_verified_identity_names_the_operator(database_url, sql, monkeypatch):
+    """With OPERATOR_CLAIM, the claim API Gateway's authorizer verified names the named
+    operator: their name in the record, read-only honoured, revocation at once; without
+    a verified claim the JWT is just a wrong token."""
+    configure_service(monkeypatch, database_url, OPERATOR_CLAIM="email")
+    add("alice@example.org")
+    add("rita@example.org", read_only=True)
+    alice = {"email": "alice@example.org", "sub": "a1"}
+    assert call_api(with_claims("GET", "/analysers", alice))["statusCode"] == 200
+    paused = call_api(with_claims("POST", "/queue/pause", alice, "{}"))
+    assert paused["statusCode"] == 200, paused
+    assert sql.run(RECORDS)[-1] == ["alice@example.org", "pause queue"]
+    rita = {"email": "rita@example.org"}
+    assert call_api(with_claims("GET", "/operators", rita))["statusCode"] == 200
+    assert call_api(with_claims("POST", "/queue/resume", rita, "{}"))["statusCode"] == 403
+    for claims in (
+        None,  # no authorizer: the JWT is no token of the service's
+        {"sub": "a1"},  # the claim missing
+        {"email": "mallory@example.org"},  # no such operator
+        {"email": ["alice@example.org"]},  # not a name
+        {"email": "alice@example.org\n"},
+    ):
+        answer = call_api(with_claims("GET", "/analysers", claims))
+        assert answer["statusCode"] == 401, (claims, answer)
+    handler.revoke_operator(
+        handler.api_connection(), handler.Operator("t", "t"), "alice@example.org"
+    )
+    assert call_api(with_claims("GET", "/analysers", alice))["statusCode"] == 401
+    # The web view's JSON takes the same identity.
+    configure_service(monkeypatch, database_url, OPERATOR_CLAIM="email", ADMIN_WEB="full")
+    assert call_api(with_claims("GET", "/admin/api/status", rita))["statusCode"] == 200
+
+
+def test_without_the_setting_claims_are_not_read(database_url, monkeypatch, client):
+    """OPERATOR_CLAIM unset, the default: claims name no one. And under `serve` no client
+    can send claims at all: they are in no header."""
+    configure_service(monkeypatch, database_url)
+    add("alice@example.org")
+    event = with_claims("GET", "/analysers", {"email": "alice@example.org"})
+    assert call_api(event)["statusCode"] == 401
+    configure_service(monkeypatch, database_url, OPERATOR_CLAIM="email")
+    headers = {"Authorization": "Bearer x", "X-Claims": '{"email": "alice@example.org"}'}
+    assert client.get("/analysers", headers=headers).status_code == 401
+
+
+def test_a_malformed_operator_claim_setting_is_refused_by_name():
+    with pytest.raises(handler.ConfigError, match="OPERATOR_CLAIM"):
+        handler.load_settings({"OPERATOR_CLAIM": "e mail"})
+
+
 # --------------------------------------------------------------------------- report
 
 
