@@ -7426,6 +7426,13 @@ APP_ACTIONS = """
 SELECT at, actor, source, action, outcome FROM operator_actions
 WHERE app_id = :appid ORDER BY at DESC LIMIT :limit
 """
+# Who did what, newest first: the record's own order (its identity, the primary key's
+# index), a page starting below :before (NULL: the newest).
+RECENT_ACTIONS = """
+SELECT id, at, actor, source, action, app_id, analyser, outcome FROM operator_actions
+WHERE id < COALESCE(CAST(:before AS bigint), 9223372036854775807)
+ORDER BY id DESC LIMIT :limit
+"""
 
 
 # -- the overview
@@ -7448,6 +7455,30 @@ def overview(db: SharedConnection, policy: QueuePolicy) -> dict[str, Any]:
             }
             cached = process.cached[key] = (process.clock(), counted)
     return cached[1]
+
+
+ACTIONS_PAGE_SIZE = 50
+
+
+def recent_actions(db: SharedConnection, before: int | None) -> dict[str, Any]:
+    """The record of operator actions, newest first, ACTIONS_PAGE_SIZE at a time: who
+    (a named operator by name, `admin token`, `command line`, `report function`), from
+    where, what, on which app or analyser, with what outcome; `next` pages on."""
+    rows = db.records(RECENT_ACTIONS, before=before, limit=ACTIONS_PAGE_SIZE)
+    actions = [
+        {
+            "at": _plain(row["at"]),
+            "actor": row["actor"],
+            "source": row["source"],
+            "action": row["action"],
+            "appId": row["app_id"],
+            "analyser": row["analyser"],
+            "outcome": row["outcome"],
+        }
+        for row in rows
+    ]
+    full_page = len(rows) == ACTIONS_PAGE_SIZE
+    return {"actions": actions, "next": rows[-1]["id"] if full_page else None}
 
 
 # -- apps by filter
@@ -7708,6 +7739,15 @@ def _api_app(request: Request, operator: Operator, body: bytes, appId: str) -> R
     return Response(json_text(story), media_type="application/json")
 
 
+def _api_actions(request: Request, operator: Operator, body: bytes) -> Response:
+    """Who did what (recent_actions): `before` is the `next` of the page before."""
+    before = request.query_params.get("before")
+    if before is not None and (not DIGITS.fullmatch(before) or int(before) < 1):
+        raise BadInput("before must be the `next` of the page before")
+    page = recent_actions(api_connection(), None if before is None else int(before))
+    return JSONResponse(page)
+
+
 def _api_priority(request: Request, operator: Operator, body: bytes) -> Response:
     """`priority-report`: the backlog's first `limit` apps (50; at most 1,000), in the
     order claims hand them out."""
@@ -7861,6 +7901,7 @@ ADMIN_ROUTES = (
     ("POST", "/admin/logout", _sign_out, "write"),
     ("GET", "/admin/api/status", _api_status, "read"),
     ("GET", "/admin/api/priority", _api_priority, "read"),
+    ("GET", "/admin/api/actions", _api_actions, "read"),
     ("GET", "/admin/api/apps", _api_apps, "read"),
     ("GET", "/admin/api/apps/{appId}", _api_app, "read"),
     ("POST", "/admin/api/refetch", _api_refetch, "action"),

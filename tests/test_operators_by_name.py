@@ -183,6 +183,13 @@ def test_an_operator_signs_in_by_name_and_is_recorded_so(database_url, sql, monk
     assert held["statusCode"] == 200, held
     assert sql.run(RECORDS)[-2:] == [["alice", "sign-in"], ["alice", "hold app"]]
     assert sql.run("SELECT operator FROM admin_sessions") == [["alice"]]
+    # Who did what, newest first, from the web view's JSON.
+    recent = json.loads(web_request("GET", "/admin/api/actions", cookie)["body"])
+    assert [(x["actor"], x["action"], x["appId"]) for x in recent["actions"][:2]] == [
+        ("alice", "hold app", "com.example.app"),
+        ("alice", "sign-in", None),
+    ]
+    assert recent["next"] is None
 
     # A rotation ends the sessions they started; only the new token signs in again.
     rotated = handler.rotate_operator(
@@ -196,6 +203,25 @@ def test_an_operator_signs_in_by_name_and_is_recorded_so(database_url, sql, monk
     # A revocation ends them at once.
     handler.revoke_operator(handler.api_connection(), handler.Operator("t", "t"), "alice")
     assert web_request("GET", "/admin/api/status", cookie)["statusCode"] == 401
+
+
+def test_the_record_pages_newest_first(database_url, sql, monkeypatch):
+    configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    for number in range(handler.ACTIONS_PAGE_SIZE + 3):
+        add(f"op-{number}")
+    first = json.loads(web_request("GET", "/admin/api/actions", bearer(ADMIN_TOKEN))["body"])
+    assert len(first["actions"]) == handler.ACTIONS_PAGE_SIZE and first["next"] is not None
+    assert first["actions"][0]["action"] == f"add operator op-{handler.ACTIONS_PAGE_SIZE + 2}"
+    query = f"before={first['next']}"
+    event = gateway_event("GET", "/admin/api/actions", headers=bearer(ADMIN_TOKEN), query=query)
+    rest = json.loads(call_api(event)["body"])
+    assert [x["action"] for x in rest["actions"]] == [f"add operator op-{n}" for n in (2, 1, 0)]
+    assert rest["next"] is None
+    for bad in ("0", "-1", "x", "1e3", "9" * 16):
+        event = gateway_event(
+            "GET", "/admin/api/actions", headers=bearer(ADMIN_TOKEN), query=f"before={bad}"
+        )
+        assert call_api(event)["statusCode"] == 400, bad
 
 
 def test_a_read_only_operator_gets_the_read_only_page_and_no_action(database_url, sql, monkeypatch):

@@ -455,6 +455,16 @@ def test_an_operator_signs_in_by_name_acts_by_name_and_is_refused_once_revoked(s
     expect(page.locator("#outcome")).to_have_text("The queue is paused.")
     actors = sql.run("SELECT actor, action FROM operator_actions ORDER BY id")
     assert actors[-2:] == [["alice", "sign-in"], ["alice", "pause queue"]]
+    # The overview says who did what, newest first.
+    expect(page.locator("h2:text-is('Recent operator actions') + table")).to_contain_text(
+        "pause queue"
+    )
+    recent = cells(page, "Recent operator actions")
+    assert recent[0] == ["when", "who", "from", "what", "app", "analyser", "outcome"]
+    assert [row[1:4] for row in recent[1:3]] == [
+        ["alice", "127.0.0.1", "pause queue"],
+        ["alice", "127.0.0.1", "sign-in"],
+    ]
 
     revoked = run_cli("operators", "revoke", "alice", env=dict(os.environ))
     assert revoked.returncode == 0, revoked.stderr

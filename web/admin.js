@@ -100,7 +100,7 @@ function ratio(value) { return value === null || value === undefined ? 'no resul
   `${Math.round(value * 1000) / 10} %`; }
 
 async function overview() {
-  const data = await api('/admin/api/status');
+  const [data, record] = await Promise.all([api('/admin/api/status'), api('/admin/api/actions')]);
   const s = data.status;
   const age = Math.round((Date.now() - Date.parse(data.counted)) / 1000);
   const h = s.held_back;
@@ -135,7 +135,11 @@ async function overview() {
     el('h2', {}, 'Held back'),
     table(Object.keys(s.held_back), [Object.values(s.held_back)]),
     el('h2', {}, 'Policy in force'),
-    table(Object.keys(s.policy), [Object.values(s.policy)]));
+    table(Object.keys(s.policy), [Object.values(s.policy)]),
+    el('h2', {}, 'Recent operator actions'),
+    table(['when', 'who', 'from', 'what', 'app', 'analyser', 'outcome'],
+      record.actions.slice(0, 20).map((x) => [x.at, x.actor, x.source, x.action,
+        x.appId === null ? '-' : appLink(x.appId), when(x.analyser), when(x.outcome)])));
 }
 
 async function apps() {
