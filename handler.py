@@ -2409,7 +2409,7 @@ WITH found AS (
     SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
         previous_token_expires = CASE WHEN :overlap_seconds > 0
                                       THEN now() + make_interval(secs => :overlap_seconds) END,
-        token_hash = :token_hash, rotated = now()
+        token_hash = :token_hash, rotated = clock_timestamp()
     FROM found WHERE {table}.name = found.name AND NOT found.revoked
     RETURNING {table}.name, {table}.rotated, {table}.previous_token_expires
 )
@@ -3001,9 +3001,22 @@ def new_operator_token() -> str:
     return OPERATOR_TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
+# An operator's name: an analyser's characters, beginning with a letter or digit (so
+# never ".", "..", or "-rf" that a shell would read as an option), and never "sign-in",
+# the record's name for whoever tried to sign in and was refused. sql/035's CHECK is
+# the same rule; names are unique in any letter case (alice and Alice look alike).
+OPERATOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,63}")
+OPERATOR_NAME_WORDS = "1-64 letters, digits or ._:@-, beginning with a letter or digit"
+RESERVED_ACTORS = {"sign-in"}
+
+
 def checked_operator_name(name: object) -> str:
-    """An operator's name is spelt as an analyser's is (ANALYSER_NAME); BadInput if not."""
-    return checked_analyser_name(name, "an operator's name is")
+    """`name` if it is spelt as OPERATOR_NAME says; else BadInput (400, exit 2)."""
+    if not isinstance(name, str) or not OPERATOR_NAME.fullmatch(name):
+        raise BadInput(f"an operator's name is {OPERATOR_NAME_WORDS}")
+    if name.lower() in RESERVED_ACTORS:
+        raise BadInput(f"{name} names something else in the record of actions")
+    return name
 
 
 def add_operator(
@@ -3042,13 +3055,13 @@ def rotate_operator(
 ) -> dict[str, Any]:
     """A new token for the operator; the old one works as a bearer token for `overlap`
     seconds, but every web view session they started ends now (sql/035)."""
-    name = checked_analyser_name(name, "an operator's name is", stored=True)
+    name = checked_operator_name(name)
     return rotate_token(db, operator, OPERATORS, name, new_operator_token(), overlap)
 
 
 def revoke_operator(db: SharedConnection, operator: Operator, name: str) -> dict[str, Any]:
     """The operator's tokens and web view sessions stop working with this commit."""
-    name = checked_analyser_name(name, "an operator's name is", stored=True)
+    name = checked_operator_name(name)
     return revoke_token(db, operator, OPERATORS, name)
 
 
@@ -3141,7 +3154,7 @@ def _check_admin(request: Request, credentials: HTTPAuthorizationCredentials | N
     claims = verified_claims(request) if claim else None
     if claims is not None and claim in claims:
         name = claims[claim]
-        if not isinstance(name, str) or not STORED_ANALYSER_NAME.fullmatch(name):
+        if not isinstance(name, str) or not OPERATOR_NAME.fullmatch(name):
             raise _unauthorized()
         claimed = operator_by_name(api_connection(), name, source)
         if claimed is None:
@@ -3376,7 +3389,7 @@ NO_SUCH_OPERATOR = "No such operator; nothing was changed."
 
 
 def _operator_name_param(request: Request) -> str:
-    return checked_analyser_name(request.path_params["name"], "an operator's name is", stored=True)
+    return checked_operator_name(request.path_params["name"])
 
 
 @app.post(
@@ -7108,6 +7121,15 @@ async def healthz_analyser() -> JSONResponse:
 
 # -- SQL
 
+# A sign-in's token is still the operator's current one as its session is written: the
+# row locked (FOR SHARE) until the sign-in commits, so a rotation or revocation either
+# commits first (and this finds no row) or waits, and then stamps `rotated` (its own
+# clock_timestamp(), after this commit) later than the session's `created`.
+OPERATOR_STILL_CURRENT = """
+SELECT 1 FROM operators
+WHERE name = :name AND token_hash = :token_hash AND revoked IS NULL
+FOR SHARE
+"""
 # A session's id is 256 random bits; the table keeps its SHA-256 only. A refused token
 # starts none (:accepted false), so both are answered after the same work.
 ADMIN_SESSIONS_START = """
@@ -7254,9 +7276,13 @@ def sign_in_check(db: SharedConnection, given: str, source: str) -> SignInCheck:
         current, key, imports = bytes(rows[0]["token_hash"]), bytes(rows[0]["session_key"]), None
     else:
         value, _ = _configured_value("admin_token")
-        if value is None:
+        if value is None or named is not None:
+            # The cookies' key is kept beside the admin token: a named operator's sign-in
+            # never sets the admin token (only someone who presents it fills its row).
             raise HTTPException(
-                503, "the web view needs the admin token set (`credentials rotate admin-token`)"
+                503,
+                "the web view's sessions need the admin token in the database first: sign"
+                " in once with it, or `credentials import admin-token` (or rotate it)",
             )
         current = imports = token_hash(value)
         key = secrets.token_bytes(SESSION_KEY_BYTES)
@@ -7303,8 +7329,14 @@ def sign_in(db: SharedConnection, token: str, source: str) -> str | None:
                 f" {SIGN_IN_WINDOW_MINUTES} minutes",
                 headers={"Retry-After": str(SIGN_IN_WINDOW_MINUTES * 60)},
             )
-        # The first sign-in fills the admin token's row with the configured value it
-        # matched (chosen by a person, as an import), and the key its cookie is signed
+        # A named operator's token is still theirs now (OPERATOR_STILL_CURRENT): a
+        # rotation or revocation that committed since the check ends this sign-in.
+        if check.named is not None and not session.run(
+            OPERATOR_STILL_CURRENT, name=check.named.actor, token_hash=token_hash(token)
+        ):
+            raise HTTPException(401, "the token was rotated or revoked meanwhile")
+        # The first sign-in with the admin token fills its row with the configured value
+        # it matched (chosen by a person, as an import), and the key its cookie is signed
         # with; another process that filled it first holds another key: sign in again.
         if check.imports is not None and not session.run(
             IMPORT_SERVICE_CREDENTIAL,
@@ -7608,6 +7640,8 @@ SIGN_IN_LIMITED = (
 ADMIN_ASSETS = {
     "/admin/static/admin.css": ("text/css; charset=utf-8", "admin.css"),
     "/admin/static/admin.js": ("text/javascript; charset=utf-8", "admin.js"),
+    # Linked by every page, so no browser asks for /favicon.ico (a 404 in the log).
+    "/admin/static/favicon.svg": ("image/svg+xml", "favicon.svg"),
 }
 
 
@@ -7646,8 +7680,12 @@ def _sign_in_page(message: str = "", status_code: int = 200) -> Response:
     )
 
 
+SIGNED_OUT = '<p class="note" id="signed-out">You are signed out.</p>'
+
+
 def _sign_in_form(request: Request, operator: None, body: bytes) -> Response:
-    return _sign_in_page()
+    # The page's Sign out comes here with ?signed-out: it says so (no other query is read).
+    return _sign_in_page(SIGNED_OUT if "signed-out" in request.query_params else "")
 
 
 def _sign_in(request: Request, operator: None, body: bytes) -> Response:
@@ -7898,6 +7936,7 @@ ADMIN_ROUTES = (
     ("GET", "/admin/analysers", _admin_page, "page"),
     ("GET", "/admin/static/admin.css", _admin_asset, "anyone"),
     ("GET", "/admin/static/admin.js", _admin_asset, "anyone"),
+    ("GET", "/admin/static/favicon.svg", _admin_asset, "anyone"),
     ("POST", "/admin/logout", _sign_out, "write"),
     ("GET", "/admin/api/status", _api_status, "read"),
     ("GET", "/admin/api/priority", _api_priority, "read"),
@@ -9393,10 +9432,11 @@ def _cli_operators(args: argparse.Namespace) -> int:
             kind = "read-only" if row["readOnly"] else "full"
             state = f"revoked {row['revoked']}" if row["revoked"] else "active"
             until = row["previousTokenValidUntil"]
+            rotated = f"; rotated {row['rotated']}" if row["rotated"] else ""
             overlap = f"; the previous token works until {until}" if until else ""
             print(
                 f"{row['name']}: {kind}, {state}; added {row['created']} by"
-                f" {row['createdBy']}{overlap}"
+                f" {row['createdBy']}{rotated}{overlap}"
             )
         if not rows:
             print("No named operators.")

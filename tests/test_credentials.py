@@ -460,6 +460,45 @@ def test_the_web_view_works_as_the_queue_role(queue_role, sql, monkeypatch):
 
 
 @pytest.mark.private_database  # queue_role grants on its schema and tables
+def test_named_operators_work_as_the_queue_role(queue_role, sql, monkeypatch):
+    """A named operator added, acting by bearer token and by a web session, rotated and
+    revoked, the record read, as queue_app with only the documented grants."""
+    from fastapi.testclient import TestClient
+
+    configure_service(monkeypatch, queue_role["url"], ADMIN_WEB="full")
+    page = {"Sec-Fetch-Site": "same-origin"}
+    with TestClient(handler.app, raise_server_exceptions=False) as client:
+        signed_in = client.post(
+            "/admin/login", data={"token": kit.ADMIN_TOKEN}, headers=page, follow_redirects=False
+        )
+        assert signed_in.status_code == 303, signed_in.text
+        client.cookies.clear()
+        added = client.post("/operators", json={"name": "ops-role"}, headers=ADMIN)
+        assert added.status_code == 201, added.text
+        named = {"Authorization": f"Bearer {added.json()['token']}"}
+        assert client.post("/queue/pause", json={}, headers=named).status_code == 200
+        assert client.get("/operators", headers=named).json()["operators"][0]["name"] == "ops-role"
+        web = client.post(
+            "/admin/login",
+            data={"token": added.json()["token"]},
+            headers=page,
+            follow_redirects=False,
+        )
+        assert web.status_code == 303, web.text
+        recent = client.get("/admin/api/actions").json()["actions"]
+        assert [(x["actor"], x["action"]) for x in recent[:2]] == [
+            ("ops-role", "sign-in"),
+            ("ops-role", "pause queue"),
+        ]
+        rotated = client.post("/operators/ops-role/rotate", json={"overlap": "0"}, headers=ADMIN)
+        assert rotated.status_code == 200, rotated.text
+        assert client.get("/admin/api/status").status_code == 401  # the session ended
+        assert client.delete("/operators/ops-role", headers=ADMIN).status_code == 200
+        again = {"Authorization": f"Bearer {rotated.json()['token']}"}
+        assert client.get("/operators", headers=again).status_code == 401
+
+
+@pytest.mark.private_database  # queue_role grants on its schema and tables
 @pytest.mark.parametrize(
     "ddl",
     [

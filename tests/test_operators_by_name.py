@@ -170,8 +170,15 @@ def session_cookie(answer) -> dict[str, str]:
     return {"cookie": cookie.split(";")[0]}
 
 
+def admin_token_imported() -> None:
+    """The admin token's row (and so the web sessions' key) in the database, as a
+    deployed stack has it (deploy.md's step 4)."""
+    handler.import_credential(handler.api_connection(), handler.Operator("t", "t"), "admin-token")
+
+
 def test_an_operator_signs_in_by_name_and_is_recorded_so(database_url, sql, monkeypatch):
     configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    admin_token_imported()
     insert_app(sql, "com.example.app")
     token = add("alice")
     cookie = session_cookie(web_sign_in(token))
@@ -226,6 +233,7 @@ def test_the_record_pages_newest_first(database_url, sql, monkeypatch):
 
 def test_a_read_only_operator_gets_the_read_only_page_and_no_action(database_url, sql, monkeypatch):
     configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    admin_token_imported()
     insert_app(sql, "com.example.app")
     cookie = session_cookie(web_sign_in(add("reader", read_only=True)))
     page = web_request("GET", "/admin", cookie)
@@ -246,16 +254,55 @@ def test_a_read_only_operator_gets_the_read_only_page_and_no_action(database_url
     assert out["statusCode"] == 200 and json.loads(out["body"]) == {"signedOut": True}
 
 
-def test_the_first_operator_sign_in_fills_the_admin_tokens_row(database_url, sql, monkeypatch):
-    """The cookie's key is the admin token's row's: an operator's first sign-in on a new
-    database fills it from the configured admin token, as the admin token's would."""
+def test_an_operators_sign_in_never_sets_the_admin_token(database_url, sql, monkeypatch):
+    """The cookies' key is kept in the admin token's row, which only someone presenting
+    the admin token fills: before that, an operator's sign-in is answered 503 saying
+    what to do, and writes nothing."""
     configure_service(monkeypatch, database_url, ADMIN_WEB="full")
-    cookie = session_cookie(web_sign_in(add("alice")))
-    assert sql.run("SELECT name, chosen_by_person, set_by FROM service_credentials") == [
-        ["admin_token", True, "alice"]
-    ]
+    token = add("alice", read_only=True)
+    refused = web_sign_in(token)
+    assert refused["statusCode"] == 503 and "credentials import admin-token" in refused["body"]
+    assert sql.run("SELECT count(*) FROM service_credentials") == [[0]]
+    assert sql.run("SELECT count(*) FROM admin_sessions") == [[0]]
+    session_cookie(web_sign_in(ADMIN_TOKEN))  # the admin token's first sign-in fills it
+    cookie = session_cookie(web_sign_in(token))
     assert web_request("GET", "/admin/api/status", cookie)["statusCode"] == 200
-    assert web_request("GET", "/admin/api/status", bearer(ADMIN_TOKEN))["statusCode"] == 200
+
+
+def test_a_sign_in_racing_a_rotation_starts_no_session(database_url, sql, monkeypatch):
+    """A sign-in whose token was current when it was checked, but rotated away (with no
+    overlap) before its session was written, starts none; and a session written just
+    before a rotation ends with it."""
+    configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    session_cookie(web_sign_in(ADMIN_TOKEN))
+    token = add("alice")
+    operator = handler.Operator("t", "t")
+    real_check = handler.sign_in_check
+
+    def check_then_rotate(db, given, source):
+        checked = real_check(db, given, source)
+        handler.rotate_operator(handler.api_connection(), operator, "alice", 0)
+        return checked
+
+    monkeypatch.setattr(handler, "sign_in_check", check_then_rotate)
+    assert web_sign_in(token)["statusCode"] == 401
+    assert sql.run("SELECT count(*) FROM admin_sessions WHERE operator = 'alice'") == [[0]]
+    monkeypatch.setattr(handler, "sign_in_check", real_check)
+    fresh = handler.rotate_operator(handler.api_connection(), operator, "alice", 0)["token"]
+    cookie = session_cookie(web_sign_in(fresh))
+    handler.rotate_operator(handler.api_connection(), operator, "alice", 0)
+    assert web_request("GET", "/admin/api/status", cookie)["statusCode"] == 401
+
+
+def test_operator_names_are_refused_where_they_would_mislead(client, sql, database_url):
+    add("alice")
+    for name in (".", "..", "-rf", "sign-in", "Sign-In", "a b", "é", "x" * 65):
+        answer = client.post("/operators", headers=ADMIN, json={"name": name})
+        assert answer.status_code == 400, (name, answer.text)
+    assert client.post("/operators", headers=ADMIN, json={"name": "Alice"}).status_code == 409
+    for args in (("rotate", "."), ("revoke", ".."), ("revoke", "-rf")):
+        assert cli(database_url, "operators", *args).returncode == 2, args
+    assert [row[0] for row in sql.run(OPERATORS)] == ["alice"]
 
 
 # --------------------------------------------------------------------------- a JWT authorizer

@@ -337,9 +337,11 @@ def test_sign_in_takes_the_admin_token_and_refuses_another(serve, tab, sql):
         "sign-in",
     ]
 
-    # Signing out ends the session on the server: its cookie, brought back, opens nothing.
+    # Signing out ends the session on the server, and the sign-in page says so; its
+    # cookie, brought back, opens nothing.
     page.get_by_role("button", name="Sign out").click()
-    expect(page).to_have_url(f"{base}/admin/login")
+    expect(page).to_have_url(f"{base}/admin/login?signed-out")
+    expect(page.locator("#signed-out")).to_have_text("You are signed out.")
     assert tab.session_cookies() == []
     page.context.add_cookies([{**second, "expires": -1}])
     page.goto(f"{base}/admin")
@@ -371,7 +373,39 @@ def test_a_sign_out_the_server_could_not_make_says_so_and_keeps_the_session(
     page.reload()
     expect(page.locator("h1")).to_have_text("Overview")  # the session is alive
     page.get_by_role("button", name="Sign out").click()
-    expect(page).to_have_url(f"{base}/admin/login")
+    expect(page).to_have_url(f"{base}/admin/login?signed-out")
+    assert tab.errors == []
+
+
+def test_every_page_has_an_icon_and_no_browser_asks_for_favicon_ico(serve, tab):
+    base = serve()
+    page = tab.page
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
+    page.goto(f"{base}/admin/login")
+    sign_in(tab, base)
+    expect(page.locator("h1")).to_have_text("Overview")
+    for path in ("/admin/login", "/admin"):
+        page.goto(f"{base}{path}")
+        icon = page.locator("link[rel=icon]")
+        expect(icon).to_have_attribute("href", "/admin/static/favicon.svg")
+    answer = page.request.get(f"{base}/admin/static/favicon.svg")
+    assert answer.status == 200 and answer.headers["content-type"] == "image/svg+xml"
+    assert not [url for url in asked if url.endswith("/favicon.ico")]
+    assert tab.errors == []
+
+
+def test_an_empty_table_says_none(serve, tab, sql):
+    """A table with no rows says "none" under its header (an app nobody acted on)."""
+    insert_app(sql, "com.example.quiet")
+    base = serve()
+    sign_in(tab, base)
+    tab.page.goto(f"{base}/admin/apps/com.example.quiet")
+    expect(tab.page.locator("h1")).to_have_text("com.example.quiet")
+    assert cells(tab.page, "Operator actions") == [
+        ["when", "who", "from", "what", "outcome"],
+        ["none"],
+    ]
     assert tab.errors == []
 
 
@@ -441,6 +475,12 @@ def test_a_new_admin_token_ends_every_session(serve, tab):
 def test_an_operator_signs_in_by_name_acts_by_name_and_is_refused_once_revoked(serve, tab, sql):
     """A named operator's own token signs them in; the bar names them, their action is
     recorded under their name, and a revocation ends their session at once."""
+    # The web sessions' key is kept beside the admin token: in the database first, as a
+    # deployed stack has it (deploy.md's step 4).
+    imported = run_cli(
+        "credentials", "import", "admin-token", "--from-environment", env=dict(os.environ)
+    )
+    assert imported.returncode == 0, imported.stderr
     added = run_cli("operators", "add", "alice", env=dict(os.environ))
     assert added.returncode == 0, added.stderr
     token = added.stdout.splitlines()[-1]

@@ -18,9 +18,11 @@ function el(tag, props, ...children) {
 }
 // A part a page leaves out is null: left out here too (replaceChildren would write "null").
 function show(...nodes) { main.replaceChildren(...nodes.filter((node) => node !== null)); }
+// An empty table says "none" under its header, rather than showing a header alone.
 function table(headers, rows) {
-  return el('table', {}, el('tr', {}, ...headers.map((h) => el('th', {}, h))),
-    ...rows.map((row) => el('tr', {}, ...row.map((cell) => el('td', {}, cell)))));
+  const body = rows.length ? rows.map((row) => el('tr', {}, ...row.map((cell) => el('td', {}, cell))))
+    : [el('tr', {className: 'none'}, el('td', {colspan: String(headers.length)}, 'none'))];
+  return el('table', {}, el('tr', {}, ...headers.map((h) => el('th', {}, h))), ...body);
 }
 function appLink(id) { return el('a', {href: '/admin/apps/' + encodeURIComponent(id)}, id); }
 function when(value) { return value === null || value === undefined ? '-' : String(value); }
@@ -363,7 +365,7 @@ function route() {
 // Signed out when the server says so (or finds no session left to end); on an error
 // (503, 403) the page says why and the session stays as it is.
 document.getElementById('sign-out').addEventListener('click', () => {
-  api('/admin/logout', {}).then(() => location.assign('/admin/login')).catch(failed);
+  api('/admin/logout', {}).then(() => location.assign('/admin/login?signed-out')).catch(failed);
 });
 document.addEventListener('visibilitychange', () => {
   if (document.visibilityState === 'visible' && location.pathname === '/admin') {

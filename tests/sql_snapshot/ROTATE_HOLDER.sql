@@ -6,7 +6,7 @@ WITH found AS (
     SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
         previous_token_expires = CASE WHEN :overlap_seconds > 0
                                       THEN now() + make_interval(secs => :overlap_seconds) END,
-        token_hash = :token_hash, rotated = now()
+        token_hash = :token_hash, rotated = clock_timestamp()
     FROM found WHERE {table}.name = found.name AND NOT found.revoked
     RETURNING {table}.name, {table}.rotated, {table}.previous_token_expires
 )
