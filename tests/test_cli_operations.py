@@ -386,6 +386,7 @@ LOCKED_TABLES = (
     "queue_pause",
     "operator_actions",
     "service_credentials",
+    "operators",
 )
 TIMEOUTS = {
     "LOCK_TIMEOUT_MS": "300",
@@ -529,6 +530,10 @@ def runs_of(command: tuple[str, ...], parser) -> list[tuple[list[str], object]] 
             ["credentials", "rotate", "upload-password", "--overlap", "1h"]
         ],
         ("credentials", "import"): [["credentials", "import", "admin-token", "--from-environment"]],
+        ("operators", "list"): [["operators", "list"]],
+        ("operators", "add"): [["operators", "add", "ops-locked", "--read-only"]],
+        ("operators", "rotate"): [["operators", "rotate", "ops-locked", "--overlap", "1h"]],
+        ("operators", "revoke"): [["operators", "revoke", "ops-locked"]],
     }
     assert command in arguments, f"the walk does not know how to run {' '.join(command)}"
     return [(args, lock_timeout_line) for args in arguments[command]]
