@@ -34,6 +34,15 @@ pytestmark = pytest.mark.private_database  # drops the CHECK sql/003 added, as o
 BEARER = {name.lower(): value for name, value in ADMIN.items()}
 # What each kind of value is called where it is handed out, and where it is taken back.
 HANDED_OUT = {"appId": "appId", "name": "name"}
+# A `name` is an analyser's, except on the named operators' routes (and where they are
+# listed): an operator's, a kind of its own.
+OPERATORS_PATH = "/operators"
+
+
+def kind_on(path: str, kind: str) -> str:
+    return "operator" if kind == "name" and path.startswith(OPERATORS_PATH) else kind
+
+
 BODY_TAKES = {"appIds": "appId"}  # a JSON body's list of values of a kind
 
 
@@ -68,16 +77,16 @@ def operators_routes() -> list[tuple[str, str]]:
     return routes
 
 
-def values_in(document: Any, found: dict[str, set[str]]) -> None:
-    """Every string under a key of HANDED_OUT, anywhere in a JSON document."""
+def values_in(document: Any, found: dict[str, set[str]], path: str = "") -> None:
+    """Every string under a key of HANDED_OUT, anywhere in a JSON document `path` gave."""
     if isinstance(document, dict):
         for key, value in document.items():
             if key in HANDED_OUT and isinstance(value, str):
-                found[HANDED_OUT[key]].add(value)
-            values_in(value, found)
+                found[kind_on(path, HANDED_OUT[key])].add(value)
+            values_in(value, found, path)
     elif isinstance(document, list):
         for item in document:
-            values_in(item, found)
+            values_in(item, found, path)
 
 
 def pages(path: str, query: dict[str, str]) -> tuple[list[Any], list[str]]:
@@ -98,16 +107,19 @@ def pages(path: str, query: dict[str, str]) -> tuple[list[Any], list[str]]:
 
 
 LIST_FILTERS = [{}, *({"state": state} for state in handler.APP_STATES)]
+# What names the past, not what is: the record of actions keeps every app and name it
+# ever named (append-only), so it hands out nothing to give back.
+HISTORY = {"/admin/api/actions"}
 
 
 def walk(sql) -> list[str]:
     """Hand out every value every producer gives, and give each back to every consumer."""
     routes = operators_routes()
-    found: dict[str, set[str]] = {kind: set() for kind in HANDED_OUT.values()}
+    found: dict[str, set[str]] = {kind: set() for kind in [*HANDED_OUT.values(), "operator"]}
     problems: list[str] = []
     listed: list[str] = []
     for method, path in routes:
-        if method != "GET" or "{" in path:
+        if method != "GET" or "{" in path or path in HISTORY:
             continue
         if path == "/admin/api/apps":  # paged: every page, under every filter
             for query in LIST_FILTERS:
@@ -121,13 +133,13 @@ def walk(sql) -> list[str]:
         status, document = send("GET", path)
         if status >= 400:
             problems.append(f"GET {path}: {status}")
-        values_in(document, found)
+        values_in(document, found, path)
     everyone = [appid for (appid,) in sql.run("SELECT appid FROM apps")]
     if sorted(listed) != sorted(everyone):
         problems.append(f"the pages listed {sorted(listed)}, not every app {sorted(everyone)}")
     for method, path in routes:
         for kind in re.findall(r"\{(\w+)\}", path):
-            for value in sorted(found.get(kind, ())):
+            for value in sorted(found.get(kind_on(path, kind), ())):
                 filled = path.replace("{" + kind + "}", quote(value, safe=""))
                 status, answer = send(method, filled, body={} if method == "POST" else None)
                 if status in (400, 404) or status >= 500:
@@ -159,10 +171,15 @@ VALID_IDS = st.from_regex(r"[a-z][a-z0-9]{0,6}\.[A-Za-z0-9.-]{0,10}[a-z0-9]", fu
         st.tuples(st.from_regex(handler.STORED_ANALYSER_NAME, fullmatch=True), st.booleans()),
         max_size=4,
     ),
+    operators=st.lists(
+        # Any name sql/035's CHECK takes.
+        st.tuples(st.from_regex(handler.OPERATOR_NAME, fullmatch=True), st.booleans()),
+        max_size=3,
+    ),
     page_size=st.integers(1, 4),
 )
 def test_every_value_handed_out_is_taken_back(
-    database_url, sql, monkeypatch, apps, analysers, page_size
+    database_url, sql, monkeypatch, apps, analysers, operators, page_size
 ):
     configure_service(monkeypatch, database_url, ADMIN_WEB="full")
     monkeypatch.setattr(handler, "APPS_PAGE_SIZE", page_size)  # pages of a few rows
@@ -170,6 +187,7 @@ def test_every_value_handed_out_is_taken_back(
     sql.run("DELETE FROM app_analyses")
     sql.run("DELETE FROM apps")
     sql.run("DELETE FROM analysers")
+    sql.run("DELETE FROM operators")
     for appid, status in apps:
         invalid = not handler.is_valid_bundle_id(appid)
         status = "failed" if invalid else status  # as sql/003 left them
@@ -197,6 +215,16 @@ def test_every_value_handed_out_is_taken_back(
             " CASE WHEN :r THEN now() END) ON CONFLICT DO NOTHING",
             n=name,
             h=handler.token_hash(handler.new_analyser_token()),
+            r=revoked,
+        )
+    for name, revoked in operators:
+        if name.lower() in handler.RESERVED_ACTORS:
+            continue
+        sql.run(
+            "INSERT INTO operators (name, token_hash, read_only, created_by, revoked)"
+            " VALUES (:n, :h, false, 'test', CASE WHEN :r THEN now() END) ON CONFLICT DO NOTHING",
+            n=name,
+            h=handler.token_hash(handler.new_operator_token()),
             r=revoked,
         )
     assert walk(sql) == []
