@@ -395,9 +395,14 @@ def test_every_page_has_an_icon_and_no_browser_asks_for_favicon_ico(serve, tab):
     assert tab.errors == []
 
 
-def test_an_empty_table_says_none(serve, tab, sql):
-    """A table with no rows says "none" under its header (an app nobody acted on)."""
+def test_an_empty_table_says_none_and_legacy_is_said_in_words(serve, tab, sql):
+    """A table with no rows says "none" under its header (an app nobody acted on); a
+    result that named no source shows as such, not as the bare word `legacy`."""
     insert_app(sql, "com.example.quiet")
+    sql.run(
+        "INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, analysis_source,"
+        " success) VALUES ('com.example.quiet', '{}', 4, now(), 'legacy', true)"
+    )
     base = serve()
     sign_in(tab, base)
     tab.page.goto(f"{base}/admin/apps/com.example.quiet")
@@ -406,6 +411,8 @@ def test_an_empty_table_says_none(serve, tab, sql):
         ["when", "who", "from", "what", "outcome"],
         ["none"],
     ]
+    history = cells(tab.page, "History, newest first")
+    assert history[0][2] == "source" and history[1][2] == "none named (legacy)"
     assert tab.errors == []
 
 
@@ -653,17 +660,17 @@ def test_an_apps_page_says_why_it_is_or_is_not_handed_out(serve, tab, sql):
     sign_in(tab, base)
     page = tab.page
     for app_id, verdict, why in (
-        ("com.example.waiting", "Handed out now.", "queued: it is handed out in claim order"),
-        ("com.example.leased", "Not handed out now.", "leased to pi-kitchen; handed out again"),
-        ("com.example.gone", "Not handed out now.", "a failure that retrying cannot mend"),
-        ("com.example.fresh", "Not handed out now.", "a fresh analysis: handed out again once"),
+        ("com.example.waiting", "Handed out now.", "Queued: it is handed out in claim order."),
+        ("com.example.leased", "Not handed out now.", "Leased to pi-kitchen; handed out again"),
+        ("com.example.gone", "Not handed out now.", "A failure that retrying cannot mend"),
+        ("com.example.fresh", "Not handed out now.", "A fresh analysis: handed out again once"),
     ):
         page.goto(f"{base}/admin/apps/{app_id}")
         expect(page.locator("#why strong")).to_have_text(verdict.replace(".", ". "))
         expect(page.locator("#why")).to_contain_text(why)
     # A lease and a fresh analysis say when they end.
     page.goto(f"{base}/admin/apps/com.example.leased")
-    expect(page.locator("#why")).to_contain_text(re.compile(r"From \d{4}-\d\d-\d\dT"))
+    expect(page.locator("#why")).to_contain_text(re.compile(r"\. Handed out from \d{4}-\d\d-\d\dT"))
     assert tab.errors == []
 
 
@@ -674,11 +681,11 @@ def test_refetch_asks_once_then_queues_the_app_and_records_it(serve, tab, sql):
     sign_in(tab, base)
     page = tab.page
     page.goto(f"{base}/admin/apps/com.example.gone")
-    expect(page.locator("#why")).to_contain_text("a failure that retrying cannot mend")
+    expect(page.locator("#why")).to_contain_text("A failure that retrying cannot mend")
     tab.accepting = True
     page.get_by_role("button", name="Refetch", exact=True).click()
     # The page is drawn again with the app's new state, and says what was done.
-    expect(page.locator("#why")).to_contain_text("Handed out now. queued")
+    expect(page.locator("#why")).to_contain_text("Handed out now. Queued")
     expect(page.locator("#outcome")).to_have_text(
         "1 selected: 1 queued now, 0 waiting for a lease to end, 0 with the lease broken,"
         " 0 left as they were."
@@ -834,7 +841,7 @@ def test_a_queue_paused_elsewhere_is_shown_with_who_when_and_why(serve, tab, sql
 
     page.goto(f"{base}/admin/apps/com.example.waiting")
     expect(page.locator("#why")).to_contain_text(
-        "Handed out now. queued: it is handed out in claim order; but the whole queue is paused"
+        "Handed out now. Queued: it is handed out in claim order; but the whole queue is paused"
     )
     expect(page.locator("#queue-paused")).to_have_text(
         f"The whole queue is paused (since {paused_at.astimezone(UTC).isoformat()}): see the"
@@ -918,7 +925,7 @@ def test_an_app_is_held_with_a_reason_and_released(serve, tab, sql):
     page = tab.page
     tab.accepting = True
     page.goto(f"{base}/admin/apps/com.example.held")
-    expect(page.locator("#why")).to_contain_text("Handed out now. queued")
+    expect(page.locator("#why")).to_contain_text("Handed out now. Queued")
     expect(page.locator("#hold")).to_have_count(0)
     expect(page.get_by_role("button", name="Release")).to_have_count(0)
 
@@ -935,7 +942,7 @@ def test_an_app_is_held_with_a_reason_and_released(serve, tab, sql):
         "Held: never handed out until released. Held by"
         f" {held_by} at {held_at.astimezone(UTC).isoformat()}. Reason: {reason}"
     )
-    expect(page.locator("#why")).to_contain_text(f"Not handed out now. held by {held_by}")
+    expect(page.locator("#why")).to_contain_text(f"Not handed out now. Held by {held_by}")
     assert app_row(sql, "com.example.held")["status"] == "queued"  # its state stays
     assert claimed(service, "com.example.held") == ""
     assert cells(page, "Operator actions")[1][3:] == ["hold app", "held"]
@@ -944,7 +951,7 @@ def test_an_app_is_held_with_a_reason_and_released(serve, tab, sql):
     page.get_by_role("button", name="Release").click()
     expect(page.locator("#outcome")).to_have_text("com.example.held is released.")
     expect(page.locator("#hold")).to_have_count(0)
-    expect(page.locator("#why")).to_contain_text("Handed out now. queued")
+    expect(page.locator("#why")).to_contain_text("Handed out now. Queued")
     assert sql.run(
         "SELECT held_at, held_by, hold_reason FROM apps WHERE appid = 'com.example.held'"
     ) == [[None, None, None]]
@@ -953,7 +960,7 @@ def test_an_app_is_held_with_a_reason_and_released(serve, tab, sql):
     # A live lease: held with force, the lease is broken and the app is back to its
     # stored result (none: queued), held.
     page.goto(f"{base}/admin/apps/com.example.leased")
-    expect(page.locator("#why")).to_contain_text("leased to pi-kitchen")
+    expect(page.locator("#why")).to_contain_text("Leased to pi-kitchen")
     page.get_by_label("break a live lease (force)").check()
     page.get_by_role("button", name="Hold", exact=True).click()
     expect(page.locator("#outcome")).to_have_text(

@@ -26,6 +26,14 @@ function table(headers, rows) {
 }
 function appLink(id) { return el('a', {href: '/admin/apps/' + encodeURIComponent(id)}, id); }
 function when(value) { return value === null || value === undefined ? '-' : String(value); }
+// The server's "why" as a sentence of its own: a capital first, a full stop last.
+function sentence(text) {
+  const s = String(text);
+  return s.charAt(0).toUpperCase() + s.slice(1) + (/[.!?]$/.test(s) ? '' : '.');
+}
+// A result's source: what the analysis named, or "legacy" (the old server's word) when it
+// named none, which says so.
+function source(value) { return value === 'legacy' ? 'none named (legacy)' : when(value); }
 
 async function api(path, body) {
   const init = {credentials: 'same-origin', headers: {}};
@@ -183,7 +191,7 @@ async function app(id) {
   const a = data.app;
   const why = el('div', {className: 'why' + (data.why.candidate ? ' candidate' : ''), id: 'why'},
     el('strong', {}, data.why.candidate ? 'Handed out now. ' : 'Not handed out now. '),
-    data.why.why, data.why.from ? `. From ${data.why.from}.` : '');
+    sentence(data.why.why), data.why.from ? ` Handed out from ${data.why.from}.` : '');
   const hold = data.why.hold;
   const held = hold ? el('div', {className: 'banner', id: 'hold'},
     el('strong', {}, 'Held: never handed out until released. '),
@@ -225,7 +233,7 @@ async function app(id) {
     el('h2', {}, 'History, newest first'),
     table(['analysed', 'version', 'source', 'success', 'reason', 'analyser'],
       data.history.map((h) => [when(h.analysed), when(h.analysisversion),
-        when(h.analysis_source), String(h.success), when(h.reason), when(h.analyser)])),
+        source(h.analysis_source), String(h.success), when(h.reason), when(h.analyser)])),
     log.length ? el('h2', {}, 'Last failure log') : null,
     log.length ? el('pre', {}, JSON.stringify(log[0].failure_log, null, 2)) : null,
     el('h2', {}, 'Operator actions'),
