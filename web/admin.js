@@ -106,6 +106,22 @@ function queuePause(pause) {
   });
   return form;
 }
+// The queue-status document's keys in words, each key on hover (its title) for whoever
+// reads `queue-status --json` beside the page (docs/monitoring.md says what each counts).
+const WORDS = {
+  lease_expired_failures: 'failed: leases ended without a result',
+  abandoned_leases: 'last leases abandoned', outdated_settling: 'old-version results settling',
+  refetch_waiting: 'refetches waiting for a lease', analysis_version: 'analysis version',
+  stale_days: 'stale after (days)', processing_timeout_minutes: 'lease (minutes)',
+  max_lease_attempts: 'leases before backing off', retry_backoff: 'retry back-off'};
+function keyed(key) { return el('span', {title: key}, WORDS[key] || key); }
+// A document's part as one row under its keys in words, but the keys another table shows.
+function keyedRow(part, shownElsewhere) {
+  const keys = Object.keys(part).filter((k) => !shownElsewhere.includes(k));
+  return table(keys.map(keyed), [keys.map((k) => part[k])]);
+}
+const IN_RETRIES_AND_HOLDS = ['retries_next_hour', 'retries_waiting', 'retries_exhausted',
+  'held_apps'];
 function ratio(value) { return value === null || value === undefined ? 'no results' :
   `${Math.round(value * 1000) / 10} %`; }
 
@@ -142,10 +158,8 @@ async function overview() {
     el('h2', {}, 'Next up, in claim order'),
     table(['bundle ID', 'popularity', 'added', 'why'], s.top_backlog.map((a) =>
       [appLink(a.appid), when(a.popularity), when(a.added), a.reason])),
-    el('h2', {}, 'Held back'),
-    table(Object.keys(s.held_back), [Object.values(s.held_back)]),
-    el('h2', {}, 'Policy in force'),
-    table(Object.keys(s.policy), [Object.values(s.policy)]),
+    el('h2', {}, 'Held back'), keyedRow(s.held_back, IN_RETRIES_AND_HOLDS),
+    el('h2', {}, 'Policy in force'), keyedRow(s.policy, []),
     el('h2', {}, 'Recent operator actions'),
     table(['when', 'who', 'from', 'what', 'app', 'analyser', 'outcome'],
       record.actions.slice(0, 20).map((x) => [x.at, x.actor, x.source, x.action,
@@ -220,7 +234,8 @@ async function app(id) {
         `${r.appId} was not held.`));
     })}, 'Release') : holdForm(a.appId));
   }
-  const log = data.history.filter((h) => h.failure_log !== null);
+  // The last failure's log, unless it is the current result shown above (no field twice).
+  const log = a.status === 'failed' ? [] : data.history.filter((h) => h.failure_log !== null);
   show(el('h1', {}, a.appId), why, held, retries, paused, el('div', {id: 'outcome'}), ...buttons,
     table(['state', 'failure', 'version', 'analysed', 'added', 'leased to', 'since',
       'lease attempts', 'analysed by'],
