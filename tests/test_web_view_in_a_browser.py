@@ -755,7 +755,11 @@ def test_an_analyser_is_added_rotated_and_revoked_its_token_shown_once(serve, ta
     expect(page.get_by_role("button", name="Revoke")).to_have_count(0)
     expect(page.get_by_role("button", name="Rotate")).to_have_count(0)
     revoked_at = page.locator("main table tr").nth(1).locator("td").nth(6)
-    expect(revoked_at).to_have_text(re.compile(r"^\d{4}-"))
+    # A time shows how long ago, the exact UTC time on hover.
+    expect(revoked_at).to_have_text(re.compile(r"^\d+ s ago$"))
+    expect(revoked_at.locator("time")).to_have_attribute(
+        "title", re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$")
+    )
     assert (service.as_analyser(rotated), service.as_analyser(added)) == (401, 401)
 
     assert tab.dialogs == [
@@ -1037,7 +1041,9 @@ def test_what_a_broken_analyser_failed_is_refetched_after_a_dry_run(serve, tab, 
     row = page.locator("main tr[data-analyser='pi-broken']")
     expect(row).to_have_class("broken")
     expect(row.locator("td").nth(7)).to_have_text("5")  # failures in a row
-    expect(row.locator("td").nth(8)).to_have_text(since)
+    failing_since = row.locator("td").nth(8).locator("time")
+    expect(failing_since).to_have_attribute("datetime", since)  # its exact time, kept
+    expect(failing_since).to_have_text(re.compile(r"^\d+ (s|min) ago$"))
     expect(row.locator("td").nth(9)).to_have_text("broken")
     expect(page.locator("main tr[data-analyser='pi-attic'] td").nth(9)).to_have_text("no")
     button = row.get_by_role("button", name="Refetch what it failed since it began failing")

@@ -26,6 +26,19 @@ function table(headers, rows) {
 }
 function appLink(id) { return el('a', {href: '/admin/apps/' + encodeURIComponent(id)}, id); }
 function when(value) { return value === null || value === undefined ? '-' : String(value); }
+// A time as how long ago (or how soon) it is, the exact UTC time on hover: a table's
+// column stays narrow, and a time never breaks in the middle of its digits.
+function ago(iso) {
+  if (iso === null || iso === undefined) return '-';
+  const at = Date.parse(iso);
+  if (Number.isNaN(at)) return String(iso);
+  const seconds = Math.round((Date.now() - at) / 1000);
+  const span = Math.abs(seconds);
+  const text = span < 90 ? `${span} s` : span < 5400 ? `${Math.round(span / 60)} min` :
+    span < 129600 ? `${Math.round(span / 3600)} h` : `${Math.round(span / 86400)} days`;
+  const exact = new Date(at).toISOString().replace('T', ' ').replace(/\.\d+Z$/, ' UTC');
+  return el('time', {datetime: iso, title: exact}, seconds < 0 ? `in ${text}` : `${text} ago`);
+}
 // The server's "why" as a sentence of its own: a capital first, a full stop last.
 function sentence(text) {
   const s = String(text);
@@ -157,12 +170,12 @@ async function overview() {
       h.retries_exhausted, h.held_apps]]),
     el('h2', {}, 'Next up, in claim order'),
     table(['bundle ID', 'popularity', 'added', 'why'], s.top_backlog.map((a) =>
-      [appLink(a.appid), when(a.popularity), when(a.added), a.reason])),
+      [appLink(a.appid), when(a.popularity), ago(a.added), a.reason])),
     el('h2', {}, 'Held back'), keyedRow(s.held_back, IN_RETRIES_AND_HOLDS),
     el('h2', {}, 'Policy in force'), keyedRow(s.policy, []),
     el('h2', {}, 'Recent operator actions'),
     table(['when', 'who', 'from', 'what', 'app', 'analyser', 'outcome'],
-      record.actions.slice(0, 20).map((x) => [x.at, x.actor, x.source, x.action,
+      record.actions.slice(0, 20).map((x) => [ago(x.at), x.actor, x.source, x.action,
         x.appId === null ? '-' : appLink(x.appId), when(x.analyser), when(x.outcome)])));
 }
 
@@ -181,7 +194,7 @@ async function apps() {
     el('label', {}, 'State ', state), field('reason', 'Failure reason'),
     field('q', 'Bundle ID starts with'), el('button', {type: 'submit'}, 'Filter'));
   const rows = data.apps.map((a) => [appLink(a.appId), a.status, when(a.failure),
-    when(a.analysisVersion), when(a.analysed), when(a.claimedBy)]);
+    when(a.analysisVersion), ago(a.analysed), when(a.claimedBy)]);
   const next = new URLSearchParams(query);
   if (data.next !== null) next.set('after', data.next);
   const bulk = [];
@@ -239,21 +252,21 @@ async function app(id) {
   show(el('h1', {}, a.appId), why, held, retries, paused, el('div', {id: 'outcome'}), ...buttons,
     table(['state', 'failure', 'version', 'analysed', 'added', 'leased to', 'since',
       'lease attempts', 'analysed by'],
-      [[a.status, when(data.failureReason), when(a.analysisVersion), when(a.analysed),
-        when(a.added), when(a.claimedBy), when(a.processingStarted), data.leaseAttempts,
+      [[a.status, when(data.failureReason), when(a.analysisVersion), ago(a.analysed),
+        ago(a.added), when(a.claimedBy), ago(a.processingStarted), data.leaseAttempts,
         when(a.analysedBy)]]),
     el('h2', {}, 'Details'), el('pre', {}, JSON.stringify(a.details, null, 2)),
     el('h2', {}, 'Current result'),
     el('pre', {id: 'analysis'}, JSON.stringify(a.analysis, null, 2)),
     el('h2', {}, 'History, newest first'),
     table(['analysed', 'version', 'source', 'success', 'reason', 'analyser'],
-      data.history.map((h) => [when(h.analysed), when(h.analysisversion),
+      data.history.map((h) => [ago(h.analysed), when(h.analysisversion),
         source(h.analysis_source), String(h.success), when(h.reason), when(h.analyser)])),
     log.length ? el('h2', {}, 'Last failure log') : null,
     log.length ? el('pre', {}, JSON.stringify(log[0].failure_log, null, 2)) : null,
     el('h2', {}, 'Operator actions'),
     table(['when', 'who', 'from', 'what', 'outcome'], data.actions.map((x) =>
-      [x.at, x.actor, x.source, x.action, when(x.outcome)])));
+      [ago(x.at), x.actor, x.source, x.action, when(x.outcome)])));
 }
 
 const HELD = {held: 'is held.', already_held: 'was held already: nothing changed.',
@@ -284,9 +297,9 @@ async function analysers() {
   const data = await api('/admin/api/analysers');
   const rows = data.analysers.map((a) => {
     const path = '/admin/api/analysers/' + encodeURIComponent(a.name);
-    const cells = [a.name, when(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
-      when(a.results24h), when(a.failures24h), when(a.revoked), String(a.consecutiveFailures),
-      when(a.failingSince), a.broken ? el('strong', {className: 'warn'}, 'broken') : 'no',
+    const cells = [a.name, ago(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
+      when(a.results24h), when(a.failures24h), ago(a.revoked), String(a.consecutiveFailures),
+      ago(a.failingSince), a.broken ? el('strong', {className: 'warn'}, 'broken') : 'no',
       a.paused ? `paused by ${when(a.paused.by)} at ${when(a.paused.at)}` : 'no'];
     const actions = [];
     if (full && !a.revoked) {
