@@ -7763,7 +7763,9 @@ def _api_apps(request: Request, operator: Operator, body: bytes) -> Response:
     if after is not None and "\x00" in after:  # no row holds one, so no page gave it
         raise BadInput("after must be the `next` of the page before")
     page = apps_page(api_connection(), AppFilter.from_query(query), after=after)
-    return JSONResponse({**page, "bulkLimit": BULK_REFETCH_LIMIT})
+    # The reasons a failure is stored under: the page's filter offers these, and no other.
+    reasons = sorted(FAILURE_REASONS)
+    return JSONResponse({**page, "bulkLimit": BULK_REFETCH_LIMIT, "reasons": reasons})
 
 
 def _api_app(request: Request, operator: Operator, body: bytes, appId: str) -> Response:

@@ -630,7 +630,9 @@ def test_the_apps_list_filters_by_its_address_and_back_keeps_the_filters(serve, 
     expect(page.locator("main table").first.locator("tr")).to_have_count(6)
 
     page.get_by_label("State").select_option("failed")
-    page.get_by_label("Failure reason").fill("app_not_found")
+    reasons = page.get_by_label("Failure reason").locator("option").all_text_contents()
+    assert reasons == ["any reason", *sorted(handler.FAILURE_REASONS)]  # a list, no free text
+    page.get_by_label("Failure reason").select_option("app_not_found")
     page.get_by_label("Bundle ID starts with").fill("COM.example")
     page.get_by_role("button", name="Filter").click()
     filtered = f"{base}/admin/apps?state=failed&reason=app_not_found&q=COM.example"

@@ -190,8 +190,15 @@ async function apps() {
       if (query.get('state') === s) option.setAttribute('selected', '');
       return option;
     }));
+  // The failure reasons the server knows, as a list (no free text to mistype).
+  const reason = el('select', {name: 'reason'}, el('option', {value: ''}, 'any reason'),
+    ...data.reasons.map((r) => {
+      const option = el('option', {value: r}, r);
+      if (query.get('reason') === r) option.setAttribute('selected', '');
+      return option;
+    }));
   const filters = el('form', {className: 'filters', method: 'get', action: '/admin/apps'},
-    el('label', {}, 'State ', state), field('reason', 'Failure reason'),
+    el('label', {}, 'State ', state), el('label', {}, 'Failure reason ', reason),
     field('q', 'Bundle ID starts with'), el('button', {type: 'submit'}, 'Filter'));
   const rows = data.apps.map((a) => [appLink(a.appId), a.status, when(a.failure),
     when(a.analysisVersion), ago(a.analysed), when(a.claimedBy)]);
