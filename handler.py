@@ -2433,8 +2433,8 @@ BROKEN_ANALYSER = """(a.revoked IS NULL AND a.failure_streak >= :broken_failures
                 WHERE h.analysisversion = :analysis_version AND h.analysed >= a.failing_since
                   AND h.success AND h.analyser IS DISTINCT FROM a.name))"""
 # Each analyser as the operators see it: its lease (the most recent, if a crash left it
-# an older one too), its results in the last day, whether it sends an old format, looks
-# broken, or is paused.
+# an older one too) and when it ends without a result (PROCESSING_TIMEOUT_MINUTES), its
+# results in the last day, whether it sends an old format, looks broken, or is paused.
 ANALYSER_ACTIVITY = f"""
 SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_expires,
        a.paused_at, a.paused_by, a.failure_streak, a.failing_since,
@@ -2443,6 +2443,7 @@ SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_ex
        a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
        a.last_result_version < :analysis_version AS outdated_version,
        held.appid AS holding, held.processing_started AS holding_since,
+       held.processing_started + make_interval(mins => :timeout_minutes) AS holding_until,
        COALESCE(day.results, 0) AS results_24h, COALESCE(day.failures, 0) AS failures_24h
 FROM analysers a
 LEFT JOIN LATERAL (
@@ -2693,7 +2694,11 @@ def _analyser_view(row: dict[str, Any]) -> dict[str, Any]:
         "online": bool(row["online"]),
         "holding": None
         if row["holding"] is None
-        else {"appId": row["holding"], "since": _plain(row["holding_since"])},
+        else {
+            "appId": row["holding"],
+            "since": _plain(row["holding_since"]),
+            "until": _plain(row["holding_until"]),
+        },
         "lastResult": last,
         "results24h": row["results_24h"],
         "failures24h": row["failures_24h"],
@@ -2713,6 +2718,7 @@ def list_analysers(db: SharedConnection | Session, policy: QueuePolicy) -> list[
     rows = db.records(
         ANALYSER_ACTIVITY,
         analysis_version=policy.analysis_version,
+        timeout_minutes=policy.processing_timeout_minutes,
         broken_failures=settings().broken_analyser_failures,
     )
     return [_analyser_view(row) for row in rows]
@@ -9306,7 +9312,8 @@ def _print_analyser(row: dict[str, Any]) -> None:
     if row["previousTokenValidUntil"]:
         print(f"  previous token valid until {row['previousTokenValidUntil']}")
     if row["holding"]:
-        print(f"  holding {row['holding']['appId']} since {row['holding']['since']}")
+        holding = row["holding"]
+        print(f"  holding {holding['appId']} since {holding['since']}, until {holding['until']}")
     last = row["lastResult"]
     if last:
         outcome = "analysed" if last["success"] else "failed"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+from datetime import datetime, timedelta
 
 import pytest
 from kit import ADMIN, ANALYSER, configure_service
@@ -131,6 +132,9 @@ def test_the_admin_api_adds_lists_rotates_and_revokes(client, sql, caplog, capsy
     (row,) = listed.json()["analysers"]
     assert row["name"] == "pi-attic" and row["revoked"] is None
     assert row["holding"]["appId"] == "com.example.app" and row["holding"]["since"]
+    # The lease ends, without a result, PROCESSING_TIMEOUT_MINUTES after it began.
+    since, until = (datetime.fromisoformat(row["holding"][k]) for k in ("since", "until"))
+    assert until - since == timedelta(minutes=handler.settings().policy.processing_timeout_minutes)
     assert row["lastResult"] is None and row["online"] is False  # no ping yet
     assert client.post(UPLOAD, json={"success": True}, headers=bearer(token)).status_code == 200
     assert client.get("/ping", headers=bearer(token)).status_code == 200

@@ -1298,6 +1298,11 @@ def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, tmp_path):
 
     sign_in(tab, base)
     expect(page.locator("#counted")).to_be_visible()
+    # What is busy now: each analyser that holds an app, since when, until when.
+    busy = cells(page, "Busy now")
+    assert busy[0] == ["analyser", "holds", "since", "lease ends", "paused", "broken"]
+    assert busy[1][:2] == ["pi-kitchen", "com.example.podcasts"] and len(busy) == 2
+    assert re.fullmatch(r"\d+ s ago", busy[1][2]) and re.fullmatch(r"in \d+ (h|min)", busy[1][3])
     assert cells(page, "Apps by state")[1:] == [
         ["queued", "3"],
         ["processing", "1"],

@@ -139,7 +139,9 @@ function ratio(value) { return value === null || value === undefined ? 'no resul
   `${Math.round(value * 1000) / 10} %`; }
 
 async function overview() {
-  const [data, record] = await Promise.all([api('/admin/api/status'), api('/admin/api/actions')]);
+  const [data, record, fleet] = await Promise.all([api('/admin/api/status'),
+    api('/admin/api/actions'), api('/admin/api/analysers')]);
+  const busy = fleet.analysers.filter((a) => a.holding !== null || a.paused || a.broken);
   const s = data.status;
   const age = Math.round((Date.now() - Date.parse(data.counted)) / 1000);
   const h = s.held_back;
@@ -159,6 +161,10 @@ async function overview() {
     el('h2', {}, 'Backlog'),
     table(['backlog', 'ETA (hours)', 'analysers in the last hour'],
       [[s.backlog_total, when(s.eta_hours), s.analysers_last_hour]]),
+    el('h2', {}, 'Busy now'),
+    table(['analyser', 'holds', 'since', 'lease ends', 'paused', 'broken'], busy.map((a) => [
+      a.name, a.holding ? appLink(a.holding.appId) : '-', ago(a.holding && a.holding.since),
+      ago(a.holding && a.holding.until), a.paused ? 'paused' : 'no', a.broken ? 'broken' : 'no'])),
     el('h2', {}, 'Analysers'),
     table(['look broken', 'paused', 'failures in the last hour (the fleet)'],
       [[el('a', {href: '/admin/analysers'}, String(s.broken_analysers)),

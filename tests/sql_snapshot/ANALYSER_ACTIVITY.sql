@@ -9,6 +9,7 @@ SELECT a.name, a.created, a.rotated, a.revoked, a.last_seen, a.previous_token_ex
        a.last_result_app, a.last_result_at, a.last_result_success, a.last_result_version,
        a.last_result_version < :analysis_version AS outdated_version,
        held.appid AS holding, held.processing_started AS holding_since,
+       held.processing_started + make_interval(mins => :timeout_minutes) AS holding_until,
        COALESCE(day.results, 0) AS results_24h, COALESCE(day.failures, 0) AS failures_24h
 FROM analysers a
 LEFT JOIN LATERAL (
