@@ -2400,16 +2400,20 @@ REVOKE_ANALYSER = REVOKE_HOLDER.format(table="analysers")
 # previous token still in its overlap is dropped. A revoked holder stays revoked. One
 # statement that locks the row before it decides: a revocation that commits while it
 # waits is seen (revoked), so the answer is one row saying which case it was (none: no
-# such name), whatever commits meanwhile.
+# such name), whatever commits meanwhile. `rotated` is the clock once the row is locked
+# (not the transaction's start): a web sign-in that held the row (OPERATOR_STILL_CURRENT)
+# committed its session before it, so that session ends with this rotation.
 ROTATE_HOLDER = """
 WITH found AS (
     SELECT name, revoked IS NOT NULL AS revoked FROM {table} WHERE name = :name FOR UPDATE
 ), rotated AS (
     UPDATE {table}
     SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
-        previous_token_expires = CASE WHEN :overlap_seconds > 0
-                                      THEN now() + make_interval(secs => :overlap_seconds) END,
-        token_hash = :token_hash, rotated = clock_timestamp()
+        (rotated, previous_token_expires) = (
+            SELECT at, CASE WHEN :overlap_seconds > 0
+                            THEN at + make_interval(secs => :overlap_seconds) END
+            FROM (SELECT clock_timestamp() AS at) AS stamp),
+        token_hash = :token_hash
     FROM found WHERE {table}.name = found.name AND NOT found.revoked
     RETURNING {table}.name, {table}.rotated, {table}.previous_token_expires
 )

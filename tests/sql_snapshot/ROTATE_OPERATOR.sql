@@ -4,9 +4,11 @@ WITH found AS (
 ), rotated AS (
     UPDATE operators
     SET previous_token_hash = CASE WHEN :overlap_seconds > 0 THEN token_hash END,
-        previous_token_expires = CASE WHEN :overlap_seconds > 0
-                                      THEN now() + make_interval(secs => :overlap_seconds) END,
-        token_hash = :token_hash, rotated = clock_timestamp()
+        (rotated, previous_token_expires) = (
+            SELECT at, CASE WHEN :overlap_seconds > 0
+                            THEN at + make_interval(secs => :overlap_seconds) END
+            FROM (SELECT clock_timestamp() AS at) AS stamp),
+        token_hash = :token_hash
     FROM found WHERE operators.name = found.name AND NOT found.revoked
     RETURNING operators.name, operators.rotated, operators.previous_token_expires
 )
