@@ -118,6 +118,22 @@ def ensure_sam() -> None:
     print(run([SAM, "--version"], env=SAM_ENV).stdout.strip())
 
 
+def sam_validate() -> str:
+    """`sam validate --lint` of template.yaml (SAM's transform and cfn-lint's rules): a
+    Failed when it finds anything. A region is needed to name the service endpoints it
+    checks against; it asks AWS nothing."""
+    env = {**SAM_ENV, "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+    done = run(
+        [SAM, "validate", "--lint", "--template-file", REPO / "template.yaml"],
+        env=env,
+        check=False,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        raise Failed(f"sam validate --lint: {(done.stdout + done.stderr).strip()[-2000:]}")
+    return done.stdout.strip()
+
+
 # --- 2. the image -----------------------------------------------------------------------
 
 
@@ -619,6 +635,9 @@ def main() -> int:
         step("docker and the SAM CLI")
         check_docker()
         ensure_sam()
+        # docs/monitoring.md's third check of the template, run here where the SAM CLI is.
+        step("sam validate --lint")
+        print(sam_validate())
         step(f"the image {IMAGE}")
         if has_image():
             print("present (pulled, loaded or built before): used as it is")
