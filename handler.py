@@ -7239,12 +7239,6 @@ def session_operator(db: SharedConnection, cookie: str | None, source: str) -> O
     return Operator(actor, source, session=id_hash, read_only=rows[0]["read_only"])
 
 
-def live_session(db: SharedConnection, cookie: str | None) -> bytes | None:
-    """The hash of the session this cookie carries if it is live (session_operator)."""
-    operator = session_operator(db, cookie, "")
-    return None if operator is None else operator.session
-
-
 def session_cookie(value: str, secure: bool, max_age: int) -> str:
     """The Set-Cookie value: HttpOnly (no script reads it), SameSite=Strict, only for
     /admin, Secure over https (API Gateway); max_age 0 clears it."""

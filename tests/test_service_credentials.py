@@ -125,11 +125,11 @@ def test_the_cli_rotates_and_the_new_value_works_at_once_the_old_for_the_overlap
 def test_a_new_admin_token_ends_every_web_session(client, sql, database_url):
     db = handler.api_connection()
     cookie = handler.sign_in(db, ADMIN_TOKEN, "test")
-    assert cookie is not None and handler.live_session(db, cookie) is not None
+    assert cookie is not None and handler.session_operator(db, cookie, "test") is not None
     assert handler.sign_in(db, "wrong", "test") is None
     rotated = handler.rotate_credential(db, handler.Operator("t", "t"), "admin-token", 3600)
     # The overlap keeps the old token working as a bearer, not the sessions it started.
-    assert handler.live_session(db, cookie) is None
+    assert handler.session_operator(db, cookie, "test") is None
     assert client.get("/analysers", headers=ADMIN).status_code == 200
     assert client.get("/analysers", headers=bearer(rotated["token"])).status_code == 200
     assert rotated["token"].startswith("aqx_")
@@ -150,7 +150,7 @@ def test_web_sign_in_takes_the_current_admin_token_only_and_fills_an_empty_row(c
     assert handler.sign_in(db, "wrong", "test") is None
     assert sql.run(STORED) == []  # a refused sign-in fills nothing
     cookie = handler.sign_in(db, ADMIN_TOKEN, "test")
-    assert cookie is not None and handler.live_session(db, cookie) is not None
+    assert cookie is not None and handler.session_operator(db, cookie, "test") is not None
     ((name, chosen, set_by),) = sql.run(STORED)
     assert (name, chosen) == ("admin_token", True) and set_by.startswith("admin token, session ")
     assert handler.web_session_key(db) is not None
