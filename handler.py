@@ -32,6 +32,7 @@ it:
   Claims                            GET /queue: the best of a few index heads
   Apps                              GET /apps/{appId} with its queue position, POST /apps
   Reports                           queue-status (text, JSON, metrics) and priority-report
+  The queue over time               the report's hourly snapshots; results per hour, from history
   Refetch                           queue-refetch, in committed batches
   Holds and pauses                  the queue or an analyser paused, an app held, and routes
   The ledger                        the sorted SQL ledger in sql/ and its runner
@@ -39,6 +40,7 @@ it:
   Web view: sessions and guards     sign-in, the session cookie, operator actions, the guard
   Web view: what it reads           the overview, apps by filter, one app's story and why
   Web view: the page                the one static page, its stylesheet and its script
+  Web view: its OpenAPI document    the admin API described (/admin/api), from the route table
   Web view: routes                  every /admin address, behind ADMIN_WEB
   HTTP error answers                the exception handlers: {"detail": ...} and a status
   Lambda entry points: api and migrate  api (API Gateway), migrate (the custom resource)
@@ -5733,6 +5735,137 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+# == The queue over time ================================================================
+# What the web view's charts draw, with no CloudWatch: results, failures and expired
+# leases per hour (and per analyser) from app_analyses, which records each one as it is
+# stored, and the queue's states and backlog from the snapshot the scheduled report keeps
+# once an hour (sql/036) for QUEUE_HISTORY_DAYS. Nothing here is on a claim's path.
+
+
+# -- SQL
+
+QUEUE_HISTORY_DAYS = 90
+# The hour's first report keeps its count (one invoked again within the hour changes
+# nothing), and the same transaction deletes what has left the window.
+KEEP_SNAPSHOT = """
+INSERT INTO queue_snapshots (hour, states, backlog, failed)
+VALUES (date_trunc('hour', now()), CAST(:states AS jsonb), CAST(:backlog AS jsonb),
+        CAST(:failed AS jsonb))
+ON CONFLICT (hour) DO NOTHING
+"""
+PRUNE_SNAPSHOTS = "DELETE FROM queue_snapshots WHERE hour < now() - make_interval(days => :days)"
+# The window: the current hour and the :hours - 1 before it, by the database's clock.
+HISTORY_WINDOW = "SELECT date_trunc('hour', now()) - make_interval(hours => :hours - 1) AS start"
+# Each hour's results by who stored them: an analyser's name, or NULL (the shared
+# password's, and the back-off's lease_expired records, told apart by their source).
+RESULTS_BY_HOUR = f"""
+SELECT date_trunc('hour', analysed) AS hour, analyser,
+       count(*) FILTER (WHERE success) AS results,
+       count(*) FILTER (WHERE NOT success
+                        AND analysis_source IS DISTINCT FROM '{SERVER_FAILURE_SOURCE}') AS failures,
+       count(*) FILTER (WHERE analysis_source = '{SERVER_FAILURE_SOURCE}') AS expired_leases
+FROM app_analyses WHERE analysed >= :start
+GROUP BY 1, 2
+"""
+SNAPSHOTS_SINCE = """
+SELECT hour, states::text AS states, backlog::text AS backlog, failed::text AS failed
+FROM queue_snapshots WHERE hour >= :start ORDER BY hour
+"""
+
+
+# -- keeping a snapshot
+
+
+def keep_queue_snapshot(db: SharedConnection, status: QueueStatus) -> bool:
+    """The report's hourly snapshot of `status` (the states, the backlog and the failed
+    apps by reason), and older ones than QUEUE_HISTORY_DAYS deleted, in one transaction.
+    False, logged, when the database refuses it for want of a grant (docs/operations.md):
+    the report's own record and metrics do not depend on it."""
+
+    def work(session: Session) -> None:
+        session.run(
+            KEEP_SNAPSHOT,
+            states=json.dumps({state: status.counts.get(state, 0) for state in APP_STATES}),
+            backlog=json.dumps({reason: status.backlog.get(reason, 0) for reason in REASON_TEXT}),
+            failed=json.dumps(status.failed_by_reason),
+        )
+        session.run(PRUNE_SNAPSHOTS, days=QUEUE_HISTORY_DAYS)
+
+    try:
+        db.transaction(work)
+    except pg8000.native.DatabaseError as error:
+        if sqlstate(error) != "42501":  # insufficient_privilege
+            raise
+        logger.warning(
+            "no queue snapshot kept: the database role may not write queue_snapshots",
+            extra={"grant": "GRANT SELECT, INSERT, DELETE ON queue_snapshots (docs/operations.md)"},
+        )
+        return False
+    return True
+
+
+# -- reading the history
+
+HISTORY_WINDOWS = {"24h": 24, "7d": 24 * 7}
+
+
+def queue_history(db: SharedConnection, hours: int) -> dict[str, Any]:
+    """The last `hours` hours, oldest first, one entry per hour in every series: the
+    fleet's results, failures and expired leases, each analyser's results and failures
+    (`analysers`; name None: the shared password's), and from the snapshots the apps by
+    state, the backlog and the failed apps (None where no report counted that hour)."""
+
+    def work(session: Session) -> dict[str, Any]:
+        ((start,),) = session.run(HISTORY_WINDOW, hours=hours)
+        results = session.records(RESULTS_BY_HOUR, start=start)
+        snapshots = session.records(SNAPSHOTS_SINCE, start=start)
+        return {"start": start, "results": results, "snapshots": snapshots}
+
+    read = db.transaction(work)
+    hour_starts = [read["start"] + timedelta(hours=index) for index in range(hours)]
+    position = {hour: index for index, hour in enumerate(hour_starts)}
+
+    def series() -> list[int]:
+        return [0] * hours
+
+    fleet = {"results": series(), "failures": series(), "expiredLeases": series()}
+    by_analyser: dict[str | None, dict[str, list[int]]] = {}
+    for row in read["results"]:
+        at = position.get(row["hour"])
+        if at is None:  # an analysis dated in the future (an analyser's clock): not drawn
+            continue
+        fleet["results"][at] += row["results"]
+        fleet["failures"][at] += row["failures"]
+        fleet["expiredLeases"][at] += row["expired_leases"]
+        if row["results"] or row["failures"]:
+            mine = by_analyser.setdefault(
+                row["analyser"], {"results": series(), "failures": series()}
+            )
+            mine["results"][at] += row["results"]
+            mine["failures"][at] += row["failures"]
+    counted: dict[str, list[Any]] = {
+        name: [None] * hours for name in ("states", "backlog", "failed")
+    }
+    for row in read["snapshots"]:
+        at = position.get(row["hour"])
+        if at is not None:
+            for name in counted:
+                counted[name][at] = json.loads(row[name])
+    named = sorted((name for name in by_analyser if name is not None), key=str.lower)
+    return {
+        "hours": [_plain(hour) for hour in hour_starts],
+        **fleet,
+        "analysers": [
+            {"name": name, **by_analyser[name]}
+            for name in ([*named, None] if None in by_analyser else named)
+        ],
+        "states": counted["states"],
+        "backlog": [None if b is None else sum(b.values()) for b in counted["backlog"]],
+        "backlogByReason": counted["backlog"],
+        "failedByReason": counted["failed"],
+    }
+
+
 # == Refetch ============================================================================
 # queue-refetch: apps queued for a new analysis, in committed batches.
 
@@ -6766,8 +6899,8 @@ def package_version() -> dict[str, str]:
     digest.update(Path(__file__).read_bytes().replace(b"\r\n", b"\n"))
     for migration in files:
         digest.update(f"\0sql/{migration.name}\0{migration.checksum}".encode())
-    for page in sorted(WEB_DIR.glob("*")):
-        digest.update(f"\0web/{page.name}\0".encode())
+    for page in sorted(path for path in WEB_DIR.rglob("*") if path.is_file()):
+        digest.update(f"\0web/{page.relative_to(WEB_DIR).as_posix()}\0".encode())
         digest.update(page.read_bytes().replace(b"\r\n", b"\n"))
     return {"build": digest.hexdigest()[:12], "ledger": files[-1].name if files else ""}
 
@@ -7474,23 +7607,28 @@ ORDER BY id DESC LIMIT :limit
 # -- the overview
 
 STATUS_MAX_AGE_SECONDS = 60
-_overview_lock = threading.Lock()
+_counting_lock = threading.Lock()
+
+
+def counted_recently(key: str, count: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """count()'s document and when it was counted (`counted`), counted at most once a
+    STATUS_MAX_AGE_SECONDS per process (Runtime.cached): counting a million apps, or a
+    week of history, takes seconds, and the page says how old its figures are. One count
+    at a time: a page's requests that arrive together wait for one count, not run many."""
+    process = runtime()
+    with _counting_lock:
+        cached = process.cached.get(key)
+        if cached is None or process.clock() - cached[0] > STATUS_MAX_AGE_SECONDS:
+            counted = {**count(), "counted": datetime.now(UTC).isoformat()}
+            cached = process.cached[key] = (process.clock(), counted)
+    return cached[1]
 
 
 def overview(db: SharedConnection, policy: QueuePolicy) -> dict[str, Any]:
-    """The queue-status document (what `queue-status --json` prints) and when it was
-    counted: counting a million apps takes seconds, so a process counts at most once a
-    STATUS_MAX_AGE_SECONDS (Runtime.cached) and the page says how old its figures are."""
-    process, key = runtime(), f"overview {policy}"
-    with _overview_lock:
-        cached = process.cached.get(key)
-        if cached is None or process.clock() - cached[0] > STATUS_MAX_AGE_SECONDS:
-            counted = {
-                "status": queue_status(db, policy).document(),
-                "counted": datetime.now(UTC).isoformat(),
-            }
-            cached = process.cached[key] = (process.clock(), counted)
-    return cached[1]
+    """The queue-status document (what `queue-status --json` prints) as `status`."""
+    return counted_recently(
+        f"overview {policy}", lambda: {"status": queue_status(db, policy).document()}
+    )
 
 
 ACTIONS_PAGE_SIZE = 50
@@ -7646,7 +7784,177 @@ ADMIN_ASSETS = {
     "/admin/static/admin.js": ("text/javascript; charset=utf-8", "admin.js"),
     # Linked by every page, so no browser asks for /favicon.ico (a 404 in the log).
     "/admin/static/favicon.svg": ("image/svg+xml", "favicon.svg"),
+    # The overview's charts: uPlot, as tools/vendor_uplot.py fetched it, with its licence.
+    "/admin/static/vendor/uPlot.iife.min.js": (
+        "text/javascript; charset=utf-8",
+        "vendor/uPlot.iife.min.js",
+    ),
+    "/admin/static/vendor/uPlot.min.css": ("text/css; charset=utf-8", "vendor/uPlot.min.css"),
+    "/admin/static/vendor/uPlot.LICENSE": ("text/plain; charset=utf-8", "vendor/uPlot.LICENSE"),
 }
+
+
+# == Web view: its OpenAPI document =====================================================
+# The OpenAPI document of /admin/api (GET /admin/api/openapi.json), so a script can be
+# written against what the web view's pages use: each operation's summary, its query
+# parameters and body, who may call it, and its answers. Built from the route table
+# (admin_openapi), so no route is missing from it; a route with no entry here fails to
+# build it (tests/test_admin_openapi.py), the day it is added.
+
+
+# -- what each operation takes
+
+_TEXT, _FLAG = {"type": "string"}, {"type": "boolean"}
+# (method, path) -> (summary, query parameters {name: description}, body fields {name:
+# schema}, or None: no body; {}: only `{}` or none).
+ADMIN_API: dict[tuple[str, str], tuple[str, dict[str, str], dict[str, Any] | None]] = {
+    ("GET", "/admin/api/status"): ("The queue-status document and when it was counted", {}, None),
+    ("GET", "/admin/api/priority"): (
+        "The backlog's first apps, in the order claims hand them out",
+        {"limit": "how many: 1 to 1,000 (50)"},
+        None,
+    ),
+    ("GET", "/admin/api/actions"): (
+        "Who did what, newest first, 50 a page",
+        {"before": "the `next` of the page before"},
+        None,
+    ),
+    ("GET", "/admin/api/history"): (
+        "The queue over time, one entry an hour",
+        {"window": "24h or 7d (the default)"},
+        None,
+    ),
+    ("GET", "/admin/api/apps"): (
+        "Apps in bundle-ID order, 50 a page",
+        {
+            "state": "queued, processing, analysed or failed",
+            "reason": "a failure reason (failed apps)",
+            "q": "the start of the bundle ID, any letter case",
+            "after": "the `next` of the page before",
+        },
+        None,
+    ),
+    ("GET", "/admin/api/apps/{appId}"): (
+        "One app: its state, history, actions, and why it is or is not handed out",
+        {},
+        None,
+    ),
+    ("POST", "/admin/api/refetch"): (
+        "Refetch named apps, or the failed apps a filter selects (at most 1,000)",
+        {},
+        {
+            "appIds": {"type": "array", "items": _TEXT, "maxItems": 1000},
+            "filter": {
+                "type": "object",
+                "properties": {
+                    name: _TEXT for name in ("state", "reason", "q", "failedBy", "since")
+                },
+            },
+            "force": _FLAG,
+            "dryRun": _FLAG,
+        },
+    ),
+    ("POST", "/admin/api/apps/{appId}/hold"): (
+        "Hold an app: never handed out until released",
+        {},
+        {"reason": _TEXT, "force": _FLAG},
+    ),
+    ("POST", "/admin/api/apps/{appId}/release"): ("Release a held app", {}, {}),
+    ("POST", "/admin/api/queue/pause"): ("Pause the whole queue", {}, {"reason": _TEXT}),
+    ("POST", "/admin/api/queue/resume"): ("Resume the queue", {}, {}),
+    ("GET", "/admin/api/analysers"): ("Every named analyser and its activity", {}, None),
+    ("POST", "/admin/api/analysers"): (
+        "Add a named analyser: its token, shown once",
+        {},
+        {"name": _TEXT},
+    ),
+    ("POST", "/admin/api/analysers/{name}/rotate"): (
+        "A new token; the old one works for the overlap",
+        {},
+        {"overlap": _TEXT},
+    ),
+    ("POST", "/admin/api/analysers/{name}/revoke"): ("Revoke an analyser's tokens", {}, {}),
+    ("POST", "/admin/api/analysers/{name}/pause"): ("Pause an analyser", {}, {}),
+    ("POST", "/admin/api/analysers/{name}/resume"): ("Resume an analyser", {}, {}),
+    ("GET", "/admin/api/openapi.json"): ("This document", {}, None),
+}
+
+
+# -- the document
+
+
+def admin_openapi(routes: Sequence[tuple[str, str, Any, str]]) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the /admin/api routes of `routes` (ADMIN_ROUTES)."""
+    detail = {
+        "type": "object",
+        "properties": {"detail": _TEXT},
+        "required": ["detail"],
+    }
+    errors = {
+        "400": "bad input: nothing changed",
+        "401": "no valid credential",
+        "403": "a read-only operator, ADMIN_WEB=read-only, or a write from another page",
+        "404": "no such app or analyser",
+        "503": "the database cannot answer now",
+    }
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, _, who in routes:
+        if not path.startswith("/admin/api/"):
+            continue
+        summary, query, body = ADMIN_API[method, path]
+        parameters = [
+            {"name": name, "in": "path", "required": True, "schema": _TEXT}
+            for name in re.findall(r"\{(\w+)\}", path)
+        ] + [
+            {"name": name, "in": "query", "required": False, "description": text, "schema": _TEXT}
+            for name, text in query.items()
+        ]
+        success = "201" if (method, path) == ("POST", "/admin/api/analysers") else "200"
+        operation: dict[str, Any] = {
+            "summary": summary,
+            "operationId": f"{method.lower()}{re.sub(r'[^A-Za-z0-9]+', '_', path[10:])}",
+            "parameters": parameters,
+            "responses": {
+                success: {
+                    "description": "done",
+                    "content": {"application/json": {"schema": {"type": "object"}}},
+                },
+                **{
+                    status: {
+                        "description": text,
+                        "content": {"application/json": {"schema": detail}},
+                    }
+                    for status, text in errors.items()
+                },
+            },
+        }
+        if who == "action":
+            operation["description"] = "Changes the queue: a full operator's, never read-only."
+        if body is not None:
+            schema = {"type": "object", "properties": body, "additionalProperties": False}
+            operation["requestBody"] = {
+                "required": False,
+                "content": {"application/json": {"schema": schema}},
+            }
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Analysis queue: the operators' admin API",
+            "version": "1",
+            "description": "What the web view's pages use (docs/web-view.md). Every route"
+            " takes an operator's token or the admin token as a bearer token, or a web view"
+            " session's cookie (a write by cookie only from the web view's own page).",
+        },
+        "components": {
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "session": {"type": "apiKey", "in": "cookie", "name": ADMIN_SESSION_COOKIE},
+            }
+        },
+        "security": [{"bearer": []}, {"session": []}],
+        "paths": paths,
+    }
 
 
 # == Web view: routes ===================================================================
@@ -7792,6 +8100,16 @@ def _api_actions(request: Request, operator: Operator, body: bytes) -> Response:
     return JSONResponse(page)
 
 
+def _api_history(request: Request, operator: Operator, body: bytes) -> Response:
+    """The queue over time (queue_history): `window` 24h or 7d (the default)."""
+    window = request.query_params.get("window") or "7d"
+    if window not in HISTORY_WINDOWS:
+        raise BadInput(f"window must be one of {', '.join(HISTORY_WINDOWS)}")
+    hours = HISTORY_WINDOWS[window]
+    history = counted_recently(f"history {hours}", lambda: queue_history(api_connection(), hours))
+    return JSONResponse({"window": window, **history})
+
+
 def _api_priority(request: Request, operator: Operator, body: bytes) -> Response:
     """`priority-report`: the backlog's first `limit` apps (50; at most 1,000), in the
     order claims hand them out."""
@@ -7800,6 +8118,10 @@ def _api_priority(request: Request, operator: Operator, body: bytes) -> Response
         raise BadInput(f"limit must be a whole number from 1 to {BULK_REFETCH_LIMIT}")
     apps = priority_report(api_connection(), settings().policy, int(limit))
     return JSONResponse({"apps": apps})
+
+
+def _api_openapi(request: Request, operator: Operator, body: bytes) -> Response:
+    return JSONResponse(admin_openapi(ADMIN_ROUTES))
 
 
 def _api_analysers(request: Request, operator: Operator, body: bytes) -> Response:
@@ -7943,10 +8265,15 @@ ADMIN_ROUTES = (
     ("GET", "/admin/static/admin.css", _admin_asset, "anyone"),
     ("GET", "/admin/static/admin.js", _admin_asset, "anyone"),
     ("GET", "/admin/static/favicon.svg", _admin_asset, "anyone"),
+    ("GET", "/admin/static/vendor/uPlot.iife.min.js", _admin_asset, "anyone"),
+    ("GET", "/admin/static/vendor/uPlot.min.css", _admin_asset, "anyone"),
+    ("GET", "/admin/static/vendor/uPlot.LICENSE", _admin_asset, "anyone"),
     ("POST", "/admin/logout", _sign_out, "write"),
     ("GET", "/admin/api/status", _api_status, "read"),
     ("GET", "/admin/api/priority", _api_priority, "read"),
     ("GET", "/admin/api/actions", _api_actions, "read"),
+    ("GET", "/admin/api/history", _api_history, "read"),
+    ("GET", "/admin/api/openapi.json", _api_openapi, "read"),
     ("GET", "/admin/api/apps", _api_apps, "read"),
     ("GET", "/admin/api/apps/{appId}", _api_app, "read"),
     ("POST", "/admin/api/refetch", _api_refetch, "action"),
@@ -8709,6 +9036,7 @@ def report(event: dict[str, Any] | None, context: Any) -> dict[str, Any]:
     document = status.document()
     logger.info("queue status", extra={"queue_status": document})
     _publish_queue_metrics(status)
+    keep_queue_snapshot(api_connection(), status)
     return document
 
 
@@ -8989,12 +9317,36 @@ def start_serving_threads() -> None:
         print(f"serve: the database cannot serve yet: {cli_error_line(error)}", file=sys.stderr)
 
 
+# EventBridge has no local twin: serve keeps the scheduled report's hourly snapshot itself
+# (one at start, then one an hour), so a local web view draws the queue over time too.
+SERVE_SNAPSHOT_SECONDS = 3600
+
+
+def keep_snapshots_while_serving() -> None:
+    """A daemon thread, with a connection of its own, doing the scheduled report's
+    database work each SERVE_SNAPSHOT_SECONDS: promotion, the count, the snapshot. A
+    failure is said on stderr and tried again an hour later."""
+
+    def every_hour() -> None:
+        while True:
+            try:
+                policy, db = settings().policy, api_connection()
+                promote_due_apps(db, policy, REPORT_PROMOTION_BUDGET_SECONDS)
+                keep_queue_snapshot(db, queue_status(db, policy))
+            except Exception as error:  # noqa: BLE001 - said; the next hour tries again
+                print(f"serve: no queue snapshot kept: {cli_error_line(error)}", file=sys.stderr)
+            time.sleep(SERVE_SNAPSHOT_SECONDS)
+
+    threading.Thread(target=every_hour, name="queue-snapshots", daemon=True).start()
+
+
 def _cli_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     _local_defaults()
     use_cli_runtime(worker_threads=SERVE_WORKER_THREADS)
     start_serving_threads()
+    keep_snapshots_while_serving()
     web = settings().admin_web
     where = f" at http://{args.host}:{args.port}/admin" if web != "off" else ""
     print(f"web view (ADMIN_WEB): {web}{where}", file=sys.stderr)

@@ -175,7 +175,8 @@ def test_the_function_package_is_handler_sql_and_web_only(builds):
     _, function = builds[0]
     shipped = {p.relative_to(function).as_posix() for p in function.rglob("*") if p.is_file()}
     ledger = {f"sql/{p.name}" for p in (REPO / "sql").glob("*.sql")}
-    page = {f"web/{p.name}" for p in (REPO / "web").iterdir()}
+    page = {f"web/{p.relative_to(REPO / 'web').as_posix()}" for p in (REPO / "web").rglob("*")}
+    page = {name for name in page if (REPO / name).is_file()}
     assert shipped == {"handler.py", "__pycache__/handler.cpython-312.pyc"} | ledger | page
     assert not any(name.endswith(".md") for name in shipped)
 

@@ -395,6 +395,98 @@ def test_every_page_has_an_icon_and_no_browser_asks_for_favicon_ico(serve, tab):
     assert tab.errors == []
 
 
+def seed_history(sql) -> None:
+    """A week of results by two analysers and the shared password, a lease the back-off
+    ended, and three hourly snapshots, as the service would have stored them."""
+    hour = sql.run("SELECT date_trunc('hour', now())")[0][0]
+    for number, (hours_ago, success, analyser, source) in enumerate(
+        (
+            (0, True, "pi-kitchen", None),
+            (1, True, "pi-kitchen", None),
+            (30, True, "pi-kitchen", None),
+            (100, True, "pi-kitchen", None),
+            (2, False, "pi-attic", None),
+            (50, False, "pi-attic", None),
+            (3, True, None, None),  # the shared password's
+            (4, False, None, handler.SERVER_FAILURE_SOURCE),  # a lease that expired
+            (200, True, "pi-kitchen", None),  # before the week: not drawn
+        )
+    ):
+        app_id = f"com.example.history{number}"
+        insert_app(sql, app_id, status="analysed" if success else "failed")
+        sql.run(
+            "INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, success,"
+            " analyser, analysis_source) VALUES (:appid, '{}', 4,"
+            " CAST(:hour AS timestamptz) - make_interval(hours => :ago) + interval '10 minutes', :success,"
+            " :analyser, :source)",
+            appid=app_id,
+            hour=hour,
+            ago=hours_ago,
+            success=success,
+            analyser=analyser,
+            source=source,
+        )
+    for hours_ago, queued, stale in ((0, 7, 2), (12, 20, 2), (60, 40, 5)):
+        sql.run(
+            "INSERT INTO queue_snapshots (hour, states, backlog, failed) VALUES"
+            " (CAST(:hour AS timestamptz) - make_interval(hours => :ago), CAST(:states AS jsonb),"
+            " CAST(:backlog AS jsonb), '{}')",
+            hour=hour,
+            ago=hours_ago,
+            states=json.dumps({"queued": queued, "processing": 1, "analysed": 5, "failed": 2}),
+            backlog=json.dumps({"queued": queued, "stale": stale}),
+        )
+
+
+def test_the_charts_are_drawn_from_a_seeded_history(serve, tab, sql):
+    seed_history(sql)
+    base = serve()
+    page = tab.page
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
+    sign_in(tab, base)
+    charts = page.locator("#history .uplot")
+    expect(charts).to_have_count(4)
+    assert page.locator("#history .uplot canvas").count() == 4
+    titles = page.locator("#history .u-title").all_inner_texts()
+    assert titles == [
+        "Results and failures per hour",
+        "The backlog and the apps by state",
+        "Each analyser's results per hour",
+        "Each analyser's failures per hour",
+    ]
+    legend = page.locator("#chart-analyser-results .u-legend .u-label").all_inner_texts()
+    assert legend[1:] == ["pi-attic", "pi-kitchen", "shared password"]
+    expect(page.locator("#results-sum")).to_have_text(
+        "In the last 7 days, results: 5, failures: 2, leases expired: 1"
+        " (from the history of results)."
+    )
+    expect(page.locator("#backlog-sum")).to_have_text(
+        "Counted by the hourly report in 3 of 168 hours. Last counted, the backlog: 9, queued: 7."
+    )
+    sums = page.locator("#analyser-sums table").evaluate(
+        "t => [...t.rows].map(r => [...r.cells].map(c => c.textContent))"
+    )
+    assert sums == [
+        ["analyser", "results in the last 7 days", "failures in the last 7 days"],
+        ["pi-attic", "0", "2"],
+        ["pi-kitchen", "4", "0"],
+        ["shared password", "1", "0"],
+    ]
+
+    page.get_by_role("link", name="Show the last 24 hours").click()
+    expect(page.locator("#results-sum")).to_have_text(
+        "In the last 24 hours, results: 3, failures: 1, leases expired: 1"
+        " (from the history of results)."
+    )
+    assert page.url == f"{base}/admin?window=24h"
+    expect(page.locator("#backlog-sum")).to_contain_text("in 2 of 24 hours")
+    # Nothing from another origin: the library is the service's own.
+    assert asked and all(url.startswith(base + "/") for url in asked), asked
+    assert f"{base}/admin/static/vendor/uPlot.iife.min.js" in asked
+    assert tab.errors == []
+
+
 def test_an_empty_table_says_none_and_legacy_is_said_in_words(serve, tab, sql):
     """A table with no rows says "none" under its header (an app nobody acted on); a
     result that named no source shows as such, not as the bare word `legacy`."""

@@ -138,16 +138,75 @@ const IN_RETRIES_AND_HOLDS = ['retries_next_hour', 'retries_waiting', 'retries_e
 function ratio(value) { return value === null || value === undefined ? 'no results' :
   `${Math.round(value * 1000) / 10} %`; }
 
+// The queue over time: uPlot's charts (web/vendor/, served by the service itself), drawn
+// anew with the overview; a sum under each says what it shows, in words a test can read.
+let charts = [];
+const SERIES_COLOURS = ['#2a6', '#c33', '#e90', '#36c', '#939', '#0aa', '#777', '#a63'];
+function chart(id, title, history, series, yLabel, points = false) {
+  const box = el('div', {className: 'chart', id});
+  const width = Math.max(280, Math.min(main.clientWidth - 40, 900));
+  const x = history.hours.map((hour) => Date.parse(hour) / 1000);
+  const options = {title, width, height: 200, scales: {x: {time: true}},
+    axes: [{}, {label: yLabel, size: 50}],
+    series: [{label: 'hour (your time)'}, ...series.map((line, index) => ({label: line.label,
+      stroke: SERIES_COLOURS[index % SERIES_COLOURS.length], width: 1.5, spanGaps: false,
+      points: points ? {show: true, size: 5} : {}}))]};
+  charts.push(new uPlot(options, [x, ...series.map((line) => line.values)], box));
+  return box;
+}
+function total(values) { return values.reduce((sum, v) => sum + (v || 0), 0); }
+function lastCounted(values) {
+  for (let i = values.length - 1; i >= 0; i -= 1) if (values[i] !== null) return values[i];
+  return null;
+}
+function queueOverTime(history) {
+  for (const old of charts) old.destroy();
+  charts = [];
+  const span = history.window === '24h' ? 'the last 24 hours' : 'the last 7 days';
+  const other = history.window === '24h' ? '7d' : '24h';
+  const switcher = el('a', {href: '/admin?window=' + other, id: 'history-window'},
+    other === '24h' ? 'Show the last 24 hours' : 'Show the last 7 days');
+  const named = history.analysers.map((a) => a.name === null ? 'shared password' : a.name);
+  const counted = history.backlog.filter((b) => b !== null).length;
+  return el('section', {id: 'history'},
+    el('h2', {}, `The queue over time: ${span}`), el('p', {}, switcher),
+    chart('chart-results', 'Results and failures per hour', history, [
+      {label: 'results', values: history.results}, {label: 'failures', values: history.failures},
+      {label: 'leases expired', values: history.expiredLeases}], 'per hour'),
+    el('p', {className: 'note', id: 'results-sum'}, `In ${span}, results:` +
+      ` ${total(history.results)}, failures: ${total(history.failures)}, leases expired:` +
+      ` ${total(history.expiredLeases)} (from the history of results).`),
+    chart('chart-backlog', 'The backlog and the apps by state', history, [
+      {label: 'backlog', values: history.backlog},
+      ...['queued', 'processing', 'failed'].map((state) => ({label: state,
+        values: history.states.map((s) => (s === null ? null : s[state] || 0))}))], 'apps',
+      true),
+    el('p', {className: 'note', id: 'backlog-sum'}, counted ?
+      `Counted by the hourly report in ${counted} of ${history.hours.length} hours. Last` +
+      ` counted, the backlog: ${lastCounted(history.backlog)}, queued:` +
+      ` ${lastCounted(history.states.map((s) => (s === null ? null : s.queued || 0)))}.` :
+      'No hourly report has counted the queue in this window yet (the scheduled report, or' +
+      ' serve, keeps one count an hour).'),
+    chart('chart-analyser-results', 'Each analyser\'s results per hour', history,
+      history.analysers.map((a, i) => ({label: named[i], values: a.results})), 'results'),
+    chart('chart-analyser-failures', 'Each analyser\'s failures per hour', history,
+      history.analysers.map((a, i) => ({label: named[i], values: a.failures})), 'failures'),
+    el('div', {id: 'analyser-sums'}, table(['analyser', `results in ${span}`,
+      `failures in ${span}`], history.analysers.map((a, i) => [named[i], total(a.results),
+      total(a.failures)]))));
+}
+
 async function overview() {
-  const [data, record, fleet] = await Promise.all([api('/admin/api/status'),
-    api('/admin/api/actions'), api('/admin/api/analysers')]);
+  const shown = new URLSearchParams(location.search).get('window') === '24h' ? '24h' : '7d';
+  const [data, record, fleet, history] = await Promise.all([api('/admin/api/status'),
+    api('/admin/api/actions'), api('/admin/api/analysers'),
+    api('/admin/api/history?window=' + shown)]);
   const busy = fleet.analysers.filter((a) => a.holding !== null || a.paused || a.broken);
   const s = data.status;
-  const age = Math.round((Date.now() - Date.parse(data.counted)) / 1000);
   const h = s.held_back;
   show(el('h1', {}, 'Overview'), queuePause(pauseOf(s, data.counted)),
     el('div', {id: 'outcome'}),
-    el('p', {className: 'note', id: 'counted'}, `Counted ${age} s ago (${data.counted}).`),
+    el('p', {className: 'note', id: 'counted'}, 'Counted ', ago(data.counted), '.'),
     s.broken_analysers ? el('p', {className: 'warn', id: 'broken-analysers'},
       `${s.broken_analysers} named analyser(s) look broken: `,
       el('a', {href: '/admin/analysers'}, 'see the analysers'), '.') : null,
@@ -161,6 +220,7 @@ async function overview() {
     el('h2', {}, 'Backlog'),
     table(['backlog', 'ETA (hours)', 'analysers in the last hour'],
       [[s.backlog_total, when(s.eta_hours), s.analysers_last_hour]]),
+    queueOverTime(history),
     el('h2', {}, 'Busy now'),
     table(['analyser', 'holds', 'since', 'lease ends', 'paused', 'broken'], busy.map((a) => [
       a.name, a.holding ? appLink(a.holding.appId) : '-', ago(a.holding && a.holding.since),

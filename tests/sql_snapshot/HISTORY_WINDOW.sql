@@ -1,0 +1,1 @@
+SELECT date_trunc('hour', now()) - make_interval(hours => :hours - 1) AS start
