@@ -7582,6 +7582,34 @@ WHERE (CAST(:after AS text) IS NULL OR lower(appid) COLLATE "C" > :after) AND {B
 ORDER BY lower(appid) COLLATE "C"
 LIMIT :limit
 """
+# Apps whose bundle ID holds :contains anywhere, in any letter case. No index finds text
+# in the middle of a bundle ID, and none is added for it (each index on apps is one more
+# entry for every claim to write): a page reads at most :scan apps of the same order, the
+# range after :after and in the prefix, and says where it stopped (scanned_to) when it
+# read them all before it found a page of matches; the next page reads on from there.
+APPS_CONTAINING = f"""
+WITH scanned AS (
+    SELECT appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason
+    FROM apps
+    WHERE (CAST(:after AS text) IS NULL OR lower(appid) COLLATE "C" > :after) AND {BUNDLE_ID_STARTS}
+    ORDER BY lower(appid) COLLATE "C"
+    LIMIT :scan
+), matched AS (
+    SELECT appid, sort_key FROM scanned
+    WHERE strpos(sort_key, :contains) > 0
+      AND (CAST(:state AS text) IS NULL OR status = :state)
+      AND (CAST(:reason AS text) IS NULL OR status = 'failed' AND failure_reason = :reason)
+    ORDER BY sort_key
+    LIMIT :limit
+)
+SELECT a.appid, m.sort_key, a.status, a.failure_reason, a.failure_retryable,
+       a.analysisversion, a.analysed, a.processing_started,
+       {CLAIM_HOLDER} AS claim_holder,
+       app_popularity(a.details) AS popularity, a.added, ends.scanned_to, ends.scanned
+FROM (SELECT max(sort_key) AS scanned_to, count(*) AS scanned FROM scanned) AS ends
+LEFT JOIN (matched AS m JOIN apps AS a ON a.appid = m.appid) ON true
+ORDER BY m.sort_key
+"""
 APP_HISTORY = """
 SELECT analysed, analysisversion, analysis_source, success, analyser, app_version,
        CASE WHEN NOT success THEN analysis->>'reason' END AS reason,
@@ -7662,26 +7690,35 @@ APPS_PAGE_SIZE = 50
 BULK_REFETCH_LIMIT = REFETCH_BATCH
 
 
+# A search for text inside bundle IDs reads at most this many apps a page (APPS_CONTAINING).
+APPS_SEARCH_WINDOW = 20_000
+
+
 @dataclasses.dataclass(frozen=True)
 class AppFilter:
     """A list's filters, as the page's query string gives them: a state, a failure
-    reason (failed apps only), a bundle-ID prefix (any letter case)."""
+    reason (failed apps only), a bundle-ID prefix and text the bundle ID holds anywhere
+    (both in any letter case)."""
 
     state: str | None = None
     reason: str | None = None
     prefix: str = ""
+    contains: str = ""
 
     @classmethod
     def from_query(cls, query: dict[str, str]) -> AppFilter:
         state, reason = query.get("state") or None, query.get("reason") or None
         prefix = (query.get("q") or "").strip().lower()
+        contains = (query.get("has") or "").strip().lower()
         if state is not None and state not in APP_STATES:
             raise BadInput(f"state must be one of {', '.join(APP_STATES)}")
         if reason is not None and not FAILURE_REASON_TEXT.fullmatch(reason):
             raise BadInput("reason must be a failure reason such as app_not_found")
         if prefix and not BUNDLE_ID_PREFIX.fullmatch(prefix):
             raise BadInput("q must be the start of a bundle ID: letters, digits, . and -")
-        return cls(state=state, reason=reason, prefix=prefix)
+        if contains and not BUNDLE_ID_PREFIX.fullmatch(contains):
+            raise BadInput("has must be part of a bundle ID: letters, digits, . and -")
+        return cls(state=state, reason=reason, prefix=prefix, contains=contains)
 
     def params(self) -> dict[str, Any]:
         return {
@@ -7704,9 +7741,26 @@ def apps_page(
         # walks every app in bundle-ID order even for the 29 being processed; with the
         # values it reads the partial index of that state or reason.
         session.execute(PLAN_WITH_VALUES)
+        if where.contains:
+            return session.records(
+                APPS_CONTAINING,
+                after=after,
+                limit=limit + 1,
+                scan=APPS_SEARCH_WINDOW,
+                contains=where.contains,
+                **where.params(),
+            )
         return session.records(APPS_PAGE, after=after, limit=limit + 1, **where.params())
 
     rows = db.transaction(work)
+    searched_to = None
+    if where.contains:
+        # One row at least (the scan's ends), with no app when none matched. A scan that
+        # read its whole window before a page of matches stopped there, not at the end.
+        ends = rows[0]
+        rows = [row for row in rows if row["appid"] is not None]
+        if ends["scanned"] == APPS_SEARCH_WINDOW and len(rows) <= limit:
+            searched_to = ends["scanned_to"]
     apps = [
         {
             "appId": row["appid"],
@@ -7723,7 +7777,8 @@ def apps_page(
         for row in rows[:limit]
     ]
     more = len(rows) > limit
-    return {"apps": apps, "next": rows[limit - 1]["sort_key"] if more else None}
+    next_key = rows[limit - 1]["sort_key"] if more else searched_to
+    return {"apps": apps, "next": next_key, "searchedTo": searched_to}
 
 
 # -- one app's story
@@ -7830,6 +7885,8 @@ ADMIN_API: dict[tuple[str, str], tuple[str, dict[str, str], dict[str, Any] | Non
             "state": "queued, processing, analysed or failed",
             "reason": "a failure reason (failed apps)",
             "q": "the start of the bundle ID, any letter case",
+            "has": "text anywhere in the bundle ID, any letter case (searchedTo: where a"
+            " page's search stopped)",
             "after": "the `next` of the page before",
         },
         None,

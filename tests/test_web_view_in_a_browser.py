@@ -727,7 +727,7 @@ def test_the_apps_list_filters_by_its_address_and_back_keeps_the_filters(serve, 
     page.get_by_label("Failure reason").select_option("app_not_found")
     page.get_by_label("Bundle ID starts with").fill("COM.example")
     page.get_by_role("button", name="Filter").click()
-    filtered = f"{base}/admin/apps?state=failed&reason=app_not_found&q=COM.example"
+    filtered = f"{base}/admin/apps?state=failed&reason=app_not_found&q=COM.example&has="
     expect(page).to_have_url(filtered)
     expect(page.get_by_role("link", name="com.example.gone2")).to_be_visible()
     assert column(page) == ["com.example.gone", "com.example.gone2"]
@@ -741,6 +741,16 @@ def test_the_apps_list_filters_by_its_address_and_back_keeps_the_filters(serve, 
     expect(page.get_by_label("State")).to_have_value("failed")
     expect(page.get_by_label("Failure reason")).to_have_value("app_not_found")
     expect(page.get_by_label("Bundle ID starts with")).to_have_value("COM.example")
+
+    # Text anywhere in the bundle ID, any letter case; no bulk refetch on such a search.
+    page.get_by_label("Bundle ID starts with").fill("")
+    page.get_by_label("Bundle ID contains").fill("Gone2")
+    page.get_by_role("button", name="Filter").click()
+    expect(page).to_have_url(f"{base}/admin/apps?state=failed&reason=app_not_found&q=&has=Gone2")
+    expect(page.get_by_role("link", name="com.example.gone2")).to_be_visible()
+    assert column(page) == ["com.example.gone2"]
+    expect(page.get_by_role("button", name=re.compile("Refetch all matching"))).to_have_count(0)
+    expect(page.locator("#searched")).to_have_count(0)  # it searched every app
     assert tab.errors == []
 
 
@@ -1428,7 +1438,7 @@ def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, tmp_path):
     page.goto(f"{base}/admin/analysers")
     kitchen_row = page.locator("main table tr", has_text="pi-kitchen")
     expect(kitchen_row.locator("td").nth(3)).to_have_text("com.example.podcasts")
-    expect(kitchen_row.locator("td").nth(2)).to_have_text("true")  # online: it pinged
+    expect(kitchen_row.locator("td").nth(2)).to_have_text("yes")  # online: it pinged
     screenshot(page, tmp_path, "analysers")
     for name in ("sign-in", "overview", "apps", "app", "analysers"):
         assert (tmp_path / f"{name}.png").read_bytes().startswith(b"\x89PNG")
@@ -1453,4 +1463,5 @@ def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, tmp_path):
             screenshot(page, tmp_path, f"{name}-phone")
     page.goto(f"{base}/admin/login")
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    screenshot(page, tmp_path, "sign-in-phone")
     assert tab.errors == []

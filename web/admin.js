@@ -265,13 +265,16 @@ async function apps() {
     }));
   const filters = el('form', {className: 'filters', method: 'get', action: '/admin/apps'},
     el('label', {}, 'State ', state), el('label', {}, 'Failure reason ', reason),
-    field('q', 'Bundle ID starts with'), el('button', {type: 'submit'}, 'Filter'));
+    field('q', 'Bundle ID starts with'), field('has', 'Bundle ID contains'),
+    el('button', {type: 'submit'}, 'Filter'));
   const rows = data.apps.map((a) => [appLink(a.appId), a.status, when(a.failure),
     when(a.analysisVersion), ago(a.analysed), when(a.claimedBy)]);
   const next = new URLSearchParams(query);
   if (data.next !== null) next.set('after', data.next);
   const bulk = [];
-  if (full && query.get('state') === 'failed' && data.apps.length) {
+  // The bulk refetch selects as the CLI does: by state, reason and prefix, never by text
+  // inside a bundle ID (its selection is re-checked under each app's lock).
+  if (full && query.get('state') === 'failed' && !query.get('has') && data.apps.length) {
     const where = {state: 'failed', reason: query.get('reason') || null, q: query.get('q') || ''};
     for (const [label, force] of [['Refetch', false], ['Force refetch', true]]) {
       bulk.push(el('button', {type: 'button', onclick: () => act(
@@ -281,9 +284,14 @@ async function apps() {
       `${label} all matching (up to ${data.bulkLimit})`), ' ');
     }
   }
-  show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk,
+  // A search inside bundle IDs reads a window of apps a page: where it stopped, said.
+  const searched = data.searchedTo === null ? null : el('p', {className: 'note', id: 'searched'},
+    `Searched the bundle IDs up to ${data.searchedTo}` +
+    (data.apps.length ? '.' : ' and found none yet.') + ' The next page searches on.');
+  show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk, searched,
     table(['bundle ID', 'state', 'failure', 'version', 'analysed', 'leased to'], rows),
-    data.next !== null ? el('a', {href: '/admin/apps?' + next, id: 'next'}, 'Next page') : null);
+    data.next !== null ? el('a', {href: '/admin/apps?' + next, id: 'next'},
+      data.searchedTo === null ? 'Next page' : 'Search on') : null);
 }
 
 async function app(id) {
@@ -370,7 +378,8 @@ async function analysers() {
   const data = await api('/admin/api/analysers');
   const rows = data.analysers.map((a) => {
     const path = '/admin/api/analysers/' + encodeURIComponent(a.name);
-    const cells = [a.name, ago(a.lastSeen), String(a.online), when(a.holding && a.holding.appId),
+    const cells = [a.name, ago(a.lastSeen), a.online ? 'yes' : 'no',
+      when(a.holding && a.holding.appId),
       when(a.results24h), when(a.failures24h), ago(a.revoked), String(a.consecutiveFailures),
       ago(a.failingSince), a.broken ? el('strong', {className: 'warn'}, 'broken') : 'no',
       a.paused ? `paused by ${when(a.paused.by)} at ${when(a.paused.at)}` : 'no'];
@@ -411,8 +420,9 @@ async function analysers() {
     event.preventDefault();
     act(`Add the analyser ${name.value}?`, '/admin/api/analysers', {name: name.value}, newToken);
   });
-  const headers = ['name', 'last seen', 'online', 'holds', 'results 24 h', 'failures 24 h',
-    'revoked', 'failures in a row', 'failing since', 'broken', 'paused'];
+  const headers = ['name', 'last seen', 'online', 'holds', 'results, last 24 hours',
+    'failures, last 24 hours', 'revoked', 'failures in a row', 'failing since', 'broken',
+    'paused'];
   show(el('h1', {}, 'Analysers'), full ? add : null, el('div', {id: 'outcome'}),
     el('table', {}, el('tr', {}, ...(full ? [...headers, ''] : headers).map((h) => el('th', {}, h))),
       ...rows));

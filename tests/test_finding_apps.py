@@ -1,0 +1,84 @@
+"""Finding an app in the web view (docs/web-view.md, "Finding an app"): by text anywhere
+in its bundle ID, in any letter case, a window of the bundle-ID order a page, each page
+saying where its search stopped, the next one searching on from there, to the end; with
+the state, reason and prefix filters as the list has them; bad text refused."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import urlencode
+
+import pytest
+from kit import ADMIN_TOKEN, configure_service
+
+import handler
+from helpers import call_api, gateway_event, insert_app
+
+APPS = {
+    "com.example.WhatsApp": "analysed",
+    "com.zed.whatsappish": "failed",
+    "net.whatsapp.WhatsApp": "queued",
+    "org.other.app": "queued",
+    "org.what.sapp": "queued",  # "whatsapp" only across a dot: no match
+}
+
+
+@pytest.fixture
+def listed(monkeypatch, database_url, sql):
+    configure_service(monkeypatch, database_url, ADMIN_WEB="full")
+    for app_id, status in APPS.items():
+        insert_app(sql, app_id, status=status)
+
+    def page(**query: str) -> tuple[int, dict]:
+        event = gateway_event(
+            "GET",
+            "/admin/api/apps",
+            query=urlencode(query),
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        )
+        answer = call_api(event)
+        return answer["statusCode"], json.loads(answer["body"])
+
+    return page
+
+
+def ids(page: dict) -> list[str]:
+    return [app["appId"] for app in page["apps"]]
+
+
+def test_text_inside_a_bundle_id_finds_it_in_any_letter_case(listed):
+    status, page = listed(has="WhatsApp")
+    assert status == 200
+    assert ids(page) == ["com.example.WhatsApp", "com.zed.whatsappish", "net.whatsapp.WhatsApp"]
+    assert (page["next"], page["searchedTo"]) == (None, None)
+    _, failed = listed(has="whatsapp", state="failed")
+    assert ids(failed) == ["com.zed.whatsappish"]
+    _, prefixed = listed(has="whatsapp", q="net.")
+    assert ids(prefixed) == ["net.whatsapp.WhatsApp"]
+    _, plain = listed(q="org")  # the prefix alone pages as before, with no search's stop
+    assert ids(plain) == ["org.other.app", "org.what.sapp"] and plain["searchedTo"] is None
+
+
+def test_a_search_reads_a_window_a_page_and_says_where_it_stopped(listed, monkeypatch):
+    monkeypatch.setattr(handler, "APPS_SEARCH_WINDOW", 2)
+    pages, after = [], None
+    while True:
+        query = {"has": "whatsapp"} | ({} if after is None else {"after": after})
+        status, page = listed(**query)
+        assert status == 200, page
+        pages.append((ids(page), page["searchedTo"]))
+        after = page["next"]
+        if after is None:
+            break
+    assert pages == [
+        (["com.example.WhatsApp", "com.zed.whatsappish"], "com.zed.whatsappish"),
+        (["net.whatsapp.WhatsApp"], "org.other.app"),
+        ([], None),  # the last window held one app: the end, said by no stop
+    ]
+
+
+@pytest.mark.parametrize("text", ["what%", "a b", "_", "x" * 156, "what\\"])
+def test_text_no_bundle_id_could_hold_is_refused(listed, text):
+    status, answer = listed(has=text)
+    assert status == 400
+    assert answer["detail"] == "has must be part of a bundle ID: letters, digits, . and -"
