@@ -1,6 +1,7 @@
 """Every bench/ script docs/benchmarks.md describes runs here, small, so none rots: a
 short run of bench/handler_ab.py, this tree against its own HEAD, prints both medians and
-a ratio line; a small run of bench/claims.py prints every figure of the results table;
+a ratio line; a small run of bench/claims.py prints every figure of the results table,
+and one of bench/web_view.py every page's;
 bench/cold_start.py with one emulator prints Init's figures with their targets; and
 bench/model_mutations.py finds one slip caught by its guarantee's own test."""
 
@@ -73,6 +74,40 @@ def test_claims_prints_every_figure_with_its_target(server_url):
         assert not math.isnan(float(value)), name
         assert verdict.startswith("target") or verdict == "reported", (name, verdict)
     assert "oracle, double claims, Seq Scans: all passed" in run.stdout, run.stdout[-3000:]
+
+
+def test_web_view_prints_every_page_and_the_reports_extra_work(server_url):
+    """bench/web_view.py (docs/benchmarks.md, "The web view"), run small on the suite's
+    server: every page's JSON answered and timed beside its target, the report's extra
+    work and the history's size printed; its database dropped afterwards."""
+    small = ["--apps", "2000", "--runs", "1", "--server-url", server_url]
+    try:
+        run = subprocess.run(
+            [sys.executable, "bench/web_view.py", *small],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        admin = connect(server_url)
+        try:
+            admin.run("DROP DATABASE IF EXISTS bench_web_2000 WITH (FORCE)")
+        finally:
+            admin.close()
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: a target missed, said
+    found = figures(run.stdout)
+    pages = (
+        "status_counted status_cached history_7d_counted history_24h_counted history_7d_cached"
+        " apps_first apps_failed apps_prefix apps_contains app_story actions analysers openapi"
+        " report_extra"
+    ).split()
+    for name in pages:
+        value, verdict = found[f"{name}_ms"].split(" ", 1)
+        assert float(value) >= 0 and verdict.startswith("target<="), (name, verdict)
+    # 90 days of snapshots: the oldest hour pruned by the report's, which took its place.
+    assert int(found["history_rows"]) == 24 * 90
+    assert int(found["history_kb"]) > 0
 
 
 def test_cold_start_prints_init_at_the_templates_cpu_share():

@@ -82,3 +82,10 @@ def test_text_no_bundle_id_could_hold_is_refused(listed, text):
     status, answer = listed(has=text)
     assert status == 400
     assert answer["detail"] == "has must be part of a bundle ID: letters, digits, . and -"
+
+
+@pytest.mark.no_database
+def test_the_window_docs_web_view_md_gives_is_the_codes():
+    page = (handler.HERE / "docs" / "web-view.md").read_text()
+    assert f"reads at most {handler.APPS_SEARCH_WINDOW:,} apps" in page
+    assert f"reads the next {handler.APPS_SEARCH_WINDOW:,}" in page

@@ -417,8 +417,8 @@ def seed_history(sql) -> None:
         sql.run(
             "INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, success,"
             " analyser, analysis_source) VALUES (:appid, '{}', 4,"
-            " CAST(:hour AS timestamptz) - make_interval(hours => :ago) + interval '10 minutes', :success,"
-            " :analyser, :source)",
+            " CAST(:hour AS timestamptz) - make_interval(hours => :ago) + interval '10 minutes',"
+            " :success, :analyser, :source)",
             appid=app_id,
             hour=hour,
             ago=hours_ago,
