@@ -5768,7 +5768,7 @@ FROM app_analyses WHERE analysed >= :start
 GROUP BY 1, 2
 """
 SNAPSHOTS_SINCE = """
-SELECT hour, states::text AS states, backlog::text AS backlog, failed::text AS failed
+SELECT hour, taken, states::text AS states, backlog::text AS backlog, failed::text AS failed
 FROM queue_snapshots WHERE hour >= :start ORDER BY hour
 """
 
@@ -5813,7 +5813,8 @@ def queue_history(db: SharedConnection, hours: int) -> dict[str, Any]:
     """The last `hours` hours, oldest first, one entry per hour in every series: the
     fleet's results, failures and expired leases, each analyser's results and failures
     (`analysers`; name None: the shared password's), and from the snapshots the apps by
-    state, the backlog and the failed apps (None where no report counted that hour)."""
+    state, the backlog and the failed apps (None where no report counted that hour), and
+    when the last of them was taken (`lastSnapshot`)."""
 
     def work(session: Session) -> dict[str, Any]:
         ((start,),) = session.run(HISTORY_WINDOW, hours=hours)
@@ -5846,9 +5847,11 @@ def queue_history(db: SharedConnection, hours: int) -> dict[str, Any]:
     counted: dict[str, list[Any]] = {
         name: [None] * hours for name in ("states", "backlog", "failed")
     }
+    last_taken = None
     for row in read["snapshots"]:
         at = position.get(row["hour"])
         if at is not None:
+            last_taken = row["taken"]
             for name in counted:
                 counted[name][at] = json.loads(row[name])
     named = sorted((name for name in by_analyser if name is not None), key=str.lower)
@@ -5863,6 +5866,7 @@ def queue_history(db: SharedConnection, hours: int) -> dict[str, Any]:
         "backlog": [None if b is None else sum(b.values()) for b in counted["backlog"]],
         "backlogByReason": counted["backlog"],
         "failedByReason": counted["failed"],
+        "lastSnapshot": _plain(last_taken),
     }
 
 

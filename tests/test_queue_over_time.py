@@ -147,6 +147,7 @@ def test_results_failures_and_expired_leases_per_hour_and_per_analyser(web, sql)
     assert status == 200 and week["window"] == "7d" and len(week["hours"]) == 168
     assert (sum(week["results"]), sum(week["failures"]), sum(week["expiredLeases"])) == (3, 2, 1)
     assert week["backlog"] == [None] * 168  # no report has counted yet
+    assert week["lastSnapshot"] is None
 
 
 def test_the_snapshots_are_drawn_in_their_hours(web, sql):
@@ -165,6 +166,8 @@ def test_the_snapshots_are_drawn_in_their_hours(web, sql):
     assert day["backlog"].count(None) == 22
     assert day["states"][-6] == {"queued": 4, "failed": 3}  # as the snapshot holds it
     assert day["failedByReason"][-1] == {"app_not_found": 3}
+    taken = sql.run("SELECT taken FROM queue_snapshots WHERE hour = :hour", hour=hour)[0][0]
+    assert datetime.fromisoformat(day["lastSnapshot"]) == taken
 
 
 @pytest.mark.parametrize("query", ["window=30d", "window=24H", "window=24h&window=7d"])

@@ -395,9 +395,10 @@ def test_every_page_has_an_icon_and_no_browser_asks_for_favicon_ico(serve, tab):
     assert tab.errors == []
 
 
-def seed_history(sql) -> None:
+def seed_history(sql, app_ids: list[str] | None = None) -> None:
     """A week of results by two analysers and the shared password, a lease the back-off
-    ended, and three hourly snapshots, as the service would have stored them."""
+    ended, and three hourly snapshots, as the service would have stored them: on apps of
+    their own, or on `app_ids` (none added)."""
     hour = sql.run("SELECT date_trunc('hour', now())")[0][0]
     for number, (hours_ago, success, analyser, source) in enumerate(
         (
@@ -412,8 +413,11 @@ def seed_history(sql) -> None:
             (200, True, "pi-kitchen", None),  # before the week: not drawn
         )
     ):
-        app_id = f"com.example.history{number}"
-        insert_app(sql, app_id, status="analysed" if success else "failed")
+        if app_ids is None:
+            app_id = f"com.example.history{number}"
+            insert_app(sql, app_id, status="analysed" if success else "failed")
+        else:
+            app_id = app_ids[number % len(app_ids)]
         sql.run(
             "INSERT INTO app_analyses (appid, analysis, analysisversion, analysed, success,"
             " analyser, analysis_source) VALUES (:appid, '{}', 4,"
@@ -430,7 +434,7 @@ def seed_history(sql) -> None:
         sql.run(
             "INSERT INTO queue_snapshots (hour, states, backlog, failed) VALUES"
             " (CAST(:hour AS timestamptz) - make_interval(hours => :ago), CAST(:states AS jsonb),"
-            " CAST(:backlog AS jsonb), '{}')",
+            " CAST(:backlog AS jsonb), '{}') ON CONFLICT DO NOTHING",  # serve's, kept
             hour=hour,
             ago=hours_ago,
             states=json.dumps({"queued": queued, "processing": 1, "analysed": 5, "failed": 2}),
@@ -462,7 +466,10 @@ def test_the_charts_are_drawn_from_a_seeded_history(serve, tab, sql):
         " (from the history of results)."
     )
     expect(page.locator("#backlog-sum")).to_have_text(
-        "Counted by the hourly report in 3 of 168 hours. Last counted, the backlog: 9, queued: 7."
+        re.compile(
+            r"Counted by the hourly report in 3 of 168 hours; last \d+ s ago, the backlog: 9,"
+            r" queued: 7\."
+        )
     )
     sums = page.locator("#analyser-sums table").evaluate(
         "t => [...t.rows].map(r => [...r.cells].map(c => c.textContent))"
@@ -1361,9 +1368,9 @@ def test_off_answers_404_under_admin(serve, tab):
 # --------------------------------------------------------------------------- the tour
 
 
-def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, tmp_path):
-    """A queue in several states, from the service's own routes: the screenshots of
-    docs/web-view.md (WEB_VIEW_SCREENSHOTS=docs/web-view)."""
+def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, sql, tmp_path):
+    """A queue in several states, from the service's own routes, and a week's history
+    before it: the screenshots of docs/web-view.md (WEB_VIEW_SCREENSHOTS=docs/web-view)."""
     base = serve()
     service = Service(base)
     kitchen = service.add_analyser("pi-kitchen")
@@ -1393,6 +1400,7 @@ def test_a_tour_of_every_page_as_an_operator_sees_it(serve, tab, tmp_path):
     service.fail("net.example.maps", "device timeout: no response from iPhone in 300 s", attic)
     service.claim("com.example.podcasts", kitchen)
     assert (service.as_analyser(kitchen), service.as_analyser(attic)) == (200, 200)  # pings
+    seed_history(sql, ["com.example.weather", "io.example.budget", "net.example.maps"])
 
     page = tab.page
     page.goto(f"{base}/admin/login")

@@ -181,12 +181,12 @@ function queueOverTime(history) {
       ...['queued', 'processing', 'failed'].map((state) => ({label: state,
         values: history.states.map((s) => (s === null ? null : s[state] || 0))}))], 'apps',
       true),
-    el('p', {className: 'note', id: 'backlog-sum'}, counted ?
-      `Counted by the hourly report in ${counted} of ${history.hours.length} hours. Last` +
-      ` counted, the backlog: ${lastCounted(history.backlog)}, queued:` +
-      ` ${lastCounted(history.states.map((s) => (s === null ? null : s.queued || 0)))}.` :
-      'No hourly report has counted the queue in this window yet (the scheduled report, or' +
-      ' serve, keeps one count an hour).'),
+    el('p', {className: 'note', id: 'backlog-sum'}, ...counted ? [
+      `Counted by the hourly report in ${counted} of ${history.hours.length} hours; last `,
+      ago(history.lastSnapshot), `, the backlog: ${lastCounted(history.backlog)}, queued:` +
+      ` ${lastCounted(history.states.map((s) => (s === null ? null : s.queued || 0)))}.`] :
+      ['No hourly report has counted the queue in this window yet (the scheduled report, or' +
+      ' serve, keeps one count an hour).']),
     chart('chart-analyser-results', 'Each analyser\'s results per hour', history,
       history.analysers.map((a, i) => ({label: named[i], values: a.results})), 'results'),
     chart('chart-analyser-failures', 'Each analyser\'s failures per hour', history,
