@@ -6564,7 +6564,7 @@ def pause_analyser(
         changed = row["was_paused"] != paused
         outcome = ("paused" if paused else "resumed") if changed else "unchanged"
         action = "pause analyser" if paused else "resume analyser"
-        record = ActionRecord(action, analyser=name) if changed else None
+        record = ActionRecord(action, [(None, outcome)], analyser=name) if changed else None
         return {"name": name, "paused": paused, "outcome": outcome}, record
 
     return act(db, operator, change)
@@ -7422,8 +7422,9 @@ def sign_in_check(db: SharedConnection, given: str, source: str) -> SignInCheck:
             # never sets the admin token (only someone who presents it fills its row).
             raise HTTPException(
                 503,
-                "the web view's sessions need the admin token in the database first: sign"
-                " in once with it, or `credentials import admin-token` (or rotate it)",
+                "The web view's sessions need the admin token in the database first: sign"
+                " in once with the admin token, or run `python3 handler.py credentials"
+                " import admin-token` (or `credentials rotate admin-token`).",
             )
         current = imports = token_hash(value)
         key = secrets.token_bytes(SESSION_KEY_BYTES)
@@ -7902,7 +7903,8 @@ ADMIN_API: dict[tuple[str, str], tuple[str, dict[str, str], dict[str, Any] | Non
         None,
     ),
     ("POST", "/admin/api/refetch"): (
-        "Refetch named apps, or the failed apps a filter selects (at most 1,000)",
+        "Refetch named apps, or the failed apps a filter selects (at most 1,000); it"
+        " applies at once unless dryRun is true",
         {},
         {
             "appIds": {"type": "array", "items": _TEXT, "maxItems": 1000},
@@ -8078,12 +8080,17 @@ def _sign_in(request: Request, operator: None, body: bytes) -> Response:
     try:
         cookie = sign_in(api_connection(), token, request_source(request))
     except HTTPException as refusal:
-        if refusal.status_code != 429:
+        # Said on the sign-in page, in a person's words: the limit, and a database that
+        # holds no admin token yet (a named operator's first sign-in on a new stack).
+        if refusal.status_code not in (429, 503):
             raise
-        message = f'<p class="error">{SIGN_IN_LIMITED}</p>'
-        limited = _sign_in_page(message, status_code=429)
-        limited.headers.update(refusal.headers or {})
-        return limited
+        import html
+
+        said = SIGN_IN_LIMITED if refusal.status_code == 429 else str(refusal.detail)
+        message = f'<p class="error">{html.escape(said)}</p>'
+        refused = _sign_in_page(message, status_code=refusal.status_code)
+        refused.headers.update(refusal.headers or {})
+        return refused
     if cookie is None:
         return _sign_in_page(SIGN_IN_REFUSED, status_code=401)
     secure = request.url.scheme == "https"
@@ -8324,6 +8331,7 @@ ADMIN_ROUTES = (
     ("GET", "/admin/apps", _admin_page, "page"),
     ("GET", "/admin/apps/{appId}", _admin_page, "page"),
     ("GET", "/admin/analysers", _admin_page, "page"),
+    ("GET", "/admin/actions", _admin_page, "page"),
     ("GET", "/admin/static/admin.css", _admin_asset, "anyone"),
     ("GET", "/admin/static/admin.js", _admin_asset, "anyone"),
     ("GET", "/admin/static/favicon.svg", _admin_asset, "anyone"),

@@ -261,8 +261,10 @@ def test_holds_and_pauses_answer_what_they_did(client, sql):
         assert answer.headers["cache-control"] == "no-store"
         if path.startswith("/apps/"):
             assert answer.json()["appId"] == "com.Example.App"  # the stored bundle ID
-    recorded = sql.run("SELECT action, app_id, analyser FROM operator_actions ORDER BY at, id")
-    assert recorded == [
+    recorded = sql.run(
+        "SELECT action, app_id, analyser, outcome FROM operator_actions ORDER BY at, id"
+    )
+    assert [row[:3] for row in recorded] == [
         ["hold app", "com.Example.App", None],
         ["release app", "com.Example.App", None],
         ["pause analyser", None, "pi-kitchen"],
@@ -270,6 +272,8 @@ def test_holds_and_pauses_answer_what_they_did(client, sql):
         ["pause queue", None, None],
         ["resume queue", None, None],
     ]
+    # What each did, in the record: as the answer said it.
+    assert [row[3] for row in recorded[2:4]] == ["paused", "resumed"]
 
 
 def test_add_app_and_read_it_back(client, sql):

@@ -262,6 +262,9 @@ def test_an_operators_sign_in_never_sets_the_admin_token(database_url, sql, monk
     token = add("alice", read_only=True)
     refused = web_sign_in(token)
     assert refused["statusCode"] == 503 and "credentials import admin-token" in refused["body"]
+    # Said on the sign-in page, its form beside it (not a JSON answer in the browser).
+    assert refused["headers"]["content-type"].startswith("text/html")
+    assert "Your token" in refused["body"] and 'class="error"' in refused["body"]
     assert sql.run("SELECT count(*) FROM service_credentials") == [[0]]
     assert sql.run("SELECT count(*) FROM admin_sessions") == [[0]]
     session_cookie(web_sign_in(ADMIN_TOKEN))  # the admin token's first sign-in fills it

@@ -44,9 +44,13 @@ function sentence(text) {
   const s = String(text);
   return s.charAt(0).toUpperCase() + s.slice(1) + (/[.!?]$/.test(s) ? '' : '.');
 }
-// A result's source: what the analysis named, or "legacy" (the old server's word) when it
-// named none, which says so.
-function source(value) { return value === 'legacy' ? 'none named (legacy)' : when(value); }
+// A result's source: what the analysis named, or, when it named none, stored as "legacy"
+// (the old server's word, kept for its readers), said in words with the stored value on
+// hover.
+function source(value) {
+  return value === 'legacy' ? el('span', {title: 'stored as "legacy": the result named no' +
+    ' analysis_source'}, 'not named by the analyser') : when(value);
+}
 
 async function api(path, body) {
   const init = {credentials: 'same-origin', headers: {}};
@@ -100,7 +104,7 @@ function queuePause(pause) {
   if (pause.paused) {
     return el('div', {className: 'banner', id: 'queue-paused'},
       el('strong', {}, 'The queue is paused: no app is handed out until it is resumed. '),
-      `Since ${when(pause.at)}, by ${when(pause.by)}. `,
+      'Since ', ago(pause.at), `, by ${when(pause.by)}. `,
       pause.reason ? `Reason: ${pause.reason}` : 'No reason given.',
       full ? ' ' : null,
       full ? el('button', {type: 'button', onclick: () => act('Resume the queue? Analysers' +
@@ -141,18 +145,27 @@ function ratio(value) { return value === null || value === undefined ? 'no resul
 // The queue over time: uPlot's charts (web/vendor/, served by the service itself), drawn
 // anew with the overview; a sum under each says what it shows, in words a test can read.
 let charts = [];
-const SERIES_COLOURS = ['#2a6', '#c33', '#e90', '#36c', '#939', '#0aa', '#777', '#a63'];
-function chart(id, title, history, series, yLabel, points = false) {
+// The fleet's results green, failures red, expired leases orange; the analysers' lines
+// in other colours, so no colour means two things on one page.
+const FLEET_COLOURS = ['#2a6', '#c33', '#e90', '#36c'];
+const ANALYSER_COLOURS = ['#36c', '#939', '#0aa', '#a63', '#555', '#c6c', '#06a', '#990'];
+function chart(id, title, history, series, yLabel, points = false, colours = FLEET_COLOURS) {
   const box = el('div', {className: 'chart', id});
   const width = Math.max(280, Math.min(main.clientWidth - 40, 900));
   const x = history.hours.map((hour) => Date.parse(hour) / 1000);
   const options = {title, width, height: 200, scales: {x: {time: true}},
-    axes: [{}, {label: yLabel, size: 50}],
+    axes: [{values: (u, ticks) => ticks.map(hourLabel)}, {label: yLabel, size: 50}],
     series: [{label: 'hour (your time)'}, ...series.map((line, index) => ({label: line.label,
-      stroke: SERIES_COLOURS[index % SERIES_COLOURS.length], width: 1.5, spanGaps: false,
+      stroke: colours[index % colours.length], width: 1.5, spanGaps: false,
       points: points ? {show: true, size: 5} : {}}))]};
   charts.push(new uPlot(options, [x, ...series.map((line) => line.values)], box));
   return box;
+}
+// An axis tick: the day where one begins (in the reader's locale), else the hour.
+function hourLabel(seconds) {
+  const at = new Date(seconds * 1000);
+  return at.getHours() === 0 ? at.toLocaleDateString(undefined, {month: 'short', day: 'numeric'})
+    : `${String(at.getHours()).padStart(2, '0')}:00`;
 }
 function total(values) { return values.reduce((sum, v) => sum + (v || 0), 0); }
 function lastCounted(values) {
@@ -188,9 +201,11 @@ function queueOverTime(history) {
       ['No hourly report has counted the queue in this window yet (the scheduled report, or' +
       ' serve, keeps one count an hour).']),
     chart('chart-analyser-results', 'Each analyser\'s results per hour', history,
-      history.analysers.map((a, i) => ({label: named[i], values: a.results})), 'results'),
+      history.analysers.map((a, i) => ({label: named[i], values: a.results})), 'results',
+      false, ANALYSER_COLOURS),
     chart('chart-analyser-failures', 'Each analyser\'s failures per hour', history,
-      history.analysers.map((a, i) => ({label: named[i], values: a.failures})), 'failures'),
+      history.analysers.map((a, i) => ({label: named[i], values: a.failures})), 'failures',
+      false, ANALYSER_COLOURS),
     el('div', {id: 'analyser-sums'}, table(['analyser', `results in ${span}`,
       `failures in ${span}`], history.analysers.map((a, i) => [named[i], total(a.results),
       total(a.failures)]))));
@@ -202,13 +217,17 @@ async function overview() {
     api('/admin/api/actions'), api('/admin/api/analysers'),
     api('/admin/api/history?window=' + shown)]);
   const busy = fleet.analysers.filter((a) => a.holding !== null || a.paused || a.broken);
+  // Read now, as "Busy now" is: a pause or a resume shows at once, not a minute later.
+  const live = fleet.analysers.filter((a) => !a.revoked);
+  const broken = live.filter((a) => a.broken).length;
+  const pausedNow = live.filter((a) => a.paused).length;
   const s = data.status;
   const h = s.held_back;
   show(el('h1', {}, 'Overview'), queuePause(pauseOf(s, data.counted)),
     el('div', {id: 'outcome'}),
     el('p', {className: 'note', id: 'counted'}, 'Counted ', ago(data.counted), '.'),
-    s.broken_analysers ? el('p', {className: 'warn', id: 'broken-analysers'},
-      `${s.broken_analysers} named analyser(s) look broken: `,
+    broken ? el('p', {className: 'warn', id: 'broken-analysers'},
+      broken === 1 ? 'A named analyser looks broken: ' : `${broken} named analysers look broken: `,
       el('a', {href: '/admin/analysers'}, 'see the analysers'), '.') : null,
     el('h2', {}, 'Apps by state'),
     table(['state', 'apps'], Object.entries(s.counts).map(([k, v]) =>
@@ -218,17 +237,18 @@ async function overview() {
       [el('a', {href: '/admin/apps?state=failed&reason=' + encodeURIComponent(r.reason)},
         r.reason), r.apps])),
     el('h2', {}, 'Backlog'),
-    table(['backlog', 'ETA (hours)', 'analysers in the last hour'],
+    table(['backlog', el('span', {title: 'to drain the backlog at the last 24 hours\' pace'},
+      'ETA (hours)'), 'analysers in the last hour'],
       [[s.backlog_total, when(s.eta_hours), s.analysers_last_hour]]),
     queueOverTime(history),
-    el('h2', {}, 'Busy now'),
+    el('h2', {}, 'Busy now, paused or failing'),
     table(['analyser', 'holds', 'since', 'lease ends', 'paused', 'broken'], busy.map((a) => [
       a.name, a.holding ? appLink(a.holding.appId) : '-', ago(a.holding && a.holding.since),
       ago(a.holding && a.holding.until), a.paused ? 'paused' : 'no', a.broken ? 'broken' : 'no'])),
     el('h2', {}, 'Analysers'),
     table(['look broken', 'paused', 'failures in the last hour (the fleet)'],
-      [[el('a', {href: '/admin/analysers'}, String(s.broken_analysers)),
-        el('a', {href: '/admin/analysers'}, String(s.paused_analysers)),
+      [[el('a', {href: '/admin/analysers'}, String(broken)),
+        el('a', {href: '/admin/analysers'}, String(pausedNow)),
         ratio(s.failure_ratio_1h)]]),
     el('h2', {}, 'Retries and holds'),
     table(['retries due', 'retries due in the next hour', 'retries waiting', 'retries exhausted',
@@ -239,10 +259,23 @@ async function overview() {
       [appLink(a.appid), when(a.popularity), ago(a.added), a.reason])),
     el('h2', {}, 'Held back'), keyedRow(s.held_back, IN_RETRIES_AND_HOLDS),
     el('h2', {}, 'Policy in force'), keyedRow(s.policy, []),
-    el('h2', {}, 'Recent operator actions'),
-    table(['when', 'who', 'from', 'what', 'app', 'analyser', 'outcome'],
-      record.actions.slice(0, 20).map((x) => [ago(x.at), x.actor, x.source, x.action,
-        x.appId === null ? '-' : appLink(x.appId), when(x.analyser), when(x.outcome)])));
+    el('h2', {}, 'Recent operator actions'), actionsTable(record.actions.slice(0, 20)),
+    el('p', {}, el('a', {href: '/admin/actions', id: 'all-actions'}, 'Every action, paged')));
+}
+function actionsTable(actions) {
+  return table(['when', 'who', 'from', 'what', 'app', 'analyser', 'outcome'],
+    actions.map((x) => [ago(x.at), x.actor, x.source, x.action,
+      x.appId === null ? '-' : appLink(x.appId), when(x.analyser), when(x.outcome)]));
+}
+// Who did what, 50 a page, newest first; `before` in the address, so a page can be kept.
+async function actions() {
+  const query = new URLSearchParams(location.search);
+  const before = query.get('before');
+  const data = await api('/admin/api/actions' + (before ? '?before=' + encodeURIComponent(before)
+    : ''));
+  show(el('h1', {}, 'Operator actions'), actionsTable(data.actions),
+    data.next !== null ? el('a', {href: '/admin/actions?before=' + data.next, id: 'older'},
+      'Older actions') : null);
 }
 
 async function apps() {
@@ -289,7 +322,7 @@ async function apps() {
     `Searched the bundle IDs up to ${data.searchedTo}` +
     (data.apps.length ? '.' : ' and found none yet.') + ' The next page searches on.');
   show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk, searched,
-    table(['bundle ID', 'state', 'failure', 'version', 'analysed', 'leased to'], rows),
+    table(['bundle ID', 'state', 'failure', 'version', 'result stored', 'leased to'], rows),
     data.next !== null ? el('a', {href: '/admin/apps?' + next, id: 'next'},
       data.searchedTo === null ? 'Next page' : 'Search on') : null);
 }
@@ -297,20 +330,23 @@ async function apps() {
 async function app(id) {
   const data = await api('/admin/api/apps/' + encodeURIComponent(id));
   const a = data.app;
+  // A hold is said once, from its fields (who, when, why); any other verdict in the
+  // server's words. Times as how long ago, the exact UTC time on hover.
+  const hold = data.why.hold;
+  const verdict = hold ? el('span', {id: 'hold'}, `Held by ${when(hold.by)}, `, ago(hold.at),
+    ': never handed out until released. ', hold.reason ? `Reason: ${hold.reason}` :
+      'No reason given.', /its live lease runs to its end/.test(data.why.why) ?
+      ' Its live lease runs to its end.' : '') : sentence(data.why.why);
   const why = el('div', {className: 'why' + (data.why.candidate ? ' candidate' : ''), id: 'why'},
     el('strong', {}, data.why.candidate ? 'Handed out now. ' : 'Not handed out now. '),
-    sentence(data.why.why), data.why.from ? ` Handed out from ${data.why.from}.` : '');
-  const hold = data.why.hold;
-  const held = hold ? el('div', {className: 'banner', id: 'hold'},
-    el('strong', {}, 'Held: never handed out until released. '),
-    `Held by ${when(hold.by)} at ${when(hold.at)}. `,
-    hold.reason ? `Reason: ${hold.reason}` : 'No reason given.') : null;
+    verdict, data.why.from ? el('span', {}, ' Handed out from ', ago(data.why.from), '.') : '');
   const retry = data.why.retry;
-  const retries = retry ? el('p', {id: 'retry'}, `Failures in a row: ${retry.consecutiveFailures}. ` +
-    (retry.nextRetry === null ? 'No retry left (RETRY_BACKOFF).' :
-      `Next retry: ${retry.nextRetry}, ${retry.due ? 'due now' : 'not due yet'}.`)) : null;
+  const retries = retry ? el('p', {id: 'retry'}, `Failures in a row: ${retry.consecutiveFailures}. `,
+    ...(retry.nextRetry === null ? ['No retry left (RETRY_BACKOFF).'] :
+      ['Next retry: ', ago(retry.nextRetry), `, ${retry.due ? 'due now' : 'not due yet'}.`])) :
+    null;
   const paused = data.why.queuePaused ? el('p', {className: 'warn', id: 'queue-paused'},
-    `The whole queue is paused (since ${data.why.queuePaused}): `,
+    'The whole queue is paused (since ', ago(data.why.queuePaused), '): ',
     el('a', {href: '/admin'}, 'see the overview'), '.') : null;
   const buttons = [];
   if (full) {
@@ -329,9 +365,11 @@ async function app(id) {
     })}, 'Release') : holdForm(a.appId));
   }
   // The last failure's log, unless it is the current result shown above (no field twice).
-  const log = a.status === 'failed' ? [] : data.history.filter((h) => h.failure_log !== null);
-  show(el('h1', {}, a.appId), why, held, retries, paused, el('div', {id: 'outcome'}), ...buttons,
-    table(['state', 'failure', 'version', 'analysed', 'added', 'leased to', 'since',
+  const currentIsFailure = a.analysis !== null && typeof a.analysis === 'object' &&
+    a.analysis.success === false;
+  const log = currentIsFailure ? [] : data.history.filter((h) => h.failure_log !== null);
+  show(el('h1', {}, a.appId), why, retries, paused, el('div', {id: 'outcome'}), ...buttons,
+    table(['state', 'failure', 'version', 'result stored', 'added', 'leased to', 'since',
       'lease attempts', 'analysed by'],
       [[a.status, when(data.failureReason), when(a.analysisVersion), ago(a.analysed),
         ago(a.added), when(a.claimedBy), ago(a.processingStarted), data.leaseAttempts,
@@ -379,10 +417,14 @@ async function analysers() {
   const rows = data.analysers.map((a) => {
     const path = '/admin/api/analysers/' + encodeURIComponent(a.name);
     const cells = [a.name, ago(a.lastSeen), a.online ? 'yes' : 'no',
-      when(a.holding && a.holding.appId),
+      a.holding ? appLink(a.holding.appId) : '-',
       when(a.results24h), when(a.failures24h), ago(a.revoked), String(a.consecutiveFailures),
-      ago(a.failingSince), a.broken ? el('strong', {className: 'warn'}, 'broken') : 'no',
-      a.paused ? `paused by ${when(a.paused.by)} at ${when(a.paused.at)}` : 'no'];
+      // Its failures in a row began then; once they stop (a success, a resume), when its
+      // last run of them began, still what "Refetch what it failed" starts from.
+      a.failingSince === null ? '-' : a.consecutiveFailures > 0 ? ago(a.failingSince) :
+        el('span', {}, 'none now; the last run began ', ago(a.failingSince)),
+      a.broken ? el('strong', {className: 'warn'}, 'broken') : 'no',
+      a.paused ? el('span', {}, `paused by ${when(a.paused.by)}, `, ago(a.paused.at)) : 'no'];
     const actions = [];
     if (full && !a.revoked) {
       // How long the old token keeps working after a rotation.
@@ -406,7 +448,7 @@ async function analysers() {
       actions.push(' ', el('button', {type: 'button', onclick: () => refetchFailedBy(a)},
         'Refetch what it failed since it began failing'));
     }
-    if (full) cells.push(actions.length ? el('span', {}, ...actions) : '');
+    if (full) cells.push(actions.length ? el('span', {className: 'actions'}, ...actions) : '');
     const row = el('tr', {className: [a.broken ? 'broken' : '', a.paused ? 'paused' : '']
       .join(' ').trim()}, ...cells.map((cell) => el('td', {}, cell)));
     row.dataset.analyser = a.name;
@@ -424,7 +466,8 @@ async function analysers() {
     'failures, last 24 hours', 'revoked', 'failures in a row', 'failing since', 'broken',
     'paused'];
   show(el('h1', {}, 'Analysers'), full ? add : null, el('div', {id: 'outcome'}),
-    el('table', {}, el('tr', {}, ...(full ? [...headers, ''] : headers).map((h) => el('th', {}, h))),
+    el('table', {id: 'analysers-table'},
+      el('tr', {}, ...(full ? [...headers, ''] : headers).map((h) => el('th', {}, h))),
       ...rows));
 }
 function paused(result) {
@@ -473,6 +516,7 @@ function route() {
   }
   if (path === '/admin/apps') return apps().catch(failed);
   if (path === '/admin/analysers') return analysers().catch(failed);
+  if (path === '/admin/actions') return actions().catch(failed);
   if (path.startsWith('/admin/apps/')) {
     let id;
     try { id = decodeURIComponent(path.slice('/admin/apps/'.length)); } catch (error) {
