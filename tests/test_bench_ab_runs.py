@@ -110,6 +110,35 @@ def test_web_view_prints_every_page_and_the_reports_extra_work(server_url):
     assert int(found["history_kb"]) > 0
 
 
+def test_claim_counts_prints_ours_and_the_textbooks(server_url):
+    """bench/claim_counts.py (docs/benchmarks.md, "The claim's database work in counts"),
+    run small on the suite's server: every count for both queues, each ratio beside its
+    target; its database dropped afterwards."""
+    small = ["--apps", "2000", "--claims", "50", "--server-url", server_url]
+    try:
+        run = subprocess.run(
+            [sys.executable, "bench/claim_counts.py", *small],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        admin = connect(server_url)
+        try:
+            admin.run("DROP DATABASE IF EXISTS bench_counts_2000 WITH (FORCE)")
+        finally:
+            admin.close()
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: a target missed, said
+    found = figures(run.stdout)
+    for queue in ("ours", "textbook"):
+        for count in ("wal_bytes", "wal_records", "dirtied", "hit", "index_entries", "cpu_us"):
+            assert float(found[f"{queue}_{count}"].split()[0]) >= 0, (queue, count)
+    assert float(found["ours_index_entries"].split()[0]) == 5  # every claim, 5 indexes
+    for ratio in ("wal_bytes_vs_textbook", "dirtied_vs_textbook", "cpu_vs_textbook"):
+        assert found[ratio].split()[1].startswith("target<="), ratio
+
+
 def test_cold_start_prints_init_at_the_templates_cpu_share():
     """One emulator per setting (the built package under Python 3.12, as the Lambda
     runtime): Init and the first secret-reading request, each with its target."""

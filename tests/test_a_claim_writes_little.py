@@ -1,0 +1,97 @@
+"""What one claim writes, in counts, not time (docs/benchmarks.md, "The claim's database
+work in counts"): right after a checkpoint, a GET /queue through handler.api writes an
+entry in at most CLAIM_INDEX_ENTRIES indexes, each named, and its WAL changes at most
+CLAIM_PAGES pages of this database. A later index that a claimed row enters, or a
+column that spreads a claim over more pages, fails here the day it is added: the
+benchmark (bench/claim_counts.py) says how much, this says that it did.
+
+The WAL is read back with pg_walinspect (a contrib module of PostgreSQL 15 and later,
+in the embedded server too); a page is one a WAL record names, so a page changed only by
+a hint bit (never WAL-logged without checksums) is not counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kit import ANALYSER, configure_service
+
+from helpers import call_api, gateway_event, insert_app
+
+pytestmark = pytest.mark.private_database  # CREATE EXTENSION pg_walinspect
+
+# The claim's writes as they are (sql/ at 036): the row's new version enters the primary
+# key, both lower(appid) indexes (the website's 009 one and the web view's 027 one), and
+# the two on leases (apps_processing_started, apps_unflagged_leases); its pages are the
+# row's old and new heap pages and one leaf of each of those indexes.
+CLAIM_INDEX_ENTRIES = {
+    "apps_appid_lower_key": 1,
+    "apps_bundle_id_order": 1,
+    "apps_pkey": 1,
+    "apps_processing_started": 1,
+    "apps_unflagged_leases": 1,
+}
+CLAIM_PAGES = 7
+# This database's WAL records between two positions: each named block, and the index a
+# btree insert went to.
+WAL_OF_THIS_DATABASE = """
+SELECT record_type, resource_manager, block_ref
+FROM pg_get_wal_records_info(CAST(:start AS pg_lsn), CAST(:end AS pg_lsn))
+WHERE block_ref ~ ('/' || (SELECT oid FROM pg_database WHERE datname = current_database())
+                   || '/[0-9]+')
+"""
+
+
+def claim_wal(sql) -> tuple[dict[str, int], set[tuple[str, str]]]:
+    """One claim after a checkpoint: the index entries it wrote, by index, and the pages
+    (relation, block) its WAL changed."""
+    sql.run("CHECKPOINT")
+    # A temporary slot keeps this WAL until it is read (a checkpoint meanwhile would
+    # recycle it); the claim's commit flushed it (synchronous_commit, the default).
+    sql.run("SELECT pg_create_physical_replication_slot('claim_wal', true, true)")
+    (start,) = sql.run("SELECT CAST(pg_current_wal_insert_lsn() AS text)")[0]
+    answer = call_api(gateway_event("GET", "/queue", headers=ANALYSER))
+    assert answer["statusCode"] == 200 and answer["body"], answer
+    (end,) = sql.run("SELECT CAST(pg_current_wal_flush_lsn() AS text)")[0]
+    names = {str(node): name for node, name in sql.run("SELECT relfilenode, relname FROM pg_class")}
+    entries: dict[str, int] = {}
+    pages: set[tuple[str, str]] = set()
+    for kind, manager, block_ref in sql.run(WAL_OF_THIS_DATABASE, start=start, end=end):
+        for ref in block_ref.split(", blkref "):
+            relation = ref.split("rel ", 1)[1].split()[0].split("/")[2]
+            block = ref.rsplit("blk ", 1)[1].split()[0]
+            if "fork vm" not in ref and "fork fsm" not in ref:
+                pages.add((names.get(relation, relation), block))
+        if manager == "Btree" and kind in ("INSERT_LEAF", "INSERT_POST", "SPLIT_L", "SPLIT_R"):
+            relation = block_ref.split("rel ", 1)[1].split()[0].split("/")[2]
+            index = names.get(relation, relation)
+            entries[index] = entries.get(index, 0) + 1
+    sql.run("SELECT pg_drop_replication_slot('claim_wal')")
+    return entries, pages
+
+
+def test_a_claim_writes_few_index_entries_and_pages(database_url, sql, monkeypatch):
+    configure_service(monkeypatch, database_url)
+    sql.run("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+    for number in range(300):  # a few pages of rows, and of each index
+        insert_app(sql, f"com.example.app{number:03}", reviews=number)
+    # The first claim of a process runs the promoter's first pass: not this measurement.
+    assert call_api(gateway_event("GET", "/queue", headers=ANALYSER))["statusCode"] == 200
+    sql.run("VACUUM apps")
+    entries, pages = claim_wal(sql)
+    assert entries == CLAIM_INDEX_ENTRIES, entries
+    assert len(pages) <= CLAIM_PAGES, sorted(pages)
+    assert {relation for relation, _ in pages} - set(CLAIM_INDEX_ENTRIES) == {"apps"}
+
+
+def test_an_index_that_a_claimed_row_enters_is_caught(database_url, sql, monkeypatch):
+    """The guard at work: one more index whose condition a claimed row meets is one more
+    entry per claim, named."""
+    configure_service(monkeypatch, database_url)
+    sql.run("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+    for number in range(50):
+        insert_app(sql, f"com.example.app{number:03}", reviews=number)
+    assert call_api(gateway_event("GET", "/queue", headers=ANALYSER))["statusCode"] == 200
+    sql.run("CREATE INDEX apps_by_status ON apps (status)")
+    sql.run("VACUUM apps")
+    entries, _ = claim_wal(sql)
+    assert entries == {**CLAIM_INDEX_ENTRIES, "apps_by_status": 1}
