@@ -780,6 +780,13 @@ def test_the_apps_list_filters_by_its_address_and_back_keeps_the_filters(serve, 
     assert column(page) == ["com.example.gone2"]
     expect(page.get_by_role("button", name=re.compile("Refetch all matching"))).to_have_count(0)
     expect(page.locator("#searched")).to_have_count(0)  # it searched every app
+
+    # Nothing starts with it: the page offers the search anywhere in the bundle ID.
+    page.goto(f"{base}/admin/apps?q=gone2")
+    expect(page.locator("#try-contains")).to_contain_text("No bundle ID starts with that")
+    page.get_by_role("link", name="search for it anywhere in the bundle ID").click()
+    expect(page.get_by_role("link", name="com.example.gone2")).to_be_visible()
+    expect(page.get_by_label("Bundle ID contains")).to_have_value("gone2")
     assert tab.errors == []
 
 

@@ -321,7 +321,12 @@ async function apps() {
   const searched = data.searchedTo === null ? null : el('p', {className: 'note', id: 'searched'},
     `Searched the bundle IDs up to ${data.searchedTo}` +
     (data.apps.length ? '.' : ' and found none yet.') + ' The next page searches on.');
-  show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk, searched,
+  // Nothing starts so: perhaps it is further in (net.whatsapp.WhatsApp for "whatsapp").
+  const hint = !data.apps.length && query.get('q') && !query.get('has') && !query.get('after') ?
+    el('p', {className: 'note', id: 'try-contains'}, 'No bundle ID starts with that; ',
+      el('a', {href: '/admin/apps?' + new URLSearchParams({...Object.fromEntries(query),
+        q: '', has: query.get('q')})}, 'search for it anywhere in the bundle ID'), '.') : null;
+  show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk, searched, hint,
     table(['bundle ID', 'state', 'failure', 'version', 'result stored', 'leased to'], rows),
     data.next !== null ? el('a', {href: '/admin/apps?' + next, id: 'next'},
       data.searchedTo === null ? 'Next page' : 'Search on') : null);
