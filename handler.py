@@ -5744,7 +5744,7 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 
 # -- SQL
 
-QUEUE_HISTORY_DAYS = 90
+QUEUE_HISTORY_DAYS = 90  # prune_queue_snapshots()'s, in sql/036
 # The hour's first report keeps its count (one invoked again within the hour changes
 # nothing), and the same transaction deletes what has left the window.
 KEEP_SNAPSHOT = """
@@ -5753,7 +5753,8 @@ VALUES (date_trunc('hour', now()), CAST(:states AS jsonb), CAST(:backlog AS json
         CAST(:failed AS jsonb))
 ON CONFLICT (hour) DO NOTHING
 """
-PRUNE_SNAPSHOTS = "DELETE FROM queue_snapshots WHERE hour < now() - make_interval(days => :days)"
+# Past the window, by the ledger's function (sql/036): the API role deletes nothing itself.
+PRUNE_SNAPSHOTS = "SELECT prune_queue_snapshots()"
 # The window: the current hour and the :hours - 1 before it, by the database's clock.
 HISTORY_WINDOW = "SELECT date_trunc('hour', now()) - make_interval(hours => :hours - 1) AS start"
 # Each hour's results by who stored them: an analyser's name, or NULL (the shared
@@ -5789,7 +5790,7 @@ def keep_queue_snapshot(db: SharedConnection, status: QueueStatus) -> bool:
             backlog=json.dumps({reason: status.backlog.get(reason, 0) for reason in REASON_TEXT}),
             failed=json.dumps(status.failed_by_reason),
         )
-        session.run(PRUNE_SNAPSHOTS, days=QUEUE_HISTORY_DAYS)
+        session.run(PRUNE_SNAPSHOTS)
 
     try:
         db.transaction(work)
@@ -5798,7 +5799,7 @@ def keep_queue_snapshot(db: SharedConnection, status: QueueStatus) -> bool:
             raise
         logger.warning(
             "no queue snapshot kept: the database role may not write queue_snapshots",
-            extra={"grant": "GRANT SELECT, INSERT, DELETE ON queue_snapshots (docs/operations.md)"},
+            extra={"grant": "GRANT SELECT, INSERT ON queue_snapshots (docs/operations.md)"},
         )
         return False
     return True
@@ -6061,9 +6062,20 @@ REFETCH_CLI_NAMES = {
 }
 
 
-# A failure reason as a filter spells it, and the start of a bundle ID (lower case).
+# A failure reason as a filter spells it, and part of a bundle ID as a filter takes it.
 FAILURE_REASON_TEXT = re.compile(r"[a-z_]{1,40}")
-BUNDLE_ID_PREFIX = re.compile(r"[a-z0-9.-]{1,155}")
+BUNDLE_ID_PART = re.compile(r"[A-Za-z0-9.-]{1,155}")
+BUNDLE_ID_PART_WORDS = "up to 155 letters, digits, . and -"
+
+
+def bundle_id_part(value: str) -> str | None:
+    """Part of a bundle ID as a filter takes it (a prefix, text inside), in lower case:
+    checked before it is lowered, since lowering maps some characters outside ASCII to
+    letters (the Kelvin sign to k); None when it is not one. "" for blank."""
+    value = value.strip()
+    if value and not BUNDLE_ID_PART.fullmatch(value):
+        return None
+    return value.lower()
 
 
 def since_time(value: object, name: str) -> datetime:
@@ -6153,13 +6165,11 @@ class RefetchRequest:
             isinstance(reason, str) and FAILURE_REASON_TEXT.fullmatch(reason)
         ):
             raise BadInput(f"{names['reason']} must be a failure reason such as app_not_found")
-        prefix = fields.pop("prefix", None)  # a `false` or `[]` is refused, never "any"
-        prefix = prefix.strip().lower() if isinstance(prefix, str) else prefix
+        given = fields.pop("prefix", None)  # a `false` or `[]` is refused, never "any"
+        prefix = "" if given is None else bundle_id_part(given) if isinstance(given, str) else None
         if prefix is None:
-            prefix = ""
-        if not isinstance(prefix, str) or not (prefix == "" or BUNDLE_ID_PREFIX.fullmatch(prefix)):
             raise BadInput(
-                f"{names['prefix']} must be the start of a bundle ID: letters, digits, . and -"
+                f"{names['prefix']} must be the start of a bundle ID: {BUNDLE_ID_PART_WORDS}"
             )
         by_state = [
             field
@@ -7527,13 +7537,16 @@ def from_own_page(request: Request) -> bool:
     return request.headers.getlist("sec-fetch-site") == ["same-origin"]
 
 
-def admin_guard(request: Request, write: bool) -> Operator:
+def admin_guard(request: Request, write: bool, reads_data: bool = False) -> Operator:
     """Who may do this: the bearer token (a named operator's or ADMIN_TOKEN, as curl
     sends it; or the JWT of a verified identity: _check_admin), else a live session's
     cookie. A write by cookie must come from the web
     view's own pages: Sec-Fetch-Site: same-origin (a browser always sends it; a missing
     one is refused, SameSite alone does not stop another port of the same host) and a
-    JSON body (which no plain form can send)."""
+    JSON body (which no plain form can send). A read of data by cookie (`reads_data`)
+    that a browser says comes from another page (Sec-Fetch-Site other than same-origin)
+    is refused too: another port of the same host could otherwise time searches with
+    the operator's cookie, though it could not read the answers."""
     source = request_source(request)
     if request.headers.get("authorization") is not None:
         scheme, _, token = request.headers["authorization"].partition(" ")
@@ -7551,6 +7564,9 @@ def admin_guard(request: Request, write: bool) -> Operator:
         if not from_own_page(request):
             raise HTTPException(403, "a write must come from the web view's own page")
         _require_content_type(request, ("application/json",))
+    fetched_from = request.headers.get("sec-fetch-site")
+    if reads_data and operator.session is not None and fetched_from not in (None, "same-origin"):
+        raise HTTPException(403, "the web view's data is read by its own pages only")
     return operator
 
 
@@ -7714,16 +7730,16 @@ class AppFilter:
     @classmethod
     def from_query(cls, query: dict[str, str]) -> AppFilter:
         state, reason = query.get("state") or None, query.get("reason") or None
-        prefix = (query.get("q") or "").strip().lower()
-        contains = (query.get("has") or "").strip().lower()
+        prefix = bundle_id_part(query.get("q") or "")
+        contains = bundle_id_part(query.get("has") or "")
         if state is not None and state not in APP_STATES:
             raise BadInput(f"state must be one of {', '.join(APP_STATES)}")
         if reason is not None and not FAILURE_REASON_TEXT.fullmatch(reason):
             raise BadInput("reason must be a failure reason such as app_not_found")
-        if prefix and not BUNDLE_ID_PREFIX.fullmatch(prefix):
-            raise BadInput("q must be the start of a bundle ID: letters, digits, . and -")
-        if contains and not BUNDLE_ID_PREFIX.fullmatch(contains):
-            raise BadInput("has must be part of a bundle ID: letters, digits, . and -")
+        if prefix is None:
+            raise BadInput(f"q must be the start of a bundle ID: {BUNDLE_ID_PART_WORDS}")
+        if contains is None:
+            raise BadInput(f"has must be part of a bundle ID: {BUNDLE_ID_PART_WORDS}")
         return cls(state=state, reason=reason, prefix=prefix, contains=contains)
 
     def params(self) -> dict[str, Any]:
@@ -8400,7 +8416,9 @@ def _admin_route(request: Request) -> tuple[Callable[..., Response], Any, dict[s
         if who == "anyone":
             return work, None, {}
         try:
-            operator = admin_guard(request, write=who in ("write", "action"))
+            operator = admin_guard(
+                request, write=who in ("write", "action"), reads_data=who == "read"
+            )
         except HTTPException as refusal:
             if who != "page" or refusal.status_code != 401:
                 raise
@@ -8457,7 +8475,22 @@ async def admin(request: Request) -> Response:
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
     headers = {**(error.headers or {}), **NO_STORE}
+    if _admin_path_served(request):  # refused before its route (a method, a header)
+        headers = {**ADMIN_HEADERS, **headers}
     return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
+
+
+def _admin_path_served(request: Request) -> bool:
+    """An /admin path while the web view is on: its answers, errors included, carry
+    ADMIN_HEADERS, even one refused before its route ran (an unknown method, a repeated
+    header). With ADMIN_WEB=off, an /admin path is answered as any unknown path is."""
+    path = request.scope.get("path", "")
+    if path != "/admin" and not path.startswith("/admin/"):
+        return False
+    try:
+        return settings().admin_web != "off"
+    except ConfigError:
+        return False
 
 
 @app.exception_handler(RequestValidationError)

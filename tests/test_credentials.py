@@ -300,7 +300,15 @@ def test_the_api_and_report_run_as_the_queue_role(queue_role, sql):
     }
     assert app_row(sql, "com.example.app")["status"] == "analysed"
     sql.run("INSERT INTO apps (appid, details) VALUES ('com.example.waiting', '{}')")
+    sql.run(
+        "INSERT INTO queue_snapshots (hour, states, backlog, failed)"
+        " VALUES (now() - interval '91 days', '{}', '{}', '{}')"
+    )
     status = handler.report(load_event("schedule.json"), LambdaContext())
+    # Its hourly snapshot kept, and the one past 90 days pruned, as the queue role: by
+    # sql/036's function, with no DELETE granted.
+    kept = sql.run("SELECT hour = date_trunc('hour', now()) FROM queue_snapshots")
+    assert kept == [[True]]
     assert status["counts"] == {"queued": 1, "processing": 0, "analysed": 1, "failed": 0}
     assert status["backlog"] == {
         "queued": 1,

@@ -77,11 +77,21 @@ def test_a_search_reads_a_window_a_page_and_says_where_it_stopped(listed, monkey
     ]
 
 
-@pytest.mark.parametrize("text", ["what%", "a b", "_", "x" * 156, "what\\"])
+# Checked before it is lowered: the Kelvin sign lowers to k, a dotted capital I to two
+# characters; neither is in a bundle ID.
+REFUSED = ["what%", "a b", "_", "x" * 156, "what\\", "\u212a", "com.example.\u212a", "\u0130"]
+
+
+@pytest.mark.parametrize("text", REFUSED)
 def test_text_no_bundle_id_could_hold_is_refused(listed, text):
     status, answer = listed(has=text)
     assert status == 400
-    assert answer["detail"] == "has must be part of a bundle ID: letters, digits, . and -"
+    assert answer["detail"] == "has must be part of a bundle ID: up to 155 letters, digits, . and -"
+    status, answer = listed(q=text)
+    assert (status, answer["detail"]) == (
+        400,
+        "q must be the start of a bundle ID: up to 155 letters, digits, . and -",
+    )
 
 
 @pytest.mark.no_database

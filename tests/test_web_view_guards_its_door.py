@@ -106,6 +106,9 @@ def test_a_mode_that_does_not_exist_is_refused_by_name(database_url, monkeypatch
 def test_every_admin_answer_carries_the_security_headers(web, sql):
     cookie = signed_in()
     answers = [request("GET", "/admin/login"), request("GET", "/admin/nothing-here")]
+    # Refused before any route runs: a method no route takes.
+    answers += [request("TRACE", "/admin/static/admin.js"), request("PROPFIND", "/admin")]
+    assert [answer["statusCode"] for answer in answers[2:]] == [405, 405], answers[2:]
     for method, path, *_ in handler.ADMIN_ROUTES:
         path = path.replace("{appId}", "com.example.app").replace("{name}", "pi-01")
         answers.append(request(method, path, {**cookie, **SAME_ORIGIN, **JSON}, "{}"))
@@ -116,6 +119,37 @@ def test_every_admin_answer_carries_the_security_headers(web, sql):
     csp = handler.ADMIN_HEADERS["Content-Security-Policy"]
     assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
     assert "unsafe-inline" not in csp
+
+
+@pytest.mark.parametrize("site", ["same-site", "cross-site", "none"])
+def test_data_read_by_cookie_from_another_page_is_refused(web, sql, site):
+    """Sec-Fetch-Site other than same-origin on a read of data by cookie: 403 (another
+    port of the same host gets the SameSite cookie sent). The pages themselves, a read
+    with no such header (not a browser) and a bearer token's read are answered."""
+    cookie = signed_in()
+    for path in ("/admin/api/status", "/admin/api/history", "/admin/api/apps"):
+        refused = request("GET", path, {**cookie, "sec-fetch-site": site})
+        assert refused["statusCode"] == 403, (path, refused)
+        assert "own pages" in body(refused)["detail"]
+        assert request("GET", path, {**cookie, **SAME_ORIGIN})["statusCode"] == 200
+        assert request("GET", path, cookie)["statusCode"] == 200
+        assert request("GET", path, {**BEARER, "sec-fetch-site": site})["statusCode"] == 200
+    # A page reached by a link from elsewhere is served (its data then read same-origin).
+    assert request("GET", "/admin", {**cookie, "sec-fetch-site": site})["statusCode"] == 200
+
+
+def test_a_header_given_twice_is_refused_with_the_security_headers(web, client):
+    """Refused before the route runs (the whole request's headers are read first), and
+    answered as every /admin answer is; an HTTP API joins repeated headers, so this is
+    `serve`'s case."""
+    twice = [("authorization", f"Bearer {ADMIN_TOKEN}"), ("authorization", "Bearer other")]
+    answer = client.get("/admin/api/history", headers=twice)
+    assert answer.status_code == 400 and "more than once" in answer.json()["detail"]
+    for name, value in handler.ADMIN_HEADERS.items():
+        assert answer.headers[name] == value, name
+    # Outside /admin, as before: no page's headers on an API answer.
+    answer = client.get("/analysers", headers=twice)
+    assert answer.status_code == 400 and "content-security-policy" not in answer.headers
 
 
 def test_sign_in_sets_a_session_cookie_and_never_shows_the_token(web, sql):

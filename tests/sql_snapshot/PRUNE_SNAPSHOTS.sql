@@ -1,1 +1,1 @@
-DELETE FROM queue_snapshots WHERE hour < now() - make_interval(days => :days)
+SELECT prune_queue_snapshots()
