@@ -8475,18 +8475,21 @@ async def admin(request: Request) -> Response:
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
     headers = {**(error.headers or {}), **NO_STORE}
-    if _admin_path_served(request):  # refused before its route (a method, a header)
-        headers = {**ADMIN_HEADERS, **headers}
-    return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
-
-
-def _admin_path_served(request: Request) -> bool:
-    """An /admin path while the web view is on: its answers, errors included, carry
-    ADMIN_HEADERS, even one refused before its route ran (an unknown method, a repeated
-    header). With ADMIN_WEB=off, an /admin path is answered as any unknown path is."""
+    status, detail = error.status_code, error.detail
     path = request.scope.get("path", "")
-    if path != "/admin" and not path.startswith("/admin/"):
-        return False
+    if path == "/admin" or path.startswith("/admin/"):
+        # Refused before its route ran (a method no route takes, a repeated header): as
+        # every /admin answer, with ADMIN_HEADERS; and with the web view off, a method
+        # no route takes is the unknown path's 404, as every other /admin request is.
+        headers = {**ADMIN_HEADERS, **headers}
+        if status == 405 and not _admin_web_on():
+            status, detail = 404, "Not Found"
+            headers.pop("Allow", None)
+            headers.pop("allow", None)
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def _admin_web_on() -> bool:
     try:
         return settings().admin_web != "off"
     except ConfigError:

@@ -90,6 +90,9 @@ def test_off_is_404_for_every_admin_path_and_method(web):
             assert answer["headers"]["x-frame-options"] == "DENY"
     assert request("GET", "/admin/anything/else")["statusCode"] == 404
     assert request("GET", "/admin")["statusCode"] == 404
+    for method in ("TRACE", "PROPFIND"):  # a method no /admin route takes: 404 too
+        answer = request(method, "/admin/static/admin.js")
+        assert answer["statusCode"] == 404 and "allow" not in answer["headers"], answer
 
 
 def test_the_default_is_off(database_url, monkeypatch):

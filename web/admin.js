@@ -278,6 +278,11 @@ async function actions() {
       'Older actions') : null);
 }
 
+function appsAddress(filters) {
+  const given = new URLSearchParams();
+  for (const [name, value] of Object.entries(filters)) if (value) given.set(name, value);
+  return '/admin/apps' + (String(given) ? '?' + given : '');
+}
 async function apps() {
   const query = new URLSearchParams(location.search);
   const data = await api('/admin/api/apps?' + query);
@@ -300,6 +305,11 @@ async function apps() {
     el('label', {}, 'State ', state), el('label', {}, 'Failure reason ', reason),
     field('q', 'Bundle ID starts with'), field('has', 'Bundle ID contains'),
     el('button', {type: 'submit'}, 'Filter'));
+  // The address holds the filters given, not the empty ones (a bookmark reads as asked).
+  filters.addEventListener('submit', (event) => {
+    event.preventDefault();
+    location.assign(appsAddress(Object.fromEntries(new FormData(filters))));
+  });
   const rows = data.apps.map((a) => [appLink(a.appId), a.status, when(a.failure),
     when(a.analysisVersion), ago(a.analysed), when(a.claimedBy)]);
   const next = new URLSearchParams(query);
@@ -324,8 +334,8 @@ async function apps() {
   // Nothing starts so: perhaps it is further in (net.whatsapp.WhatsApp for "whatsapp").
   const hint = !data.apps.length && query.get('q') && !query.get('has') && !query.get('after') ?
     el('p', {className: 'note', id: 'try-contains'}, 'No bundle ID starts with that; ',
-      el('a', {href: '/admin/apps?' + new URLSearchParams({...Object.fromEntries(query),
-        q: '', has: query.get('q')})}, 'search for it anywhere in the bundle ID'), '.') : null;
+      el('a', {href: appsAddress({...Object.fromEntries(query), q: '', has: query.get('q')})},
+        'search for it anywhere in the bundle ID'), '.') : null;
   show(el('h1', {}, 'Apps'), filters, el('div', {id: 'outcome'}), ...bulk, searched, hint,
     table(['bundle ID', 'state', 'failure', 'version', 'result stored', 'leased to'], rows),
     data.next !== null ? el('a', {href: '/admin/apps?' + next, id: 'next'},
