@@ -168,7 +168,7 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
         top = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
         hit += top["Shared Hit Blocks"]
         dirtied += top["Shared Dirtied Blocks"]
-        made += top["Actual Rows"]  # 0: the queue was empty
+        made += round(top["Actual Rows"])  # 0: the queue was empty (PostgreSQL 18: 1.00)
     end = sql.run("SELECT CAST(pg_current_wal_insert_lsn() AS text)")[0][0]
     wait_for_flush(sql, end)
     sql.run("DEALLOCATE claim")
