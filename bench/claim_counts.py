@@ -210,13 +210,7 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
 
 
 def run_size(n: int, args: argparse.Namespace) -> dict[str, dict]:
-    server = claims_data.with_database(args.server_url, "postgres")
-    name = f"bench_counts_{n}"
-    url = (
-        claims_data.with_database(server, name)
-        if args.reuse
-        else claims_data.recreate_database(server, name)
-    )
+    url = claims_data.bench_database(args.server_url, f"bench_counts_{n}", args.reuse)
     sql = claims_data.connect(url, "bench-counts")
     sql.run("SET statement_timeout = 0")
     claims.say(f"== {n:,} apps: {url} (load {claims.load()})")

@@ -390,6 +390,13 @@ def server_reachable(url: str) -> bool:
         return False
 
 
+def bench_database(server_url: str, name: str, reuse: bool) -> str:
+    """The URL of a benchmark's database on the server of `server_url`: the one a run
+    left (`reuse`), or made anew."""
+    server = with_database(server_url, "postgres")
+    return with_database(server, name) if reuse else recreate_database(server, name)
+
+
 def recreate_database(server_url: str, name: str) -> str:
     """Drop (forcing other sessions off) and create a database; returns its URL."""
     admin = connect(server_url)

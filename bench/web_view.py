@@ -115,13 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="measure bench_web_<N> as left")
     args = parser.parse_args(argv)
     n = args.apps
-    server = claims_data.with_database(args.server_url, "postgres")
-    name = f"bench_web_{n}"
-    url = (
-        claims_data.with_database(server, name)
-        if args.reuse
-        else claims_data.recreate_database(server, name)
-    )
+    url = claims_data.bench_database(args.server_url, f"bench_web_{n}", args.reuse)
     claims.say(f"web view benchmark: {n:,} apps, {url}, load {claims.load()}")
     sql = claims_data.connect(url)
     if not args.reuse:

@@ -39,6 +39,25 @@ def test_handler_ab_compares_two_versions_of_one_request():
         assert float(found[name].split()[0]) > 0, run.stdout
 
 
+def run_bench(script: str, args: list[str], database: str, server_url: str):
+    """bench/<script> run small on the suite's server (300 s at most), its database
+    dropped afterwards; its run, whatever its exit status."""
+    try:
+        return subprocess.run(
+            [sys.executable, f"bench/{script}", *args, "--server-url", server_url],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        admin = connect(server_url)
+        try:
+            admin.run(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+        finally:
+            admin.close()
+
+
 def test_claims_prints_every_figure_with_its_target(server_url):
     """bench/claims.py (docs/benchmarks.md, "Results"), run small on the suite's server:
     every figure of its TARGETS printed as `name=value target...` or `... reported`,
@@ -48,21 +67,8 @@ def test_claims_prints_every_figure_with_its_target(server_url):
         " --windows 1 --import-runs 1 --first-read-runs 1 --http-claims 3 --bump-claims 10"
         " --mass-max-requests 20"
     ).split()
-    try:
-        run = subprocess.run(
-            [sys.executable, "bench/claims.py", *small, "--server-url", server_url],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
-    finally:
-        admin = connect(server_url)
-        try:
-            admin.run("DROP DATABASE IF EXISTS bench_2000 WITH (FORCE)")
-        finally:
-            admin.close()
+    run = run_bench("claims.py", small, "bench_2000", server_url)
+    assert run.returncode == 0, run.stderr[-3000:]
     found = figures(run.stdout)
     names = (
         "claim_vs_floor claim_sql_vs_floor throughput16_vs_floor import_vs_libs reports_max_s"
@@ -80,21 +86,7 @@ def test_web_view_prints_every_page_and_the_reports_extra_work(server_url):
     """bench/web_view.py (docs/benchmarks.md, "The web view"), run small on the suite's
     server: every page's JSON answered and timed beside its target, the report's extra
     work and the history's size printed; its database dropped afterwards."""
-    small = ["--apps", "2000", "--runs", "1", "--server-url", server_url]
-    try:
-        run = subprocess.run(
-            [sys.executable, "bench/web_view.py", *small],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        admin = connect(server_url)
-        try:
-            admin.run("DROP DATABASE IF EXISTS bench_web_2000 WITH (FORCE)")
-        finally:
-            admin.close()
+    run = run_bench("web_view.py", ["--apps", "2000", "--runs", "1"], "bench_web_2000", server_url)
     assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: a target missed, said
     found = figures(run.stdout)
     assert "report_extra_ms" in found, run.stderr[-3000:]
@@ -115,21 +107,8 @@ def test_claim_counts_prints_ours_and_the_textbooks(server_url):
     """bench/claim_counts.py (docs/benchmarks.md, "The claim's database work in counts"),
     run small on the suite's server: every count for both queues, each ratio beside its
     target; its database dropped afterwards."""
-    small = ["--apps", "2000", "--claims", "50", "--server-url", server_url]
-    try:
-        run = subprocess.run(
-            [sys.executable, "bench/claim_counts.py", *small],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        admin = connect(server_url)
-        try:
-            admin.run("DROP DATABASE IF EXISTS bench_counts_2000 WITH (FORCE)")
-        finally:
-            admin.close()
+    small = ["--apps", "2000", "--claims", "50"]
+    run = run_bench("claim_counts.py", small, "bench_counts_2000", server_url)
     # 1: a target missed, said on its line (and a traceback is 1 too: its figures are
     # then missing, and its stderr is shown).
     assert run.returncode in (0, 1), run.stderr[-3000:]
