@@ -115,11 +115,13 @@ def test_claim_counts_prints_ours_and_the_textbooks(server_url):
     found = figures(run.stdout)
     assert "wal_bytes_vs_textbook" in found, run.stderr[-3000:]
     for queue in ("ours", "textbook"):
-        for count in ("wal_bytes", "wal_records", "dirtied", "hit", "index_entries", "cpu_us"):
+        counts = ("wal_bytes", "wal_records", "dirtied", "hit", "index_entries", "cpu_us")
+        for count in (*counts, "statement_cpu_us"):
             assert float(found[f"{queue}_{count}"].split()[0]) >= 0, (queue, count)
     assert float(found["ours_index_entries"].split()[0]) == 5  # every claim, 5 indexes
     for ratio in ("wal_bytes_vs_textbook", "dirtied_vs_textbook", "cpu_vs_textbook"):
         assert found[ratio].split()[1].startswith("target<="), ratio
+    assert found["statement_cpu_vs_textbook"].split()[1] == "reported"
 
 
 def test_cold_start_prints_init_at_the_templates_cpu_share():
