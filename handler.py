@@ -5739,12 +5739,11 @@ def _format_backlog_rows(rows: list[dict[str, Any]]) -> list[str]:
 # What the web view's charts draw, with no CloudWatch: results, failures and expired
 # leases per hour (and per analyser) from app_analyses, which records each one as it is
 # stored, and the queue's states and backlog from the snapshot the scheduled report keeps
-# once an hour (sql/036) for QUEUE_HISTORY_DAYS. Nothing here is on a claim's path.
+# once an hour (sql/036) for 90 days. Nothing here is on a claim's path.
 
 
 # -- SQL
 
-QUEUE_HISTORY_DAYS = 90  # prune_queue_snapshots()'s, in sql/036
 # The hour's first report keeps its count (one invoked again within the hour changes
 # nothing), and the same transaction deletes what has left the window.
 KEEP_SNAPSHOT = """
@@ -5779,7 +5778,7 @@ FROM queue_snapshots WHERE hour >= :start ORDER BY hour
 
 def keep_queue_snapshot(db: SharedConnection, status: QueueStatus) -> bool:
     """The report's hourly snapshot of `status` (the states, the backlog and the failed
-    apps by reason), and older ones than QUEUE_HISTORY_DAYS deleted, in one transaction.
+    apps by reason), and those past 90 days deleted (sql/036), in one transaction.
     False, logged, when the database refuses it for want of a grant (docs/operations.md):
     the report's own record and metrics do not depend on it."""
 
@@ -8484,8 +8483,7 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> Respon
         headers = {**ADMIN_HEADERS, **headers}
         if status == 405 and not _admin_web_on():
             status, detail = 404, "Not Found"
-            headers.pop("Allow", None)
-            headers.pop("allow", None)
+            headers.pop("Allow", None)  # Starlette's, naming the route's methods
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
