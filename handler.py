@@ -733,8 +733,8 @@ CLAIM_HOLDER = """CASE WHEN status = 'processing' AND claimed_with = analysis_cl
 
 
 # Apps whose bundle ID starts with :prefix, in any letter case ('' for any), as a range
-# of the bundle-ID order the apps list pages by (apps_bundle_id_order, sql/027): the
-# refetch's selection and the web view's list filter alike (prefix_params).
+# of the bundle-ID order the apps list pages by (apps_bundle_id_order_unleased, sql/037):
+# the refetch's selection and the web view's list filter alike (prefix_params).
 BUNDLE_ID_STARTS = """(:prefix = '' OR lower(appid) COLLATE "C" >= :prefix
                          AND lower(appid) COLLATE "C" < :prefix_end)"""
 
@@ -7586,35 +7586,54 @@ def require_actions(operator: Operator) -> None:
 
 # -- SQL
 
-# Apps in bundle-ID order, byte by byte and in any letter case (apps_bundle_id_order,
-# sql/027; failures of one reason: apps_failed_by_reason, sql/028). A page starts after
-# the last bundle ID of the one before (never OFFSET, which reads every row it skips; the
-# first page has none: NULL, so an old row's empty bundle ID is listed too); a prefix is
-# a range of that order (BUNDLE_ID_STARTS).
-APPS_PAGE = f"""
-SELECT appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason,
-       failure_retryable, analysisversion, analysed, processing_started,
-       {CLAIM_HOLDER} AS claim_holder, app_popularity(details) AS popularity, added
-FROM apps
-WHERE (CAST(:after AS text) IS NULL OR lower(appid) COLLATE "C" > :after) AND {BUNDLE_ID_STARTS}
-  AND (CAST(:state AS text) IS NULL OR status = :state)
-  AND (CAST(:reason AS text) IS NULL OR status = 'failed' AND failure_reason = :reason)
-ORDER BY lower(appid) COLLATE "C"
-LIMIT :limit
+# The first {limit} apps matching {where}, in bundle-ID order (byte by byte, in any letter
+# case), with {columns} (one of them sort_key, that order's key). Two reads: the apps not
+# leased, in order from apps_bundle_id_order_unleased (sql/037), and the leased ones
+# (status 'processing', apps_processing_started: about one an analyser), sorted. No
+# index holds both: a claim writes the row it leases, and would write an entry into
+# every index that held it. Each read stops at {limit}, so the merge sorts at most two
+# pages' worth.
+IN_BUNDLE_ID_ORDER = """
+SELECT * FROM (
+    (SELECT {columns}
+     FROM apps WHERE status <> 'processing' AND ({where})
+     ORDER BY lower(appid) COLLATE "C" LIMIT {limit})
+  UNION ALL
+    (SELECT {columns}
+     FROM apps WHERE status = 'processing' AND ({where})
+     ORDER BY lower(appid) COLLATE "C" LIMIT {limit})
+) AS ordered
+ORDER BY sort_key LIMIT {limit}
 """
+# Where a page of the apps list starts: after the last bundle ID of the one before (never
+# OFFSET, which reads every row it skips; the first page has none: NULL, so an old row's
+# empty bundle ID is listed too), within a prefix (a range of the order: BUNDLE_ID_STARTS).
+PAGE_STARTS = f"""(CAST(:after AS text) IS NULL OR lower(appid) COLLATE "C" > :after)
+  AND {BUNDLE_ID_STARTS}"""
+# A page of apps, in bundle-ID order (IN_BUNDLE_ID_ORDER; failures of one reason:
+# apps_failed_by_reason, sql/028).
+APPS_PAGE = IN_BUNDLE_ID_ORDER.format(
+    columns=f"""appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason,
+       failure_retryable, analysisversion, analysed, processing_started,
+       {CLAIM_HOLDER} AS claim_holder, app_popularity(details) AS popularity, added""",
+    where=f"""{PAGE_STARTS}
+  AND (CAST(:state AS text) IS NULL OR status = :state)
+  AND (CAST(:reason AS text) IS NULL OR status = 'failed' AND failure_reason = :reason)""",
+    limit=":limit",
+)
 # Apps whose bundle ID holds :contains anywhere, in any letter case. No index finds text
 # in the middle of a bundle ID, and none is added for it (each index on apps is one more
 # entry for every claim to write): a page reads at most :scan apps of the same order, the
 # range after :after and in the prefix, and says where it stopped (scanned_to) when it
 # read them all before it found a page of matches; the next page reads on from there.
 APPS_CONTAINING = f"""
-WITH scanned AS (
-    SELECT appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason
-    FROM apps
-    WHERE (CAST(:after AS text) IS NULL OR lower(appid) COLLATE "C" > :after) AND {BUNDLE_ID_STARTS}
-    ORDER BY lower(appid) COLLATE "C"
-    LIMIT :scan
-), matched AS (
+WITH scanned AS ({
+    IN_BUNDLE_ID_ORDER.format(
+        columns='appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason',
+        where=PAGE_STARTS,
+        limit=":scan",
+    )
+}), matched AS (
     SELECT appid, sort_key FROM scanned
     WHERE strpos(sort_key, :contains) > 0
       AND (CAST(:state AS text) IS NULL OR status = :state)

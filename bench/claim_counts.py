@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import uuid
@@ -77,6 +78,8 @@ SELECT resource_manager, record_type, record_length, fpi_length, block_ref FROM 
 WHERE resource_manager = 'Transaction' AND xid IN (SELECT xid FROM ours)
 """
 LEAF_ENTRY_RECORDS = ("INSERT_LEAF", "INSERT_POST", "SPLIT_L", "SPLIT_R")
+# One block a record refers to, and whether the record holds that page's whole image.
+BLOCK_REF = re.compile(r"rel \d+/\d+/(\d+) fork (\w+) blk \d+( \(FPW\))?")
 TARGETS = {  # ours ÷ the textbook's, per claim (issue 39)
     "wal_bytes_vs_textbook": 1.5,
     "dirtied_vs_textbook": 2.0,
@@ -120,8 +123,13 @@ def wal_counts(sql, start: str, end: str, names: dict[str, str]) -> dict:
     db = str(sql.run("SELECT oid FROM pg_database WHERE datname = current_database()")[0][0])
     records = sql.run(OUR_WAL, start=start, end=end, db=db)
     per_index: dict[str, int] = {}
+    images: dict[str, int] = {}  # page images per relation (and fork, but the main one)
     updates = hot = 0
     for manager, kind, _, _, block_ref in records:
+        for node, fork, image in BLOCK_REF.findall(block_ref or ""):
+            if image:
+                name = names.get(node, node) + ("" if fork == "main" else f" ({fork})")
+                images[name] = images.get(name, 0) + 1
         # A row's entry goes in by a leaf insert, or with the split of its leaf (a
         # split's downlink to the parent, INSERT_UPPER, is no row's entry).
         if manager == "Btree" and kind in LEAF_ENTRY_RECORDS:
@@ -137,6 +145,7 @@ def wal_counts(sql, start: str, end: str, names: dict[str, str]) -> dict:
         "bytes_without_images": sum(r[2] - r[3] for r in records),
         "images": sum(1 for r in records if r[3]),
         "index_entries": per_index,
+        "images_per_relation": images,
         "hot_share": hot / updates if updates else float("nan"),
     }
 
@@ -215,6 +224,9 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
         "hit": hit / n,
         "index_entries": sum(wal["index_entries"].values()) / n,
         "per_index": {k: v / n for k, v in sorted(wal["index_entries"].items())},
+        "images_per_relation": {
+            k: v / n for k, v in sorted(wal["images_per_relation"].items(), key=lambda kv: -kv[1])
+        },
         "hot_share": wal["hot_share"],
         "cpu_us": cpu_us,
         "statement_cpu_us": statement_cpu_us,
@@ -256,10 +268,11 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, dict]:
     sql.close()
     for queue, counts in found.items():
         indexes = ", ".join(f"{k} {v:.2f}" for k, v in counts["per_index"].items())
+        images = ", ".join(f"{k} {v:.2f}" for k, v in counts["images_per_relation"].items())
         claims.say(
             f"   {queue:<9} {counts['claims']} claims: WAL {counts['wal_bytes']:8.0f} B"
             f" ({counts['wal_bytes_without_images']:.0f} without page images,"
-            f" {counts['page_images']:.2f} images), {counts['wal_records']:.2f} records;"
+            f" {counts['page_images']:.2f} images: {images}), {counts['wal_records']:.2f} records;"
             f" dirtied {counts['dirtied']:.2f}, hit {counts['hit']:.1f};"
             f" index entries {counts['index_entries']:.2f} ({indexes});"
             f" HOT {counts['hot_share']:.0%}; CPU {counts['cpu_us']:.0f} µs"

@@ -1,0 +1,12 @@
+-- ledger: no-transaction
+-- 038: 027's index of every app in bundle-ID order is dropped: 037's holds the same order
+-- without the leased rows, which a claim writes, so a claim no longer writes an entry
+-- for the web view's order. Nothing of the old server's reads it (it is this service's
+-- own, since 027).
+--
+-- Safe while the previous release runs: its claims and results never read this index.
+-- Its web view's list, in the deploy window only, orders apps without it (a slower page,
+-- the same answer). CONCURRENTLY waits for the transactions using the table instead of
+-- taking a lock that would stop its reads and writes meanwhile, so it runs outside a
+-- transaction, as the first line says; IF EXISTS makes a second run a no-op.
+DROP INDEX CONCURRENTLY IF EXISTS apps_bundle_id_order;

@@ -1,0 +1,12 @@
+-- 039: apps' pages keep a fifth of their room free (fillfactor 80, from 100). A claim
+-- cannot be a HOT update (it changes the status every queue index is partial on), so its
+-- new row version goes where there is room: on the same page when there is, else on
+-- another page, a second page written and, the first time after a checkpoint, logged
+-- whole. Pages filled from here on (new apps, new row versions placed elsewhere) keep
+-- the room; the pages as they are gain it as their rows move and VACUUM frees the old
+-- versions, so no rewrite is needed (docs/benchmarks.md measures both states).
+--
+-- Safe while the previous release runs: it changes no row, only how full later writes
+-- leave a page. It takes a SHARE UPDATE EXCLUSIVE lock for a moment, which no read or
+-- write waits for (only VACUUM and another such change).
+ALTER TABLE apps SET (fillfactor = 80);
