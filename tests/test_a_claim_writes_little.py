@@ -18,6 +18,7 @@ import pytest
 from kit import ANALYSER, configure_service
 
 from helpers import call_api, gateway_event, insert_app
+from markdown_pages import DOCS, table_column
 
 pytestmark = pytest.mark.private_database  # CREATE EXTENSION pg_walinspect
 
@@ -101,3 +102,22 @@ def test_an_index_that_a_claimed_row_enters_is_caught(database_url, sql, monkeyp
     sql.run("VACUUM apps")
     entries, _ = claim_wal(sql)
     assert entries == {**CLAIM_INDEX_ENTRIES, "apps_by_status": 1}
+
+
+def test_the_adoption_page_names_every_index_on_apps_and_those_a_claim_writes(sql):
+    """docs/adopting.md's table of the indexes on apps names each one the ledger leaves,
+    and says "yes" (a claim writes it) for exactly those a claim enters here."""
+    page = (DOCS / "adopting.md").read_text()
+    heading = "## The indexes on apps, and whose queries they serve"
+    indexes = table_column(page, heading, column=0)
+    writes = table_column(page, heading, column=4)
+    named = {
+        name: written
+        for cell, written in zip(indexes, writes, strict=True)
+        for name in re.findall(r"\bapps_[a-z_]+", cell)
+    }
+    ledger = {
+        name for (name,) in sql.run("SELECT indexname FROM pg_indexes WHERE tablename = 'apps'")
+    }
+    assert set(named) == ledger
+    assert {name for name, written in named.items() if written == "yes"} == set(CLAIM_INDEX_ENTRIES)
