@@ -99,3 +99,28 @@ def test_the_window_docs_web_view_md_gives_is_the_codes():
     page = (handler.HERE / "docs" / "web-view.md").read_text()
     assert f"reads at most {handler.APPS_SEARCH_WINDOW:,} apps" in page
     assert f"reads the next {handler.APPS_SEARCH_WINDOW:,}" in page
+
+
+def test_leased_apps_are_merged_into_the_order_page_by_page(listed, sql, monkeypatch):
+    """A claim writes no index of the list's order (sql/037 leaves leased rows out), so
+    the list reads the leased apps apart and merges them in: every app once, in
+    bundle-ID order, across pages and search windows, whatever each one's state."""
+    for number, status in enumerate(["processing", "queued", "processing", "analysed"] * 3):
+        insert_app(sql, f"com.merge.App{number:02}", status=status)
+    merged = sorted(
+        (a for a in [*APPS, *(f"com.merge.App{n:02}" for n in range(12))]), key=str.lower
+    )
+    monkeypatch.setattr(handler, "APPS_PAGE_SIZE", 2)
+    monkeypatch.setattr(handler, "APPS_SEARCH_WINDOW", 3)
+    for query in ({}, {"has": "."}):
+        listed_ids, after = [], None
+        while True:
+            status, page = listed(**query, **({} if after is None else {"after": after}))
+            assert status == 200, page
+            listed_ids += ids(page)
+            after = page["next"]
+            if after is None:
+                break
+        assert listed_ids == merged, query
+    _, leased = listed(state="processing")
+    assert ids(leased) == ["com.merge.App00", "com.merge.App02"]
