@@ -6,7 +6,7 @@
 -- touched since the last checkpoint, logged whole (a fifth of a claim's WAL,
 -- docs/benchmarks.md). A leased row meets this condition no longer, so a claim writes
 -- nothing here; the web view's list reads the few leased rows through
--- apps_processing_started and merges them in (APPS_IN_BUNDLE_ID_ORDER). 038 then drops
+-- apps_processing_started and merges them in (IN_BUNDLE_ID_ORDER). 038 then drops
 -- 027's index.
 --
 -- Safe while the previous release runs: an index changes no row and no column.

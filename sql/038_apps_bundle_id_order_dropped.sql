@@ -5,8 +5,9 @@
 -- own, since 027).
 --
 -- Safe while the previous release runs: its claims and results never read this index.
--- Its web view's list, in the deploy window only, orders apps without it (a slower page,
--- the same answer). CONCURRENTLY waits for the transactions using the table instead of
+-- Its web view's list orders apps without it, the same answer from a read of the whole
+-- table (about 0.6 s at a million apps, inside the statement timeout): in the deploy
+-- window, and after a rollback until the next deploy. CONCURRENTLY waits for the transactions using the table instead of
 -- taking a lock that would stop its reads and writes meanwhile, so it runs outside a
 -- transaction, as the first line says; IF EXISTS makes a second run a no-op.
 DROP INDEX CONCURRENTLY IF EXISTS apps_bundle_id_order;

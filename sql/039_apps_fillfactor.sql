@@ -4,9 +4,13 @@
 -- another page, a second page written and, the first time after a checkpoint, logged
 -- whole. Pages filled from here on (new apps, new row versions placed elsewhere) keep
 -- the room; the pages as they are gain it as their rows move and VACUUM frees the old
--- versions, so no rewrite is needed (docs/benchmarks.md measures both states).
+-- versions, so no rewrite is needed (docs/benchmarks.md measures both states). The
+-- table grows by up to a quarter as its pages gain that room, and so does a read of all
+-- of it (the overview's count by state).
 --
 -- Safe while the previous release runs: it changes no row, only how full later writes
 -- leave a page. It takes a SHARE UPDATE EXCLUSIVE lock for a moment, which no read or
--- write waits for (only VACUUM and another such change).
+-- write waits for; it waits for a running VACUUM, ANALYZE or CREATE INDEX CONCURRENTLY
+-- (up to the runner's lock timeout, and a failed try is rolled back whole, so the
+-- deploy can simply be run again).
 ALTER TABLE apps SET (fillfactor = 80);

@@ -254,6 +254,49 @@ def test_no_statement_of_the_queue_scans_apps(
     assert scans == {}
 
 
+# The web view's list filters (handler.AppFilter), each planned as apps_page plans them.
+LIST_FILTERS = {
+    "every app": {},
+    "after a page": {"after": "com.example.app02"},
+    "a prefix": {"prefix": "com.example.app1"},
+    "a state": {"state": "queued"},
+    "the leased": {"state": "processing"},
+    "failures of a reason": {"state": "failed", "reason": "app_not_found"},
+}
+
+
+def test_no_page_of_the_apps_list_scans_apps(client, sql, database_url, monkeypatch):
+    """The web view's list and its search inside bundle IDs read apps through indexes
+    with every filter: the rows not leased in bundle-ID order (sql/037, which holds no
+    leased row, so a claim never writes it) or one reason's failures (sql/028), the leased
+    ones through apps_processing_started; planned with the filter's values, as apps_page
+    plans them (handler.PLAN_WITH_VALUES), on statistics (a table the web view reads has
+    them: the upgrade's ANALYZE, autovacuum). The search's window is a hundred apps here:
+    the service's (10,000) is twice this table, whose every row the planner would then
+    rightly read at once to join its matches."""
+    populate(sql)
+    configure_service(monkeypatch, database_url)
+    claim(client)
+    sql.run("ANALYZE apps")
+    scans = {}
+    for title, chosen in LIST_FILTERS.items():
+        where = handler.AppFilter(
+            state=chosen.get("state"), reason=chosen.get("reason"), prefix=chosen.get("prefix", "")
+        )
+        params = {"after": chosen.get("after"), "limit": handler.APPS_PAGE_SIZE + 1}
+        params |= where.params()
+        search = {"scan": 100, "contains": "app"}
+        for kind, statement, extra in (
+            ("page", handler.APPS_PAGE, {}),
+            ("search", handler.APPS_CONTAINING, search),
+        ):
+            lines = service_plan(statement, params | extra, promoter=True)
+            found = [line.strip() for line in lines if "Seq Scan on apps" in line]
+            if found:
+                scans[f"{kind}, {title}"] = found
+    assert scans == {}
+
+
 def run_plan(connection, statement: str, params: dict) -> dict:
     """The statement run under EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) as a prepared
     statement (on the API connection: a generic plan, as the service runs it), in a
