@@ -7591,8 +7591,8 @@ def require_actions(operator: Operator) -> None:
 # leased, in order from apps_bundle_id_order_unleased (sql/037), and the leased ones
 # (status 'processing', apps_processing_started: about one an analyser), sorted. No
 # index holds both: a claim writes the row it leases, and would write an entry into
-# every index that held it. Each read stops at {limit}, so the merge sorts at most two
-# pages' worth.
+# every index that held it. Each read stops at {limit}, and the two are merged in order
+# (PostgreSQL's Merge Append): only the few leased rows are sorted.
 IN_BUNDLE_ID_ORDER = """
 SELECT * FROM (
     (SELECT {columns}
@@ -7626,14 +7626,13 @@ APPS_PAGE = IN_BUNDLE_ID_ORDER.format(
 # entry for every claim to write): a page reads at most :scan apps of the same order, the
 # range after :after and in the prefix, and says where it stopped (scanned_to) when it
 # read them all before it found a page of matches; the next page reads on from there.
+APPS_SCANNED = IN_BUNDLE_ID_ORDER.format(
+    columns='appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason',
+    where=PAGE_STARTS,
+    limit=":scan",
+)
 APPS_CONTAINING = f"""
-WITH scanned AS ({
-    IN_BUNDLE_ID_ORDER.format(
-        columns='appid, lower(appid) COLLATE "C" AS sort_key, status, failure_reason',
-        where=PAGE_STARTS,
-        limit=":scan",
-    )
-}), matched AS (
+WITH scanned AS ({APPS_SCANNED}), matched AS (
     SELECT appid, sort_key FROM scanned
     WHERE strpos(sort_key, :contains) > 0
       AND (CAST(:state AS text) IS NULL OR status = :state)

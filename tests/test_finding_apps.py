@@ -107,9 +107,7 @@ def test_leased_apps_are_merged_into_the_order_page_by_page(listed, sql, monkeyp
     bundle-ID order, across pages and search windows, whatever each one's state."""
     for number, status in enumerate(["processing", "queued", "processing", "analysed"] * 3):
         insert_app(sql, f"com.merge.App{number:02}", status=status)
-    merged = sorted(
-        (a for a in [*APPS, *(f"com.merge.App{n:02}" for n in range(12))]), key=str.lower
-    )
+    merged = sorted([*APPS, *(f"com.merge.App{n:02}" for n in range(12))], key=str.lower)
     monkeypatch.setattr(handler, "APPS_PAGE_SIZE", 2)
     monkeypatch.setattr(handler, "APPS_SEARCH_WINDOW", 3)
     for query in ({}, {"has": "."}):
