@@ -19,12 +19,15 @@ due by time, as a running service keeps them, and the rows' queue state is kept
    WAL, TIMING OFF), which gives the buffers it dirtied and hit; the WAL between the
    checkpoint and the last claim is read back with pg_walinspect, keeping the records of
    this database and their transactions' commits: records, bytes with and without page
-   images, index entries written per index (btree inserts), and the share of HOT updates;
+   images, page images per relation (how many, and their bytes), index entries written
+   per index (btree inserts), and the share of HOT updates;
 3. again from a checkpoint, the same claims without EXPLAIN, the backend's CPU read from
    /proc/<pid>/stat (clock ticks, summed over all the claims): each claim statement alone
    on a bare connection (`statement_cpu_us`), and ours once more from a checkpoint as a
    request makes it, handler.claim_next_app on the API's own connection, promotion
-   included (`cpu_us`, which the target judges).
+   included (`cpu_us`, which the target judges); and the apps ours claimed, again from
+   a checkpoint, each claimed by name (CLAIM_NAMED_APP: a claim's writes and one lookup,
+   no queue head read), the floor of a claim of apps (`named_statement_cpu_us`).
 
 Ends with `name=value target` lines; a missed target makes the exit status 1.
 """
@@ -125,13 +128,20 @@ def wal_counts(sql, start: str, end: str, names: dict[str, str]) -> dict:
     db = str(sql.run("SELECT oid FROM pg_database WHERE datname = current_database()")[0][0])
     records = sql.run(OUR_WAL, start=start, end=end, db=db)
     per_index: dict[str, int] = {}
-    images: dict[str, int] = {}  # page images per relation (and fork, but the main one)
+    # Page images per relation (and fork, but the main one): how many, and their bytes. A
+    # record holding several images (a leaf split's) shares its image bytes among them.
+    images: dict[str, int] = {}
+    image_bytes: dict[str, float] = {}
     updates = hot = 0
-    for manager, kind, _, _, block_ref in records:
-        for node, fork, image in BLOCK_REF.findall(block_ref or ""):
-            if image:
-                name = names.get(node, node) + ("" if fork == "main" else f" ({fork})")
-                images[name] = images.get(name, 0) + 1
+    for manager, kind, _, image_length, block_ref in records:
+        imaged = [
+            names.get(node, node) + ("" if fork == "main" else f" ({fork})")
+            for node, fork, image in BLOCK_REF.findall(block_ref or "")
+            if image
+        ]
+        for name in imaged:
+            images[name] = images.get(name, 0) + 1
+            image_bytes[name] = image_bytes.get(name, 0) + image_length / len(imaged)
         # A row's entry goes in by a leaf insert, or with the split of its leaf (a
         # split's downlink to the parent, INSERT_UPPER, is no row's entry).
         if manager == "Btree" and kind in LEAF_ENTRY_RECORDS:
@@ -148,8 +158,31 @@ def wal_counts(sql, start: str, end: str, names: dict[str, str]) -> dict:
         "images": sum(1 for r in records if r[3]),
         "index_entries": per_index,
         "images_per_relation": images,
+        "image_bytes_per_relation": image_bytes,
         "hot_share": hot / updates if updates else float("nan"),
     }
+
+
+def claim_values(policy) -> dict:
+    """A claim's parameters: a new token, the shared password's claim, the policy."""
+    return {"token": uuid.uuid4(), "analyser": None, **policy.sql_params()}
+
+
+def cpu_per_statement(url: str, text: str, executions: list[list]) -> tuple[float, list]:
+    """The backend's CPU µs per execution of `text`, prepared with a generic plan on a
+    bare connection and executed once with each list of values, and the rows returned."""
+    bare = claims_data.connect(url, "bench-cpu")
+    bare.run("SET plan_cache_mode = force_generic_plan")
+    bare.run(f"PREPARE statement AS {text}")
+    pid = bare.run("SELECT pg_backend_pid()")[0][0]
+    rows = []
+    before = backend_cpu_seconds(pid)
+    for values in executions:
+        arguments = ", ".join(pg8000.native.literal(v) for v in values)
+        rows += bare.run(f"EXECUTE statement({arguments})" if values else "EXECUTE statement")
+    spent = backend_cpu_seconds(pid) - before
+    bare.close()
+    return spent / len(executions) * 1e6, rows
 
 
 def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
@@ -172,8 +205,7 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
     hit = dirtied = made = 0
     for _ in range(claims_count):
         if make_values:
-            params = {"token": uuid.uuid4(), "analyser": None, **policy.sql_params()}
-            values = ", ".join(pg8000.native.literal(v) for v in make_values(params))
+            values = ", ".join(pg8000.native.literal(v) for v in make_values(claim_values(policy)))
             execute = f"EXECUTE claim({values})"
         else:
             execute = "EXECUTE claim"
@@ -192,21 +224,14 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
     # The claim statement alone, as many as the counted run made, on a bare connection
     # with a generic plan (the textbook's one statement is its whole claim).
     fresh_start(sql)
-    bare = claims_data.connect(url, f"bench-{name}")
-    bare.run("SET plan_cache_mode = force_generic_plan")
-    bare.run(f"PREPARE claim AS {text}")
-    pid = bare.run("SELECT pg_backend_pid()")[0][0]
-    before = backend_cpu_seconds(pid)
-    for _ in range(made):
-        if make_values:
-            params = {"token": uuid.uuid4(), "analyser": None, **policy.sql_params()}
-            values = ", ".join(pg8000.native.literal(v) for v in make_values(params))
-            bare.run(f"EXECUTE claim({values})")
-        else:
-            bare.run("EXECUTE claim")
-    statement_cpu_us = (backend_cpu_seconds(pid) - before) / made * 1e6
-    bare.close()
+    if make_values:
+        statement_cpu_us, claimed = cpu_per_statement(
+            url, text, [make_values(claim_values(policy)) for _ in range(made)]
+        )
+    else:
+        statement_cpu_us, claimed = cpu_per_statement(url, text, [[] for _ in range(made)])
     cpu_us = statement_cpu_us
+    found = {}
     if name == "ours":  # and the whole claim, as a request makes it: promotion included
         fresh_start(sql)
         db = handler.api_connection()
@@ -215,6 +240,14 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
         for _ in range(made):
             handler.claim_next_app(db, policy)
         cpu_us = (backend_cpu_seconds(pid) - before) / made * 1e6
+        # The same apps claimed by name (CLAIM_NAMED_APP, `GET /queue?appId=`): a claim's
+        # writes to apps and one lookup by the bundle ID, no queue heads read. What the
+        # write alone costs against the textbook's whole claim.
+        fresh_start(sql)
+        named, make_named = pg8000.native.to_statement(handler.CLAIM_NAMED_APP)
+        found["named_statement_cpu_us"], _ = cpu_per_statement(
+            url, named, [make_named({"appid": a, **claim_values(policy)}) for (a,) in claimed]
+        )
     n = made
     return {
         "claims": made,
@@ -229,9 +262,11 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
         "images_per_relation": {
             k: v / n for k, v in sorted(wal["images_per_relation"].items(), key=lambda kv: -kv[1])
         },
+        "image_bytes_per_relation": {k: v / n for k, v in wal["image_bytes_per_relation"].items()},
         "hot_share": wal["hot_share"],
         "cpu_us": cpu_us,
         "statement_cpu_us": statement_cpu_us,
+        **found,
     }
 
 
@@ -276,8 +311,11 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, dict]:
     sql.close()
     for queue, counts in found.items():
         indexes = ", ".join(f"{k} {v:.2f}" for k, v in counts["per_index"].items())
+        image_bytes = counts["image_bytes_per_relation"]
         images = ", ".join(
-            f"{k} {v:.2f}" for k, v in counts["images_per_relation"].items() if v >= 0.005
+            f"{k} {v:.2f} ({image_bytes[k]:,.0f} B)"
+            for k, v in counts["images_per_relation"].items()
+            if v >= 0.005
         )
         claims.say(
             f"   {queue:<9} {counts['claims']} claims: WAL {counts['wal_bytes']:8.0f} B"
@@ -286,7 +324,12 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, dict]:
             f" dirtied {counts['dirtied']:.2f}, hit {counts['hit']:.1f};"
             f" index entries {counts['index_entries']:.2f} ({indexes});"
             f" HOT {counts['hot_share']:.0%}; CPU {counts['cpu_us']:.0f} µs"
-            f" (the statement alone {counts['statement_cpu_us']:.0f})"
+            f" (the statement alone {counts['statement_cpu_us']:.0f}"
+            + (
+                f"; the same apps claimed by name {counts['named_statement_cpu_us']:.0f})"
+                if "named_statement_cpu_us" in counts
+                else ")"
+            )
         )
     return found
 
@@ -310,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("dirtied", "hit", "index_entries", "hot_share", "cpu_us", "statement_cpu_us"):
         claims.say(f"ours_{key}={ours[key]:.2f} reported")
         claims.say(f"textbook_{key}={textbook[key]:.2f} reported")
+    claims.say(f"ours_named_statement_cpu_us={ours['named_statement_cpu_us']:.2f} reported")
     missed = 0
     for figure, key in (
         ("wal_bytes_vs_textbook", "wal_bytes"),
@@ -321,8 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         missed += not met
         claims.say(f"{figure}={value:.2f} target<={TARGETS[figure]:g} {'met' if met else 'MISSED'}")
     floor = textbook["statement_cpu_us"]  # 0 when the run was shorter than a clock tick
-    alone = ours["statement_cpu_us"] / floor if floor else float("nan")
-    claims.say(f"statement_cpu_vs_textbook={alone:.2f} reported")
+    for key in ("statement_cpu_us", "named_statement_cpu_us"):
+        alone = ours[key] / floor if floor else float("nan")
+        claims.say(f"{key.removesuffix('_us')}_vs_textbook={alone:.2f} reported")
+    # What each relation's page images cost a claim: where the WAL over the textbook's goes.
+    for queue, counts in (("ours", ours), ("textbook", textbook)):
+        for relation, images in counts["images_per_relation"].items():
+            if images >= 0.005:
+                size = counts["image_bytes_per_relation"][relation]
+                claims.say(f"{queue}_image_bytes_{relation}={size:.0f} reported")
     return 1 if missed else 0
 
 

@@ -122,7 +122,12 @@ def test_claim_counts_prints_ours_and_the_textbooks(server_url):
     assert float(found["ours_index_entries"].split()[0]) == 4
     for ratio in ("wal_bytes_vs_textbook", "dirtied_vs_textbook", "cpu_vs_textbook"):
         assert found[ratio].split()[1].startswith("target<="), ratio
-    assert found["statement_cpu_vs_textbook"].split()[1] == "reported"
+    # The floor of a claim's CPU: the same apps claimed by name, no queue head read.
+    assert float(found["ours_named_statement_cpu_us"].split()[0]) >= 0
+    for ratio in ("statement_cpu_vs_textbook", "named_statement_cpu_vs_textbook"):
+        assert found[ratio].split()[1] == "reported", ratio
+    # Where the WAL goes: page-image bytes per relation, the textbook's key among them.
+    assert float(found["textbook_image_bytes_textbook_queue_pkey"].split()[0]) > 0
 
 
 def test_cold_start_prints_init_at_the_templates_cpu_share():
