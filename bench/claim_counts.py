@@ -227,12 +227,8 @@ def measure(handler, sql, url: str, name: str, claims_count: int) -> dict:
     # The claim statement alone, as many as the counted run made, on a bare connection
     # with a generic plan (the textbook's one statement is its whole claim).
     fresh_start(sql)
-    if make_values:
-        statement_cpu_us, claimed = cpu_per_statement(
-            url, text, [make_values(claim_values(policy)) for _ in range(made)]
-        )
-    else:
-        statement_cpu_us, claimed = cpu_per_statement(url, text, [[] for _ in range(made)])
+    executions = [make_values(claim_values(policy)) if make_values else [] for _ in range(made)]
+    statement_cpu_us, claimed = cpu_per_statement(url, text, executions)
     cpu_us = statement_cpu_us
     found = {}
     if name == "ours":  # and the whole claim, as a request makes it: promotion included
@@ -323,6 +319,11 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, dict]:
             for k, v in counts["images_per_relation"].items()
             if v >= 0.005
         )
+        named = (
+            f"; the same apps claimed by name {counts['named_statement_cpu_us']:.0f}"
+            if "named_statement_cpu_us" in counts
+            else ""
+        )
         claims.say(
             f"   {queue:<9} {counts['claims']} claims: WAL {counts['wal_bytes']:8.0f} B"
             f" ({counts['wal_bytes_without_images']:.0f} without page images,"
@@ -330,12 +331,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, dict]:
             f" dirtied {counts['dirtied']:.2f}, hit {counts['hit']:.1f};"
             f" index entries {counts['index_entries']:.2f} ({indexes});"
             f" HOT {counts['hot_share']:.0%}; CPU {counts['cpu_us']:.0f} µs"
-            f" (the statement alone {counts['statement_cpu_us']:.0f}"
-            + (
-                f"; the same apps claimed by name {counts['named_statement_cpu_us']:.0f})"
-                if "named_statement_cpu_us" in counts
-                else ")"
-            )
+            f" (the statement alone {counts['statement_cpu_us']:.0f}{named})"
         )
     return found
 
